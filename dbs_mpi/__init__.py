@@ -1,0 +1,13 @@
+"""dbs-mpi: heterogeneity-aware data-parallel training of PyTorch models over MPI.
+
+Where each idea of the papers lives:
+  allocation.py     batch-size vectors from measured speed; the DBS controller
+  sharding.py       uneven shards with equal step counts; allocation invariance
+  strategies.py     ssgd / static / dbs, weighted or mean aggregation
+  comm.py           sample-weighted gradient allreduce, non-spinning waits, failing together
+  profiling.py      compute / communication / wait times; the start-up benchmark
+  heterogeneity.py  emulated speeds and disturbances
+  results.py        the HDF5 result file
+  train.py          the training loop;  cli.py  the `dbs-mpi` command
+"""
+__version__ = "0.1.0"

@@ -1,0 +1,215 @@
+"""Allocation: how the global batch B is split into local batches b_i.
+
+Pure functions, no MPI. A rank's step time is modelled as
+
+    t_i(b) = a_i + c_i * b          (a_i: fixed cost per step, seconds; c_i = 1/v_i: seconds per sample)
+
+and the allocation equalises t_i over ranks subject to sum_i b_i = B and
+min_local <= b_i <= max_local (heterogeneous gradient computing, RESEARCH.md
+section 1; the affine model of section 7). With a_i = 0 this is the plain
+proportional rule b_i = B * v_i / sum_j v_j of the DBS paper (section 2).
+Continuous solutions are rounded with largest remainders so that sum_i b_i = B exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import UserError
+
+
+class AllocationError(UserError):
+    pass
+
+
+def _bounds(n: int, min_local: int, max_local: int | None):
+    hi = np.full(n, np.inf if not max_local else float(max_local))
+    lo = np.full(n, float(min_local))
+    return lo, hi
+
+
+def round_preserving_sum(x, total: int, lo=None, hi=None) -> np.ndarray:
+    """Integers near x summing to total (largest remainders), within [lo, hi] element-wise.
+
+    x must already satisfy lo <= x <= hi and sum(x) == total (up to rounding)."""
+    x = np.asarray(x, dtype=float)
+    n = len(x)
+    lo = np.zeros(n) if lo is None else np.asarray(lo, dtype=float)
+    hi = np.full(n, np.inf) if hi is None else np.asarray(hi, dtype=float)
+    base = np.clip(np.floor(x + 1e-9), np.ceil(lo), np.floor(hi)).astype(np.int64)
+    short = int(total - base.sum())
+    remainder = x - base
+    # Hand out the missing units to the largest remainders (ties: lower rank first),
+    # never above a rank's bound; take surplus units from the smallest remainders.
+    order = sorted(range(n), key=lambda i: (-remainder[i], i))
+    while short > 0:
+        progressed = False
+        for i in order:
+            if short == 0:
+                break
+            if base[i] + 1 <= hi[i]:
+                base[i] += 1
+                short -= 1
+                progressed = True
+        if not progressed:
+            raise AllocationError(f"cannot place {total} samples within the local batch bounds")
+    while short < 0:
+        progressed = False
+        for i in reversed(order):
+            if short == 0:
+                break
+            if base[i] - 1 >= lo[i]:
+                base[i] -= 1
+                short += 1
+                progressed = True
+        if not progressed:
+            raise AllocationError(f"cannot place {total} samples within the local batch bounds")
+    return base
+
+
+def check_feasible(global_batch: int, n: int, min_local: int = 1, max_local: int | None = None) -> None:
+    if n < 1:
+        raise AllocationError("need at least one rank")
+    if global_batch < 1:
+        raise AllocationError(f"global_batch must be positive; got {global_batch}")
+    if min_local < 0:
+        raise AllocationError(f"min_local_batch must be zero or positive; got {min_local}")
+    if global_batch < n * min_local:
+        raise AllocationError(f"global_batch {global_batch} is smaller than {n} ranks x min_local_batch {min_local}")
+    if max_local and global_batch > n * max_local:
+        raise AllocationError(f"global_batch {global_batch} is larger than {n} ranks x max_local_batch {max_local}")
+
+
+def allocate(global_batch: int, per_sample, overhead=None, min_local: int = 1,
+             max_local: int | None = None) -> np.ndarray:
+    """Local batches that equalise a_i + c_i * b_i (c = per_sample seconds, a = overhead seconds).
+
+    Returns an int64 vector summing to global_batch, each in [min_local, max_local]."""
+    c = np.asarray(per_sample, dtype=float)
+    n = len(c)
+    check_feasible(global_batch, n, min_local, max_local)
+    if not np.all(np.isfinite(c)) or np.any(c <= 0):
+        raise AllocationError(f"per-sample times must be positive and finite; got {c.tolist()}")
+    a = np.zeros(n) if overhead is None else np.asarray(overhead, dtype=float)
+    if len(a) != n or not np.all(np.isfinite(a)) or np.any(a < 0):
+        raise AllocationError(f"overheads must be {n} non-negative finite numbers; got {a.tolist()}")
+    lo, hi = _bounds(n, min_local, max_local)
+
+    def fill(t):  # local batches that finish by time t, within bounds
+        return np.clip((t - a) / c, lo, hi)
+
+    # Bisection on the common step time t: sum(fill(t)) is continuous and non-decreasing.
+    t_lo = float(np.min(a + c * lo))
+    t_hi = float(np.max(a + c * np.minimum(hi, global_batch)))
+    for _ in range(200):
+        t_mid = 0.5 * (t_lo + t_hi)
+        if fill(t_mid).sum() < global_batch:
+            t_lo = t_mid
+        else:
+            t_hi = t_mid
+    x = fill(t_hi)
+    x *= global_batch / x.sum()  # remove the bisection's last sliver before rounding
+    x = np.clip(x, lo, hi)
+    return round_preserving_sum(x, global_batch, lo, hi)
+
+
+def proportional(global_batch: int, weights, min_local: int = 1, max_local: int | None = None) -> np.ndarray:
+    """b_i proportional to weights (speeds), summing to global_batch."""
+    w = np.asarray(weights, dtype=float)
+    if not np.all(np.isfinite(w)) or np.any(w <= 0):
+        raise AllocationError(f"speeds must be positive and finite; got {w.tolist()}")
+    return allocate(global_batch, 1.0 / w, None, min_local, max_local)
+
+
+def equal(global_batch: int, n: int, min_local: int = 1, max_local: int | None = None) -> np.ndarray:
+    """The ssgd baseline: equal local batches (the first B mod n ranks get one more)."""
+    return proportional(global_batch, np.ones(n), min_local, max_local)
+
+
+def split_partial(count: int, batch_sizes) -> np.ndarray:
+    """Split a last, partial global batch of `count` samples in proportion to the vector
+    (a rank may get 0 samples)."""
+    b = np.asarray(batch_sizes, dtype=float)
+    return round_preserving_sum(count * b / b.sum(), count)
+
+
+def step_time(batch_sizes, per_sample, overhead) -> np.ndarray:
+    """Predicted per-rank step time of a vector under the affine model."""
+    return np.asarray(overhead, float) + np.asarray(per_sample, float) * np.asarray(batch_sizes, float)
+
+
+@dataclass
+class SpeedModel:
+    """Per-rank affine step-time model, t_i(b) = overhead[i] + per_sample[i] * b (seconds)."""
+    per_sample: np.ndarray
+    overhead: np.ndarray
+
+    @classmethod
+    def fit(cls, small_batch, small_time, large_batch, large_time, affine: bool = True) -> "SpeedModel":
+        """Two-point fit from a benchmark at two local batch sizes (arrays over ranks).
+        With affine=False the fixed cost is folded into the per-sample time (proportional rule)."""
+        bs, ts = np.asarray(small_batch, float), np.asarray(small_time, float)
+        bl, tl = np.asarray(large_batch, float), np.asarray(large_time, float)
+        if not affine:
+            return cls(per_sample=tl / bl, overhead=np.zeros_like(tl))
+        slope = np.where(bl > bs, (tl - ts) / np.maximum(bl - bs, 1e-12), tl / bl)
+        # Noise can make the slope non-positive or the intercept negative: fall back to
+        # the proportional reading of the larger batch, which is always sensible.
+        bad = (slope <= 0) | (ts - slope * bs < 0)
+        per_sample = np.where(bad, tl / bl, slope)
+        overhead = np.where(bad, 0.0, tl - per_sample * bl)
+        return cls(per_sample=per_sample, overhead=np.maximum(overhead, 0.0))
+
+    def allocate(self, global_batch, min_local=1, max_local=None) -> np.ndarray:
+        return allocate(global_batch, self.per_sample, self.overhead, min_local, max_local)
+
+    def predict(self, batch_sizes) -> np.ndarray:
+        return step_time(batch_sizes, self.per_sample, self.overhead)
+
+
+@dataclass
+class DBSController:
+    """Dynamic batch size: re-plans the vector after every epoch from that epoch's
+    measured compute time.
+
+    Rule (documented in the README):
+      1. For every rank, ratio = measured compute time / time the model predicted
+         for the local batches the rank actually ran.
+      2. If |ratio - 1| >= follow (default 25%), the speed really changed: the
+         rank's model is scaled by ratio at once (followed within one epoch).
+         Otherwise it is noise or drift: the model is scaled by
+         1 + smoothing * (ratio - 1) (an exponential moving average).
+      3. A new vector is computed from the updated model; it replaces the current one
+         only if it lowers the predicted step time (max over ranks) by at least
+         min_gain (default 3%): a dead band, so that noise never makes it oscillate.
+    With model="proportional", smoothing=1, follow=0 and min_gain=0 this is exactly the
+    DBS authors' rule r_i <- (r_i/t_i) / sum_j (r_j/t_j).
+    """
+    model: SpeedModel
+    global_batch: int
+    min_local: int = 1
+    max_local: int | None = None
+    smoothing: float = 0.5
+    follow: float = 0.25
+    min_gain: float = 0.03
+
+    def update(self, current, steps_batches, measured_time) -> tuple[np.ndarray, np.ndarray]:
+        """current: the vector of the epoch; steps_batches: (steps x ranks) local batches
+        actually run; measured_time: (ranks,) compute seconds over those steps.
+        Returns (new vector, ratio measured/predicted per rank)."""
+        steps_batches = np.asarray(steps_batches, float)
+        measured = np.asarray(measured_time, float)
+        predicted = (self.model.overhead * np.count_nonzero(steps_batches, axis=0)
+                     + self.model.per_sample * steps_batches.sum(axis=0))
+        ratio = np.where(predicted > 0, measured / np.maximum(predicted, 1e-12), 1.0)
+        ratio = np.where(np.isfinite(ratio) & (ratio > 0), ratio, 1.0)
+        jump = np.abs(ratio - 1.0) >= self.follow
+        scale = np.where(jump, ratio, 1.0 + self.smoothing * (ratio - 1.0))
+        self.model = SpeedModel(self.model.per_sample * scale, self.model.overhead * scale)
+        candidate = self.model.allocate(self.global_batch, self.min_local, self.max_local)
+        now = self.model.predict(current).max()
+        new = self.model.predict(candidate).max()
+        if new <= now * (1.0 - self.min_gain):
+            return candidate, ratio
+        return np.asarray(current, dtype=np.int64), ratio

@@ -1,0 +1,282 @@
+"""Configuration: one frozen dataclass, loaded from a TOML file, then overridden
+from the command line. Unknown keys and bad values raise ConfigError naming the field.
+
+Every field has a default and a comment with its meaning and units. The whole
+configuration is saved (as JSON) with every result file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+try:  # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - older Pythons on clusters
+    import tomli as tomllib
+
+
+class UserError(Exception):
+    """A mistake of the user's (bad option, missing file): reported in one line, exit 2."""
+
+
+class ConfigError(UserError):
+    pass
+
+
+SYNC_STRATEGIES = ("ssgd", "static", "dbs")
+STRATEGIES = SYNC_STRATEGIES
+AGGREGATIONS = ("weighted", "mean")
+DATASETS = ("fashion-mnist", "mnist", "synthetic")
+MODELS = ("lenet5", "mlp")
+DBS_MODELS = ("affine", "proportional")
+WAIT_POLICIES = ("auto", "spin", "sleep")
+
+
+@dataclass(frozen=True)
+class Config:
+    # --- what to train ---------------------------------------------------------
+    strategy: str = "dbs"            # ssgd (equal local batches) | static (start-up benchmark) | dbs (re-allocated every epoch)
+    aggregation: str = "weighted"    # weighted: sum_i b_i*g_i / B | mean: (1/n) sum_i g_i
+    dataset: str = "fashion-mnist"   # fashion-mnist | mnist | synthetic
+    data_dir: str = ""               # folder holding <dataset>/ files; "" = $DBS_MPI_DATA_DIR, else ./data
+    model: str = "lenet5"            # lenet5 | mlp
+    epochs: int = 3                  # passes over the training set
+    global_batch: int = 512          # B: samples per step, summed over all ranks
+    lr: float = 0.05                 # SGD learning rate
+    momentum: float = 0.9            # SGD momentum
+    weight_decay: float = 0.0        # L2 penalty
+    seed: int = 0                    # seeds model init, data order, disturbances
+    subset: int = 0                  # use only the first N training samples; 0 = all
+    test_subset: int = 0             # evaluate on the first N test samples; 0 = all
+    drop_last: bool = False          # drop the epoch's last partial global batch
+    synthetic_samples: int = 4096    # synthetic dataset: training samples (test: a quarter)
+    synthetic_shape: tuple = (1, 28, 28)  # synthetic dataset: sample shape (C, H, W)
+    synthetic_classes: int = 10      # synthetic dataset: number of classes
+    # --- allocation of the global batch ---------------------------------------
+    min_local_batch: int = 1         # smallest local batch any rank gets (full steps)
+    max_local_batch: int = 0         # largest local batch of any rank (memory bound); 0 = no bound
+    benchmark_steps: int = 5         # start-up benchmark: timed steps at each of two local batch sizes
+    benchmark_warmup: int = 2        # start-up benchmark: untimed steps first
+    dbs_model: str = "affine"        # affine: step time a_i + b/v_i | proportional: b/v_i (the DBS paper's rule)
+    dbs_smoothing: float = 0.5       # weight of a new measurement when it is within dbs_follow of the model
+    dbs_follow: float = 0.25         # relative change of a rank's speed followed at once, unsmoothed
+    dbs_min_gain: float = 0.03       # re-allocate only if the predicted step time falls by this share
+    # --- heterogeneity emulation -----------------------------------------------
+    speeds: tuple = ()               # per-rank speed in (0, 1]: rank i computes 1/speeds[i] times slower; () = all 1
+    slow_rank: int = -1              # disturbance: this rank is slowed ... (-1 = none)
+    slow_factor: float = 1.0         # ... by this factor (compute time x factor) ...
+    slow_epochs: tuple = (0, 0)      # ... in epochs [start, stop)
+    sleep_prob: float = 0.0          # DBS paper's disturbance: per epoch and rank, chance that sleeps start
+    sleep_seconds: tuple = (5.0, 10.0)  # ... extra sleep per epoch, seconds, uniform in [lo, hi]
+    sleep_epochs: tuple = (4, 20)    # ... for this many epochs, uniform in [lo, hi]
+    # --- run-time ----------------------------------------------------------------
+    threads: int = 0                 # torch threads per rank; 0 = cores of the node / ranks on the node
+    wait_policy: str = "auto"        # waiting ranks: sleep | spin | auto (sleep only where a node has more ranks than cores)
+    comm_timeout: float = 600.0      # seconds a rank may wait in one collective before the job is aborted
+    out: str = ""                    # result file (HDF5); "" = results/<strategy>-<date>-<time>.h5
+    progress: bool = True            # progress bar on rank 0 (when stderr is a terminal)
+
+    # ------------------------------------------------------------------------
+    def __post_init__(self):
+        validate(self)
+
+    def replace(self, **changes) -> "Config":
+        return from_dict({**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+FIELDS = {f.name: f for f in fields(Config)}
+_HINTS = typing.get_type_hints(Config)
+
+
+def _fail(name: str, why: str):
+    raise ConfigError(f"{name}: {why}")
+
+
+def _coerce(name: str, value):
+    """Turn a TOML or command-line value into the field's type, or fail naming the field."""
+    kind = _HINTS[name]
+    default = FIELDS[name].default
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        _fail(name, f"expected true or false, got {value!r}")
+    if kind is int:
+        if isinstance(value, bool):
+            _fail(name, f"expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        _fail(name, f"expected an integer, got {value!r}")
+    if kind is float:
+        if isinstance(value, bool):
+            _fail(name, f"expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            out = float(value)
+        else:
+            try:
+                out = float(str(value).strip())
+            except ValueError:
+                _fail(name, f"expected a number, got {value!r}")
+        if not math.isfinite(out):
+            _fail(name, f"expected a finite number, got {value!r}")
+        return out
+    if kind is str:
+        if not isinstance(value, str):
+            _fail(name, f"expected a string, got {value!r}")
+        return value
+    if kind is tuple:
+        elem = type(default[0]) if default else float
+        if isinstance(value, str):
+            value = [v for v in value.replace(" ", "").split(",") if v != ""] if value.strip() else []
+            if name == "synthetic_shape" and len(value) == 1 and "x" in value[0]:
+                value = value[0].split("x")
+        if not isinstance(value, (list, tuple)):
+            _fail(name, f"expected a comma-separated list, got {value!r}")
+        out = []
+        for v in value:
+            try:
+                if elem is int:
+                    if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+                        raise ValueError
+                    out.append(int(v))
+                else:
+                    if isinstance(v, bool):
+                        raise ValueError
+                    x = float(v)
+                    if not math.isfinite(x):
+                        raise ValueError
+                    out.append(x)
+            except (TypeError, ValueError):
+                _fail(name, f"expected a list of {'integers' if elem is int else 'numbers'}, got {value!r}")
+        return tuple(out)
+    raise AssertionError(f"no coercion for {name}")  # pragma: no cover
+
+
+def validate(c: Config) -> None:
+    """Checks that do not depend on the number of ranks or on files."""
+    def choice(name, options):
+        if getattr(c, name) not in options:
+            _fail(name, f"must be one of {', '.join(options)}; got {getattr(c, name)!r}")
+
+    def positive(name):
+        if getattr(c, name) <= 0:
+            _fail(name, f"must be positive; got {getattr(c, name)!r}")
+
+    def non_negative(name):
+        if getattr(c, name) < 0:
+            _fail(name, f"must be zero or positive; got {getattr(c, name)!r}")
+
+    for name in FIELDS:  # types first: a frozen dataclass built by hand gets no coercion
+        value = getattr(c, name)
+        kind = _HINTS[name]
+        ok = (isinstance(value, kind) and not (kind is int and isinstance(value, bool))) or (
+            kind is float and isinstance(value, int) and not isinstance(value, bool))
+        if not ok:
+            _fail(name, f"expected {kind.__name__}, got {value!r}")
+    choice("strategy", STRATEGIES)
+    choice("aggregation", AGGREGATIONS)
+    choice("dataset", DATASETS)
+    choice("model", MODELS)
+    choice("dbs_model", DBS_MODELS)
+    choice("wait_policy", WAIT_POLICIES)
+    for name in ("epochs", "global_batch", "synthetic_samples", "synthetic_classes", "benchmark_steps",
+                 "comm_timeout", "slow_factor"):
+        positive(name)
+    for name in ("lr", "momentum", "weight_decay", "subset", "test_subset", "max_local_batch",
+                 "benchmark_warmup", "threads", "sleep_prob", "dbs_min_gain"):
+        non_negative(name)
+    if c.min_local_batch < 1:
+        _fail("min_local_batch", f"must be at least 1; got {c.min_local_batch}")
+    if c.max_local_batch and c.max_local_batch < c.min_local_batch:
+        _fail("max_local_batch", f"must be 0 (no bound) or at least min_local_batch={c.min_local_batch}")
+    if not 0 < c.dbs_smoothing <= 1:
+        _fail("dbs_smoothing", f"must be in (0, 1]; got {c.dbs_smoothing}")
+    if c.dbs_follow < 0:
+        _fail("dbs_follow", f"must be zero or positive; got {c.dbs_follow}")
+    if c.sleep_prob > 1:
+        _fail("sleep_prob", f"must be in [0, 1]; got {c.sleep_prob}")
+    for s in c.speeds:
+        if not 0 < s <= 1e6:
+            _fail("speeds", f"every speed must be positive; got {s}")
+    if len(c.synthetic_shape) != 3 or min(c.synthetic_shape) < 1:
+        _fail("synthetic_shape", f"must be three positive integers C,H,W; got {c.synthetic_shape}")
+    for name in ("slow_epochs", "sleep_seconds", "sleep_epochs"):
+        pair = getattr(c, name)
+        if len(pair) != 2 or pair[0] < 0 or pair[1] < pair[0]:
+            _fail(name, f"must be two numbers lo,hi with 0 <= lo <= hi; got {pair}")
+
+
+def check_world(c: Config, world_size: int) -> None:
+    """Checks that depend on the number of ranks."""
+    if c.speeds and len(c.speeds) != world_size:
+        _fail("speeds", f"has {len(c.speeds)} values but there are {world_size} ranks")
+    if c.global_batch < world_size * c.min_local_batch:
+        _fail("global_batch", f"{c.global_batch} is smaller than ranks x min_local_batch = "
+                              f"{world_size} x {c.min_local_batch}")
+    if c.max_local_batch and c.global_batch > world_size * c.max_local_batch:
+        _fail("global_batch", f"{c.global_batch} is larger than ranks x max_local_batch = "
+                              f"{world_size} x {c.max_local_batch}")
+    if c.slow_rank >= world_size:
+        _fail("slow_rank", f"is {c.slow_rank} but ranks are 0..{world_size - 1}")
+
+
+def from_dict(values: dict) -> Config:
+    unknown = sorted(set(values) - set(FIELDS))
+    if unknown:
+        _fail(unknown[0], f"unknown configuration key (known: {', '.join(FIELDS)})")
+    return Config(**{k: _coerce(k, v) for k, v in values.items()})
+
+
+def load_toml(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config: no such file {str(path)!r}") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config: cannot read {str(path)!r}: {exc}") from None
+    flat = {}
+    for key, value in data.items():  # allow [sections] for grouping; keys stay flat
+        if isinstance(value, dict):
+            flat.update({k.replace("-", "_"): v for k, v in value.items()})
+        else:
+            flat[key.replace("-", "_")] = value
+    return flat
+
+
+def load(config_file: str | None = None, overrides: dict | None = None) -> Config:
+    """File values, then overrides (command line); every value validated."""
+    values = load_toml(config_file) if config_file else {}
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return from_dict(values)
+
+
+def describe() -> list[tuple[str, object, str]]:
+    """(name, default, comment) for every field, for the CLI's help and the docs."""
+    import inspect
+    import re
+    comments = {}
+    for line in inspect.getsource(Config).splitlines():
+        m = re.match(r"\s+(\w+): [\w.]+ = .*?#\s*(.*)$", line)
+        if m:
+            comments[m.group(1)] = m.group(2)
+    return [(f.name, f.default, comments.get(f.name, "")) for f in fields(Config)]

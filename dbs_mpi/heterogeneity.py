@@ -1,0 +1,85 @@
+"""Heterogeneity emulation: make a homogeneous machine behave like a heterogeneous cluster.
+
+Speeds are relative: they are divided by the largest, so `--speeds 4,2,1` and
+`--speeds 1,0.5,0.25` are the same and the fastest rank runs at the machine's own
+speed. A rank with relative speed s (0 < s <= 1) behaves as if its device were s times as fast: after
+it computed a step in c seconds it sleeps c * (1/s - 1) more, so its compute time is
+c / s. Sleeping, not spinning, leaves the core to other ranks. Disturbances:
+
+* slow-down: rank `slow_rank` is `slow_factor` times slower in epochs [start, stop);
+* random sleeps (the DBS paper's "irrelevant tasks"): at every epoch, each rank that
+  is not disturbed yet starts, with probability `sleep_prob`, a disturbance lasting
+  `sleep_epochs` (uniform) epochs, during which it sleeps `sleep_seconds` (uniform)
+  extra seconds per epoch, spread evenly over that epoch's steps.
+
+Real heterogeneity (a busy core, a slower node) is measured the same way and needs none
+of this. No MPI here: the draws are seeded by (seed, rank), so runs are reproducible.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+def precise_sleep(seconds: float) -> None:
+    """time.sleep, finishing the last fraction of a millisecond by yielding."""
+    if seconds <= 0:
+        return
+    end = time.perf_counter() + seconds
+    if seconds > 2e-3:
+        time.sleep(seconds - 1e-3)
+    while time.perf_counter() < end:
+        time.sleep(0)
+
+
+class Emulator:
+    def __init__(self, rank: int, speed: float = 1.0, *, seed: int = 0, slow_rank: int = -1,
+                 slow_factor: float = 1.0, slow_epochs=(0, 0), sleep_prob: float = 0.0,
+                 sleep_seconds=(5.0, 10.0), sleep_epochs=(4, 20)):
+        if speed <= 0:
+            raise ValueError(f"speed must be positive, got {speed}")
+        self.rank = rank
+        self.speed = speed
+        self.slow_factor = slow_factor if slow_rank == rank else 1.0
+        self.slow_epochs = tuple(slow_epochs)
+        self.sleep_prob = sleep_prob
+        self.sleep_seconds = tuple(sleep_seconds)
+        self.sleep_epochs = tuple(sleep_epochs)
+        self.rng = np.random.default_rng([seed, rank, 0x5EED])
+        self.disturbed_until = -1      # last epoch (exclusive) of the current random-sleep disturbance
+        self.epoch_sleep = 0.0         # extra seconds to sleep over this epoch
+        self.step_sleep = 0.0          # ... per step
+        self.factor = 1.0 / speed      # compute-time multiplier in this epoch
+
+    @classmethod
+    def from_config(cls, cfg, rank: int) -> "Emulator":
+        speed = cfg.speeds[rank] / max(cfg.speeds) if cfg.speeds else 1.0
+        return cls(rank, speed, seed=cfg.seed, slow_rank=cfg.slow_rank, slow_factor=cfg.slow_factor,
+                   slow_epochs=cfg.slow_epochs, sleep_prob=cfg.sleep_prob, sleep_seconds=cfg.sleep_seconds,
+                   sleep_epochs=cfg.sleep_epochs)
+
+    @property
+    def active(self) -> bool:
+        return self.factor != 1.0 or self.step_sleep > 0
+
+    def start_epoch(self, epoch: int, steps: int) -> None:
+        lo, hi = self.slow_epochs
+        slowed = lo <= epoch < hi
+        self.factor = (self.slow_factor if slowed else 1.0) / self.speed
+        # One draw per epoch, whatever happens, so the stream does not depend on history.
+        u, length, extra = self.rng.random(), self.rng.integers(self.sleep_epochs[0], self.sleep_epochs[1] + 1), \
+            self.rng.uniform(*self.sleep_seconds)
+        if epoch >= self.disturbed_until and self.sleep_prob > 0 and u < self.sleep_prob:
+            self.disturbed_until = epoch + int(length)
+        self.epoch_sleep = float(extra) if epoch < self.disturbed_until else 0.0
+        self.step_sleep = self.epoch_sleep / max(steps, 1)
+
+    def stretch(self, compute_seconds: float) -> float:
+        """Sleep so that a step that computed for compute_seconds took as long as on the
+        emulated device; returns the seconds slept."""
+        extra = compute_seconds * (self.factor - 1.0) + self.step_sleep
+        if extra > 0:
+            precise_sleep(extra)
+            return extra
+        return 0.0

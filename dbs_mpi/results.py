@@ -1,0 +1,155 @@
+"""Results: one HDF5 file per run, written by rank 0 only, flushed after every epoch.
+
+Schema (see also README.md, "Result files"):
+
+root attributes
+  status           "running" while training, then "complete" or "failed"
+  config           JSON of the whole configuration
+  strategy, aggregation, dataset, model (str); world_size, num_parameters (int)
+  hostnames        host of every rank (list of str, rank order)
+  versions         JSON: python, torch, mpi4py, numpy, h5py, dbs_mpi, mpi_library
+  git_revision     commit of the code that ran ("unknown" outside a git checkout)
+  command          the command line;  created  ISO time the run started
+  oversubscribed   true if some node ran more ranks than it has cores
+groups / datasets (float64 unless said; E epochs, R ranks, S steps in all)
+  startup/local_batch      (2,) int    local batches of the start-up benchmark
+  startup/step_time        (R, 2)      seconds per step at those local batches
+  startup/batch_sizes      (R,) int    vector chosen from the benchmark
+  epoch/train_loss         (E,)        mean training loss over the epoch's samples
+  epoch/test_loss          (E,)        mean test loss;  epoch/test_accuracy (E,) in [0, 1]
+  epoch/duration           (E,)        wall seconds of the epoch's training (no evaluation)
+  epoch/eval_time          (E,)        wall seconds of the evaluation after it
+  epoch/batch_sizes        (E, R) int  local batch of every rank (full steps)
+  epoch/compute_time       (E, R)      seconds of forward, backward, emulation and update
+  epoch/comm_time          (E, R)      seconds moving gradients
+  epoch/wait_time          (E, R)      seconds idle in collectives, waiting for other ranks
+  epoch/data_time          (E, R)      seconds indexing local batches
+  epoch/speed              (E, R)      samples per second of pre-collective compute
+  epoch/steps              (E,) int    steps of the epoch (the same on every rank)
+  step/loss                (S,)        global mean loss of each step
+  step/epoch               (S,) int    epoch of each step
+  step/compute_time, step/comm_time, step/wait_time   (S, R)
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .config import UserError
+
+STATUS_RUNNING, STATUS_COMPLETE, STATUS_FAILED = "running", "complete", "failed"
+
+
+def versions(mpi_library: str = "") -> dict:
+    import h5py
+    import mpi4py
+    import torch
+
+    from . import __version__
+    return {"python": platform.python_version(), "torch": torch.__version__, "mpi4py": mpi4py.__version__,
+            "numpy": np.__version__, "h5py": h5py.__version__, "dbs_mpi": __version__, "mpi_library": mpi_library}
+
+
+def git_revision() -> str:
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5)
+        if out.returncode == 0:
+            dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=5).stdout.strip()
+            return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+def default_path(strategy: str) -> Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("results") / f"{strategy}-{stamp}.h5"
+
+
+class RunWriter:
+    """Appends a run's records to its HDF5 file; every call leaves the file readable."""
+
+    def __init__(self, path, attrs: dict, world_size: int):
+        import h5py
+        self.path = Path(path)
+        if self.path.exists():
+            raise UserError(f"out: {self.path} exists already; choose another --out or remove it")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = h5py.File(self.path, "w")
+        except OSError as exc:
+            raise UserError(f"out: cannot write {self.path} ({exc})") from None
+        self.world_size = world_size
+        f = self.file
+        for key, value in attrs.items():
+            f.attrs[key] = value
+        f.attrs["status"] = STATUS_RUNNING
+        f.attrs["command"] = " ".join(sys.argv)
+        f.attrs["created"] = datetime.datetime.now().isoformat(timespec="seconds")
+        f.attrs["git_revision"] = git_revision()
+        f.flush()
+
+    def _append(self, name: str, rows, dtype=np.float64) -> None:
+        rows = np.asarray(rows, dtype=dtype)
+        if name not in self.file:
+            self.file.create_dataset(name, data=rows, maxshape=(None, *rows.shape[1:]), chunks=True)
+            return
+        ds = self.file[name]
+        n = ds.shape[0]
+        ds.resize(n + rows.shape[0], axis=0)
+        ds[n:] = rows
+
+    def write(self, name: str, data) -> None:
+        self.file.create_dataset(name, data=np.asarray(data))
+
+    def append_epoch(self, epoch: dict, steps: dict) -> None:
+        """epoch: name -> value or per-rank vector for one epoch; steps: name -> per-step rows."""
+        for name, value in epoch.items():
+            value = np.asarray(value)
+            self._append(f"epoch/{name}", value[None], value.dtype if value.dtype.kind in "iu" else np.float64)
+        for name, rows in steps.items():
+            rows = np.asarray(rows)
+            self._append(f"step/{name}", rows, rows.dtype if rows.dtype.kind in "iu" else np.float64)
+        self.file.flush()
+
+    def set_attrs(self, **attrs) -> None:
+        for key, value in attrs.items():
+            self.file.attrs[key] = value
+        self.file.flush()
+
+    def close(self, status: str) -> None:
+        if self.file.id.valid:
+            self.file.attrs["status"] = status
+            self.file.flush()
+            self.file.close()
+
+
+class NullWriter:
+    """What ranks other than 0 hold: every call does nothing."""
+    path = None
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def read_run(path) -> dict:
+    """A run's attributes and datasets as plain Python/numpy objects (for tests and analysis)."""
+    import h5py
+    out = {"attrs": {}, "data": {}}
+    with h5py.File(path, "r") as f:
+        for key, value in f.attrs.items():
+            out["attrs"][key] = value.decode() if isinstance(value, bytes) else value
+        f.visititems(lambda name, obj: out["data"].__setitem__(name, obj[()]) if hasattr(obj, "shape") else None)
+    if "config" in out["attrs"]:
+        out["config"] = json.loads(out["attrs"]["config"])
+    return out
