@@ -42,11 +42,15 @@ endif
 data:
 	bash scripts/get-data.sh $(DATA_DIR)
 
-test: test-serial test-np2 test-np4
+test: test-serial test-np1 test-np2 test-np4
 
 # Unit tests, and tests that launch mpirun themselves (error propagation, CLI).
 test-serial:
 	DBS_MPI_MPIEXEC=$(MPIEXEC) timeout $(TEST_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider tests
+
+# The MPI tests at one rank, without mpirun (the 1-rank path needs no launcher).
+test-np1:
+	timeout $(TEST_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider --with-mpi -m mpi tests
 
 # The MPI tests (pytest-mpi) at NP ranks; rank 0 reports, other ranks speak on failure.
 test-np%:

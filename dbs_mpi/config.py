@@ -28,10 +28,12 @@ class ConfigError(UserError):
 
 
 SYNC_STRATEGIES = ("ssgd", "static", "dbs")
-STRATEGIES = SYNC_STRATEGIES
+ASYNC_STRATEGIES = ("asgd", "nsoftsync", "dbs-sgd")   # parameter_server.py
+STRATEGIES = SYNC_STRATEGIES + ASYNC_STRATEGIES
 AGGREGATIONS = ("weighted", "mean")
-DATASETS = ("fashion-mnist", "mnist", "synthetic")
-MODELS = ("lenet5", "mlp")
+DATASETS = ("fashion-mnist", "mnist", "cifar10", "synthetic")
+MODELS = ("lenet5", "mlp", "resnet20", "cifar-cnn")
+NORMS = ("group", "batch")
 DBS_MODELS = ("affine", "proportional")
 WAIT_POLICIES = ("auto", "spin", "sleep")
 
@@ -39,11 +41,13 @@ WAIT_POLICIES = ("auto", "spin", "sleep")
 @dataclass(frozen=True)
 class Config:
     # --- what to train ---------------------------------------------------------
-    strategy: str = "dbs"            # ssgd (equal local batches) | static (start-up benchmark) | dbs (re-allocated every epoch)
+    strategy: str = "dbs"            # ssgd (equal local batches) | static (start-up benchmark) | dbs (re-allocated every epoch) | asgd | nsoftsync | dbs-sgd (parameter server)
     aggregation: str = "weighted"    # weighted: sum_i b_i*g_i / B | mean: (1/n) sum_i g_i
     dataset: str = "fashion-mnist"   # fashion-mnist | mnist | synthetic
     data_dir: str = ""               # folder holding <dataset>/ files; "" = $DBS_MPI_DATA_DIR, else ./data
-    model: str = "lenet5"            # lenet5 | mlp
+    model: str = "lenet5"            # lenet5 | mlp | resnet20 | cifar-cnn
+    norm: str = "group"              # resnet20's normalisation: group (consistent across uneven local batches) | batch
+    augment: bool = False            # cifar10 training only: random crop (padding 4) and horizontal flip, seeded
     epochs: int = 3                  # passes over the training set
     global_batch: int = 512          # B: samples per step, summed over all ranks
     lr: float = 0.05                 # SGD learning rate
@@ -65,6 +69,9 @@ class Config:
     dbs_smoothing: float = 0.5       # weight of a new measurement when it is within dbs_follow of the model
     dbs_follow: float = 0.25         # relative change of a rank's speed followed at once, unsmoothed
     dbs_min_gain: float = 0.03       # re-allocate only if the predicted step time falls by this share
+    # --- asynchronous strategies (parameter server: rank 0 serves, the others work) ---
+    softsync_n: int = 1              # nsoftsync: the server applies after floor(workers / n) gradients
+    staleness_lr: bool = False       # scale the learning rate by 1/staleness (alpha0 where staleness is 0)
     # --- heterogeneity emulation -----------------------------------------------
     speeds: tuple = ()               # per-rank speed in (0, 1]: rank i computes 1/speeds[i] times slower; () = all 1
     slow_rank: int = -1              # disturbance: this rank is slowed ... (-1 = none)
@@ -195,9 +202,10 @@ def validate(c: Config) -> None:
     choice("aggregation", AGGREGATIONS)
     choice("dataset", DATASETS)
     choice("model", MODELS)
+    choice("norm", NORMS)
     choice("dbs_model", DBS_MODELS)
     choice("wait_policy", WAIT_POLICIES)
-    for name in ("epochs", "global_batch", "synthetic_samples", "synthetic_classes", "benchmark_steps",
+    for name in ("epochs", "global_batch", "softsync_n", "synthetic_samples", "synthetic_classes", "benchmark_steps",
                  "comm_timeout", "slow_factor"):
         positive(name)
     for name in ("lr", "momentum", "weight_decay", "subset", "test_subset", "max_local_batch",

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from . import allocation, comm as mpi, sharding
-from .config import Config, UserError, check_world
+from .config import ASYNC_STRATEGIES, Config, UserError, check_world
 from .data import Dataset, load_dataset
 from .heterogeneity import Emulator
 from .models import build_model, num_parameters
@@ -109,9 +109,13 @@ def train(comm, cfg: Config, out: str | None = None, log=None) -> RunSummary:
                  oversubscribed=oversubscribed, sleep_while_waiting=mpi.sleep_while_waiting(cfg.wait_policy, hosts))
     writer = mpi.agree(comm, lambda: RunWriter(out, attrs, world) if rank == 0 else NullWriter())
     summary = RunSummary(path=out if rank == 0 else None, model=model)
+    if cfg.strategy in ASYNC_STRATEGIES:
+        from .parameter_server import train_async as run
+    else:
+        run = _train_epochs
     try:
-        _train_epochs(comm, cfg, model, train_set, test_set, emulator, writer, summary, log,
-                      mpi.sleep_while_waiting(cfg.wait_policy, hosts))
+        run(comm, cfg, model, train_set, test_set, emulator, writer, summary, log,
+            mpi.sleep_while_waiting(cfg.wait_policy, hosts))
     except BaseException:
         writer.close(STATUS_FAILED)
         raise

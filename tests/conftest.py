@@ -1,0 +1,46 @@
+"""Shared fixtures. MPI tests use pytest-mpi (`@pytest.mark.mpi(min_size=...)`) and run
+under `mpirun -n K python tests/mpi_pytest.py --with-mpi -m mpi tests` at K = 2 and 4;
+the other tests run in one plain process (some launch mpirun themselves)."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+def mpiexec() -> str:
+    """The mpirun to launch with: $DBS_MPI_MPIEXEC, else the venv's, else PATH's."""
+    env = os.environ.get("DBS_MPI_MPIEXEC")
+    if env:
+        return env
+    local = VENV_BIN / "mpirun"
+    return str(local) if local.exists() else (shutil.which("mpirun") or "mpirun")
+
+
+def dbs_mpi_cmd():
+    return [sys.executable, "-m", "dbs_mpi"]
+
+
+def run_cli(args, ranks=1, timeout=120, cwd=None, env=None):
+    """Run `dbs-mpi ARGS` (under mpirun if ranks > 1); returns CompletedProcess.
+    A hang fails the test through the timeout instead of blocking the suite."""
+    cmd = ([mpiexec(), "-n", str(ranks)] if ranks > 1 else []) + dbs_mpi_cmd() + list(args)
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT, env=full_env)
+
+
+@pytest.fixture
+def comm():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+@pytest.fixture
+def shared_tmp(comm, tmp_path):
+    """A temporary folder that every rank of COMM_WORLD agrees on (rank 0's)."""
+    return Path(comm.bcast(str(tmp_path), root=0))

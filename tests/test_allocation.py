@@ -1,0 +1,129 @@
+"""Allocation: pure functions, no MPI."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dbs_mpi import allocation
+from dbs_mpi.allocation import AllocationError, DBSController, SpeedModel
+
+
+@given(B=st.integers(1, 5000), speeds=st.lists(st.floats(0.01, 100), min_size=1, max_size=16),
+       min_local=st.integers(0, 8), max_local=st.integers(0, 2000))
+@settings(max_examples=300, deadline=None)
+def test_proportional_sums_and_bounds(B, speeds, min_local, max_local):
+    n = len(speeds)
+    feasible = B >= n * min_local and (max_local == 0 or B <= n * max_local) and (max_local == 0 or max_local >= min_local)
+    if not feasible:
+        with pytest.raises(AllocationError):
+            allocation.proportional(B, speeds, min_local, max_local or None)
+        return
+    b = allocation.proportional(B, speeds, min_local, max_local or None)
+    assert b.dtype == np.int64 and b.sum() == B
+    assert b.min() >= min_local
+    if max_local:
+        assert b.max() <= max_local
+
+
+def test_proportional_is_proportional():
+    assert allocation.proportional(512, [1, 0.25]).tolist() == [410, 102]
+    assert allocation.proportional(100, [3, 1]).tolist() == [75, 25]
+    assert allocation.proportional(10, [1, 1, 1]).tolist() == [4, 3, 3]  # largest remainders, ties to low rank
+    assert allocation.equal(97, 3).tolist() == [33, 32, 32]
+
+
+def test_minimum_and_maximum_are_respected():
+    b = allocation.proportional(97, [1, 0.3, 0.001], min_local=5)
+    assert b.sum() == 97 and b[2] == 5
+    b = allocation.proportional(100, [10, 1], max_local=60)
+    assert b.tolist() == [60, 40]
+
+
+@pytest.mark.parametrize("args", [
+    dict(global_batch=2, weights=[1, 1, 1]),                 # fewer samples than ranks
+    dict(global_batch=0, weights=[1]),                        # zero batch
+    dict(global_batch=-5, weights=[1]),                       # negative batch
+    dict(global_batch=10, weights=[1, 0]),                    # zero speed
+    dict(global_batch=10, weights=[1, -1]),                   # negative speed
+    dict(global_batch=10, weights=[1, float("nan")]),         # nonsense speed
+    dict(global_batch=100, weights=[1, 1], max_local=40),     # cannot fit under the maximum
+])
+def test_impossible_inputs_are_rejected(args):
+    with pytest.raises(AllocationError):
+        allocation.proportional(**args)
+
+
+def test_affine_model_equalises_step_time():
+    # rank 1 is 4x slower in everything, fixed cost 0.7 ms, 0.11 ms per sample (RESEARCH.md s.7)
+    c = np.array([0.11e-3, 0.44e-3])
+    a = np.array([0.7e-3, 2.8e-3])
+    b = allocation.allocate(128, c, a)
+    t = a + c * b
+    assert b.sum() == 128
+    assert abs(t[0] - t[1]) <= c.max() + 1e-12           # equal within one sample's time
+    # the proportional rule gives the slow rank more and is slower at this small batch
+    p = allocation.proportional(128, 1 / c)
+    assert (a + c * p).max() > t.max()
+
+
+def test_fit_recovers_affine_model_and_survives_noise():
+    m = SpeedModel.fit([32, 32], [0.7e-3 + 32 * 0.11e-3, 4 * (0.7e-3 + 32 * 0.11e-3)],
+                       [128, 128], [0.7e-3 + 128 * 0.11e-3, 4 * (0.7e-3 + 128 * 0.11e-3)])
+    np.testing.assert_allclose(m.per_sample, [0.11e-3, 0.44e-3])
+    np.testing.assert_allclose(m.overhead, [0.7e-3, 2.8e-3], atol=1e-12)
+    # a noisy benchmark where the small batch was slower than the large one
+    m = SpeedModel.fit([32], [0.02], [128], [0.01])
+    assert m.per_sample[0] > 0 and m.overhead[0] == 0
+    m = SpeedModel.fit([32], [0.001], [128], [0.01], affine=False)
+    assert m.overhead[0] == 0 and m.per_sample[0] == pytest.approx(0.01 / 128)
+
+
+def _controller(speeds, B=512, **kw):
+    model = SpeedModel(per_sample=1.0 / np.asarray(speeds, float), overhead=np.zeros(len(speeds)))
+    return DBSController(model=model, global_batch=B, **kw)
+
+
+def _measure(vector, true_speeds, steps=10, noise=None):
+    t = steps * np.asarray(vector, float) / np.asarray(true_speeds, float)
+    return t if noise is None else t * noise
+
+
+def test_dbs_ignores_noise():
+    ctl = _controller([1000, 500])
+    vector = ctl.model.allocate(512)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        new, _ = ctl.update(vector, np.tile(vector, (10, 1)), _measure(vector, [1000, 500], noise=rng.uniform(0.97, 1.03, 2)))
+        assert new.tolist() == vector.tolist()   # +-3% noise never moves the vector
+        vector = new
+
+
+def test_dbs_follows_a_real_change_within_one_epoch():
+    ctl = _controller([1000, 1000])
+    vector = ctl.model.allocate(512)
+    assert vector.tolist() == [256, 256]
+    # rank 1 becomes 3x slower
+    new, ratio = ctl.update(vector, np.tile(vector, (10, 1)), _measure(vector, [1000, 1000 / 3]))
+    assert ratio[1] == pytest.approx(3.0)
+    assert new.tolist() == allocation.proportional(512, [3, 1]).tolist()
+    # and comes back when the disturbance ends
+    back, _ = ctl.update(new, np.tile(new, (10, 1)), _measure(new, [1000, 1000]))
+    assert back.tolist() == [256, 256]
+
+
+def test_dbs_paper_rule_is_the_special_case():
+    # model=proportional, smoothing=1, follow=0, min_gain=0: r_i <- (r_i/t_i) / sum_j(r_j/t_j)
+    ctl = _controller([1, 1, 1], B=300, smoothing=1.0, follow=0.0, min_gain=0.0)
+    vector = np.array([100, 100, 100])
+    t = np.array([1.0, 2.0, 4.0])
+    new, _ = ctl.update(vector, np.tile(vector, (1, 1)), t)
+    r = (vector / t) / (vector / t).sum()
+    assert new.tolist() == allocation.round_preserving_sum(300 * r, 300).tolist()
+
+
+def test_split_partial_and_rounding():
+    assert allocation.split_partial(5, [410, 102]).tolist() == [4, 1]
+    assert allocation.split_partial(1, [1, 1, 1]).tolist() == [1, 0, 0]
+    assert allocation.split_partial(0, [3, 3]).tolist() == [0, 0]
+    x = allocation.round_preserving_sum([0.5, 0.5, 2.0], 3)
+    assert x.sum() == 3

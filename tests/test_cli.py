@@ -1,0 +1,146 @@
+"""The `dbs-mpi` command end to end: launched as users launch it (mpirun or not), with
+good and bad input. Each launch is bounded in time, so a hang fails the test."""
+import gzip
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import h5py
+import pytest
+
+from conftest import ROOT, mpiexec, run_cli
+from dbs_mpi.results import read_run
+
+TINY = ["--dataset", "synthetic", "--synthetic-samples", "256", "--epochs", "1", "--global-batch", "32",
+        "--benchmark-steps", "1", "--benchmark-warmup", "0"]
+
+
+def error_lines(proc):
+    return [line for line in proc.stderr.splitlines() if line.startswith("dbs-mpi: error:")]
+
+
+def test_one_rank_without_mpirun(tmp_path):
+    out = tmp_path / "one.h5"
+    proc = run_cli(["train", *TINY, "--epochs", "2", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr
+    assert "final: train loss" in proc.stdout and f"results: {out}" in proc.stdout
+    run = read_run(out)
+    assert run["attrs"]["status"] == "complete" and run["attrs"]["world_size"] == 1
+    assert run["data"]["epoch/train_loss"].shape == (2,)
+    assert run["config"]["global_batch"] == 32
+
+
+def test_two_ranks_with_speeds_write_one_complete_file(tmp_path):
+    out = tmp_path / "two.h5"
+    proc = run_cli(["train", *TINY, "--speeds", "1,0.25", "--strategy", "static", "--out", str(out)], ranks=2)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("final: train loss") == 1          # summary from rank 0 only
+    run = read_run(out)
+    attrs, data = run["attrs"], run["data"]
+    assert attrs["status"] == "complete" and attrs["world_size"] == 2 and attrs["strategy"] == "static"
+    assert len(attrs["hostnames"]) == 2 and attrs["num_parameters"] == 61706
+    for key in ("compute_time", "comm_time", "wait_time", "batch_sizes"):
+        assert data[f"epoch/{key}"].shape == (1, 2)
+    b = data["epoch/batch_sizes"][0]
+    assert b.sum() == 32 and b[0] > b[1]
+
+
+@pytest.mark.parametrize("args, ranks, message", [
+    (["--speeds", "1"], 2, "speeds: has 1 values but there are 2 ranks"),
+    (["--speeds", "1,0"], 2, "speeds: every speed must be positive"),
+    (["--global-batch", "1"], 2, "global_batch: 1 is smaller than ranks"),
+    (["--global-batch", "0"], 2, "global_batch: must be positive"),
+    (["--no-such-option", "3"], 2, "unrecognized arguments: --no-such-option"),
+    (["--strategy", "turbo"], 1, "strategy: must be one of"),
+])
+def test_bad_input_one_line_every_rank_exits(tmp_path, args, ranks, message):
+    out = tmp_path / "bad.h5"
+    start = time.monotonic()
+    proc = run_cli(["train", *TINY, "--out", str(out), *args], ranks=ranks, timeout=60)
+    assert time.monotonic() - start < 30
+    assert proc.returncode == 2, proc.stderr
+    lines = error_lines(proc)
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
+def _fashion_files(folder, count=64):
+    folder.mkdir(parents=True)
+    import numpy as np
+    rng = np.random.default_rng(0)
+    for stem, n in (("train", count), ("t10k", count // 4)):
+        images = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
+        labels = rng.integers(0, 10, n, dtype=np.uint8)
+        (folder / f"{stem}-images-idx3-ubyte.gz").write_bytes(
+            gzip.compress(b"\0\0\x08\x03" + n.to_bytes(4, "big") + (28).to_bytes(4, "big") * 2 + images.tobytes()))
+        (folder / f"{stem}-labels-idx1-ubyte.gz").write_bytes(
+            gzip.compress(b"\0\0\x08\x01" + n.to_bytes(4, "big") + labels.tobytes()))
+
+
+def test_missing_and_truncated_dataset(tmp_path):
+    base = ["train", "--dataset", "mnist", "--epochs", "1", "--global-batch", "16", "--data-dir", str(tmp_path)]
+    proc = run_cli([*base, "--out", str(tmp_path / "a.h5")], ranks=2, timeout=60)
+    assert proc.returncode == 2 and len(error_lines(proc)) == 1
+    assert "mnist/train-images-idx3-ubyte.gz: missing" in error_lines(proc)[0]
+    _fashion_files(tmp_path / "mnist")
+    good = run_cli([*base, "--out", str(tmp_path / "good.h5")], ranks=2, timeout=60)
+    assert good.returncode == 0, good.stderr
+    victim = tmp_path / "mnist" / "train-images-idx3-ubyte.gz"
+    victim.write_bytes(victim.read_bytes()[:200])
+    proc = run_cli([*base, "--out", str(tmp_path / "b.h5")], ranks=2, timeout=60)
+    assert proc.returncode == 2 and len(error_lines(proc)) == 1
+    assert str(victim) in error_lines(proc)[0] and "truncated" in error_lines(proc)[0]
+    assert not (tmp_path / "b.h5").exists()
+
+
+def test_unwritable_output(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    proc = run_cli(["train", *TINY, "--out", str(blocker / "x.h5")], ranks=2, timeout=60)
+    assert proc.returncode == 2 and len(error_lines(proc)) == 1 and "out: cannot write" in error_lines(proc)[0]
+    existing = tmp_path / "done.h5"
+    existing.write_bytes(b"precious")
+    proc = run_cli(["train", *TINY, "--out", str(existing)], ranks=2, timeout=60)
+    assert proc.returncode == 2 and "exists already" in error_lines(proc)[0]
+    assert existing.read_bytes() == b"precious"                # nothing already written is lost
+
+
+CRASH = textwrap.dedent("""
+    import sys, time
+    import numpy as np, torch
+    from mpi4py import MPI
+    from dbs_mpi import comm as mpi
+    from dbs_mpi.models import LeNet5
+    comm = MPI.COMM_WORLD
+    mpi.abort_on_uncaught(comm)
+    exchange = mpi.GradientExchange(comm, LeNet5().parameters(), timeout=60)
+    for step in range(1000):
+        if comm.Get_rank() == comm.Get_size() - 1 and step == 3:
+            raise RuntimeError("injected failure on the last rank")
+        exchange.allreduce(1.0, 0.0)     # the other ranks wait here for the failed one
+        time.sleep(0.01)
+""")
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_exception_on_one_rank_ends_all_ranks(tmp_path, ranks):
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH)
+    start = time.monotonic()
+    proc = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable, str(script)], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert elapsed < 30, f"took {elapsed:.1f} s"
+    assert proc.stderr.count("RuntimeError: injected failure on the last rank") == 1, proc.stderr
+
+
+def test_info_and_usage():
+    proc = run_cli(["info"], ranks=2, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "MPI library:" in proc.stdout and "ranks:         2" in proc.stdout
+    proc = run_cli(["frobnicate"], timeout=30)
+    assert proc.returncode == 2 and "unknown command" in proc.stderr

@@ -1,0 +1,90 @@
+"""Configuration parsing and validation: pure, no MPI."""
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dbs_mpi import config
+from dbs_mpi.cli import parse_train_args
+from dbs_mpi.config import Config, ConfigError, UserError
+
+
+def test_defaults_are_valid_and_round_trip():
+    c = Config()
+    assert config.from_dict(json.loads(c.to_json())) == c
+
+
+def test_toml_then_command_line(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('strategy = "static"\nglobal_batch = 128\nspeeds = [1, 0.5]\n[model_section]\nlr = 0.1\n')
+    c = parse_train_args(["--config", str(f), "--global-batch", "64", "--speeds", "1,0.25"])
+    assert (c.strategy, c.global_batch, c.speeds, c.lr) == ("static", 64, (1.0, 0.25), 0.1)
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--global-batch", "0"], "global_batch"),
+    (["--global-batch", "-3"], "global_batch"),
+    (["--global-batch", "1.5"], "global_batch"),
+    (["--speeds", "1,0"], "speeds"),
+    (["--speeds", "1,-0.5"], "speeds"),
+    (["--speeds", "1,fast"], "speeds"),
+    (["--strategy", "fastest"], "strategy"),
+    (["--epochs", "0"], "epochs"),
+    (["--lr", "nan"], "lr"),
+    (["--progress", "maybe"], "progress"),
+    (["--dbs-smoothing", "0"], "dbs_smoothing"),
+    (["--synthetic-shape", "3,32"], "synthetic_shape"),
+])
+def test_bad_values_name_the_field(argv, field):
+    with pytest.raises(ConfigError, match=f"^{field}: "):
+        parse_train_args(argv)
+
+
+def test_unknown_option_and_key(tmp_path):
+    with pytest.raises(UserError, match="--no-such-option"):
+        parse_train_args(["--no-such-option", "1"])
+    f = tmp_path / "bad.toml"
+    f.write_text("global_bach = 3\n")
+    with pytest.raises(ConfigError, match="^global_bach: unknown configuration key"):
+        parse_train_args(["--config", str(f)])
+    with pytest.raises(ConfigError, match="no such file"):
+        parse_train_args(["--config", str(tmp_path / "missing.toml")])
+    f.write_text("global_batch = [\n")
+    with pytest.raises(ConfigError, match="cannot read"):
+        parse_train_args(["--config", str(f)])
+
+
+def test_world_dependent_checks():
+    with pytest.raises(ConfigError, match="^speeds: has 2 values but there are 3 ranks"):
+        config.check_world(Config(speeds=(1.0, 0.5)), 3)
+    with pytest.raises(ConfigError, match="^global_batch: 2 is smaller"):
+        config.check_world(Config(global_batch=2), 3)
+    config.check_world(Config(global_batch=3, speeds=(1.0, 1.0, 0.1)), 3)
+
+
+def test_frozen_and_typed():
+    with pytest.raises(Exception):
+        Config().epochs = 3
+    with pytest.raises(ConfigError, match="^epochs: expected int"):
+        Config(epochs="3")
+
+
+def test_every_field_has_a_comment():
+    assert all(comment for _, _, comment in config.describe())
+
+
+_values = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),
+                    st.text(max_size=12), st.lists(st.floats(-2, 2), max_size=4))
+
+
+@given(st.dictionaries(st.sampled_from(sorted(config.FIELDS) + ["bogus"]), _values, max_size=6))
+@settings(max_examples=400, deadline=None)
+def test_random_values_give_a_config_or_a_config_error(values):
+    values = {k: v for k, v in values.items() if v is not None}
+    try:
+        c = config.from_dict(values)
+    except ConfigError as exc:
+        assert str(exc).split(":")[0] in config.FIELDS or str(exc).startswith("bogus")
+    else:
+        config.validate(c)

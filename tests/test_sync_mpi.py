@@ -1,0 +1,132 @@
+"""Synchronous data parallelism under MPI (pytest-mpi). Every test holds for any number
+of ranks: run with `mpirun -n K python tests/mpi_pytest.py --with-mpi -m mpi tests`."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+from dbs_mpi import allocation, sharding
+from dbs_mpi.comm import GradientExchange
+from dbs_mpi.config import Config
+from dbs_mpi.data import load_synthetic
+from dbs_mpi.models import LeNet5
+from dbs_mpi.results import read_run
+from dbs_mpi.train import train
+
+SPEEDS = [1.0, 0.5, 0.2, 0.07, 0.3, 0.6, 0.9, 0.15]
+
+
+def speeds_for(n):
+    return tuple(SPEEDS[i % len(SPEEDS)] for i in range(n))
+
+
+def quiet(msg):
+    pass
+
+
+def small_config(n, **kw):
+    base = dict(dataset="synthetic", synthetic_samples=600, test_subset=100, model="lenet5", epochs=1,
+                global_batch=60, lr=0.05, momentum=0.9, seed=3, speeds=(), benchmark_steps=1, benchmark_warmup=0,
+                progress=False)
+    base.update(kw)
+    return Config(**base)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("aggregation", ["weighted", "mean"])
+def test_weighted_allreduce_is_the_union_batch_gradient(comm, aggregation):
+    n, rank = comm.Get_size(), comm.Get_rank()
+    torch.manual_seed(0)
+    model = LeNet5()
+    data = load_synthetic("train", 97, (1, 28, 28), 10, seed=1)
+    vector = allocation.proportional(97, speeds_for(n))
+    start = int(vector[:rank].sum())
+    exchange = GradientExchange(comm, model.parameters())
+    x, y = data.x[start:start + vector[rank]], data.y[start:start + vector[rank]]
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    weight = vector[rank] / 97 if aggregation == "weighted" else 1 / n
+    global_loss = exchange.allreduce(weight, loss.item() * vector[rank] / 97)
+    got = exchange.flat[:-1].clone()
+
+    reference = LeNet5()
+    reference.load_state_dict(model.state_dict())
+    full_loss = F.cross_entropy(reference(data.x), data.y)
+    full_loss.backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    assert global_loss == pytest.approx(full_loss.item(), rel=1e-5)
+    if aggregation == "weighted" or len(set(vector.tolist())) == 1:
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+    else:  # plain averaging over uneven local batches is not the union-batch gradient
+        assert (got - expected).abs().max() > 1e-4
+
+
+def _final_parameters(comm, cfg, out):
+    summary = train(comm, cfg, out=str(out), log=quiet)
+    return torch.cat([p.detach().reshape(-1) for p in summary.model.parameters()]), summary
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("strategy", ["static", "dbs"])
+def test_allocation_invariance(comm, shared_tmp, strategy):
+    """Weighted aggregation: k steps on n ranks with uneven local batches give the same
+    model as 1 rank with the same global batch (up to float rounding)."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    cfg = small_config(n, strategy=strategy, speeds=speeds_for(n), epochs=1)
+    many, summary = _final_parameters(comm, cfg, shared_tmp / f"inv-{strategy}-{n}.h5")
+    single_cfg = cfg.replace(speeds=())
+    single, _ = _final_parameters(MPI.COMM_SELF, single_cfg, shared_tmp / f"inv-{strategy}-1-{rank}.h5")
+    if n > 1:
+        assert len(set(summary.epochs[0]["batch_sizes"].tolist())) > 1, "the vector should be uneven"
+    torch.testing.assert_close(many, single, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mean_aggregation_differs_with_uneven_batches(comm, shared_tmp):
+    n = comm.Get_size()
+    cfg = small_config(n, strategy="static", speeds=speeds_for(n), aggregation="mean")
+    many, summary = _final_parameters(comm, cfg, shared_tmp / f"mean-{n}.h5")
+    single, _ = _final_parameters(MPI.COMM_SELF, cfg.replace(speeds=(), aggregation="weighted"),
+                                  shared_tmp / f"mean-1-{comm.Get_rank()}.h5")
+    assert (many - single).abs().max() > 1e-4
+
+
+@pytest.mark.mpi(min_size=1)
+def test_equal_step_counts_for_awkward_sizes(comm, shared_tmp):
+    n = comm.Get_size()
+    cfg = small_config(n, strategy="dbs", synthetic_samples=1000, global_batch=97, speeds=speeds_for(n), epochs=2,
+                       dbs_min_gain=0.0)
+    out = shared_tmp / f"awkward-{n}.h5"
+    _, summary = _final_parameters(comm, cfg, out)
+    assert [int(e["steps"]) for e in summary.epochs] == [sharding.steps_per_epoch(1000, 97)] * 2 == [11, 11]
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        run = read_run(out)
+        assert run["attrs"]["status"] == "complete"
+        assert run["data"]["epoch/batch_sizes"].sum(axis=1).tolist() == [97, 97]
+        assert len(run["data"]["step/loss"]) == 22
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ssgd_splits_equally_and_static_follows_speed(comm, shared_tmp):
+    n = comm.Get_size()
+    ssgd = train(comm, small_config(n, strategy="ssgd", speeds=speeds_for(n)), out=str(shared_tmp / "ssgd.h5"),
+                 log=quiet)
+    assert ssgd.epochs[0]["batch_sizes"].tolist() == allocation.equal(60, n).tolist()
+    static = train(comm, small_config(n, strategy="static", speeds=speeds_for(n), benchmark_steps=3,
+                                      global_batch=240, synthetic_samples=480),
+                   out=str(shared_tmp / "static.h5"), log=quiet)
+    b = static.epochs[0]["batch_sizes"]
+    assert b[0] > b[1], f"rank 0 (speed 1) should get more than rank 1 (speed 0.5): {b.tolist()}"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_dbs_follows_a_slowdown(comm, shared_tmp):
+    """Rank 0 becomes 4x slower from epoch 1: DBS moves samples away from it at once."""
+    n = comm.Get_size()
+    cfg = small_config(n, strategy="dbs", epochs=3, global_batch=128, synthetic_samples=1280,
+                       slow_rank=0, slow_factor=4.0, slow_epochs=(1, 3), benchmark_steps=3)
+    summary = train(comm, cfg, out=str(shared_tmp / "slow.h5"), log=quiet)
+    b = [e["batch_sizes"] for e in summary.epochs]
+    assert b[2][0] < b[1][0] * 0.6, f"rank 0's local batch should drop after the slowdown: {[x.tolist() for x in b]}"
