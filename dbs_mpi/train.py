@@ -30,6 +30,7 @@ class RunSummary:
     path: str | None
     epochs: list = field(default_factory=list)   # one dict per epoch (rank 0's view of everything)
     model: torch.nn.Module | None = None
+    oversubscribed: bool = False                  # some node ran more ranks than it has cores
 
 
 def configure_threads(comm, cfg: Config) -> int:
@@ -108,7 +109,7 @@ def train(comm, cfg: Config, out: str | None = None, log=None) -> RunSummary:
                  versions=__import__("json").dumps(versions(mpi.mpi_library())), torch_threads=threads,
                  oversubscribed=oversubscribed, sleep_while_waiting=mpi.sleep_while_waiting(cfg.wait_policy, hosts))
     writer = mpi.agree(comm, lambda: RunWriter(out, attrs, world) if rank == 0 else NullWriter())
-    summary = RunSummary(path=out if rank == 0 else None, model=model)
+    summary = RunSummary(path=out if rank == 0 else None, model=model, oversubscribed=oversubscribed)
     if cfg.strategy in ASYNC_STRATEGIES:
         from .parameter_server import train_async as run
     else:
@@ -204,7 +205,9 @@ def format_summary(summary: RunSummary, cfg: Config, world: int) -> str:
     last = summary.epochs[-1]
     lines = [f"run: {cfg.strategy} / {cfg.aggregation}, {cfg.model} on {cfg.dataset}, {world} rank(s), "
              f"global batch {cfg.global_batch}"
-             + (f", speeds {','.join(f'{s:g}' for s in cfg.speeds)}" if cfg.speeds else ""),
+             + (f", speeds {','.join(f'{s:g}' for s in cfg.speeds)}" if cfg.speeds else "")
+             + (" [oversubscribed: more ranks than cores, times are shared-core times]"
+                if summary.oversubscribed else ""),
              "epoch times (s): " + " ".join(f"{e['duration']:.2f}" for e in summary.epochs)
              + f"   total {sum(e['duration'] for e in summary.epochs):.2f}",
              f"final: train loss {last['train_loss']:.4f}, test loss {last['test_loss']:.4f}, "
