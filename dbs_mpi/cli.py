@@ -28,6 +28,9 @@ def _train_parser(prog="dbs-mpi train") -> argparse.ArgumentParser:
                                        "in the --config TOML file (same name, underscores).",
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.add_argument("--config", metavar="FILE", help="TOML configuration file (command-line options override it)")
+    p.add_argument("--resume", metavar="RESULT.h5", help="continue the stopped run whose result file this is, "
+                   "from its checkpoint (RESULT.h5.ckpt), with its configuration; options given here "
+                   f"may change only: {', '.join(RESUME_MAY_CHANGE)}")
     for name, default, comment in config_mod.describe():
         flag = "--" + name.replace("_", "-")
         meta = name.upper()
@@ -40,22 +43,63 @@ def _train_parser(prog="dbs-mpi train") -> argparse.ArgumentParser:
     return p
 
 
+# Fields a resumed run may set differently from the checkpoint's configuration.
+RESUME_MAY_CHANGE = ("epochs", "data_dir", "comm_timeout", "wait_policy", "threads", "progress",
+                     "checkpoint_every", "out", "checkpoint")
+
+
 def parse_train_args(argv) -> config_mod.Config:
     args = vars(_train_parser().parse_args(argv))
+    if args.pop("resume"):
+        raise UserError("--resume: use load_train_config, which reads the checkpoint")
     config_file = args.pop("config")
     return config_mod.load(config_file, args)
 
 
+def load_train_config(argv, rank: int):
+    """(config, checkpoint state or None, result path or None). With --resume, rank 0
+    reads the checkpoint (the caller broadcasts it); the configuration is the
+    checkpoint's, and options given may change only RESUME_MAY_CHANGE."""
+    args = vars(_train_parser().parse_args(argv))
+    resume, config_file = args.pop("resume"), args.pop("config")
+    if not resume:
+        return config_mod.load(config_file, args), None, None
+    from . import checkpoint
+    given = config_mod.load_toml(config_file) if config_file else {}
+    given.update({k: v for k, v in args.items() if v is not None})
+    ckpt_path = given.get("checkpoint") or str(checkpoint.default_path(resume))
+    if rank != 0:
+        return None, None, resume
+    state = checkpoint.load(ckpt_path)
+    base = config_mod.from_dict(state["config"])
+    cfg = config_mod.from_dict({**state["config"], **given})
+    for name in config_mod.FIELDS:
+        if name not in RESUME_MAY_CHANGE and getattr(cfg, name) != getattr(base, name):
+            raise UserError(f"{name}: {getattr(cfg, name)!r} differs from the checkpoint's "
+                            f"{getattr(base, name)!r}; a resumed run keeps its configuration")
+    if cfg.epochs < state["epoch"]:
+        raise UserError(f"epochs: {cfg.epochs} is fewer than the {state['epoch']} epochs already done")
+    return cfg, state, resume
+
+
 def cmd_train(comm, argv) -> int:
     from . import comm as mpi
-    from .results import STATUS_FAILED
     from .train import format_summary, train
 
-    cfg = mpi.agree(comm, parse_train_args, argv)
-    summary = train(comm, cfg)
+    cfg, state, resume = mpi.agree(comm, load_train_config, argv, comm.Get_rank())
+    if resume:
+        cfg, state = comm.bcast((cfg, state), root=0)
+        mpi.agree(comm, _check_world_size, state, comm.Get_size())
+    summary = train(comm, cfg, out=resume, checkpoint_state=state)
     if comm.Get_rank() == 0:
         print(format_summary(summary, cfg, comm.Get_size()), flush=True)
     return 0
+
+
+def _check_world_size(state, world_size):
+    if state["world_size"] != world_size:
+        raise UserError(f"resume: the checkpoint was written by {state['world_size']} ranks; resume with "
+                        f"mpirun -n {state['world_size']} (its RNG states and timings are per rank)")
 
 
 def cmd_info(comm, argv) -> int:

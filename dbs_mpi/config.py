@@ -84,6 +84,8 @@ class Config:
     threads: int = 0                 # torch threads per rank; 0 = cores of the node / ranks on the node
     wait_policy: str = "auto"        # waiting ranks: sleep | spin | auto (sleep only where a node has more ranks than cores)
     comm_timeout: float = 600.0      # seconds a rank may wait in one collective before the job is aborted
+    checkpoint_every: int = 1       # write a checkpoint every N epochs (and on SIGTERM/SIGUSR1); 0 = only on signals
+    checkpoint: str = ""             # checkpoint file; "" = <out>.ckpt
     out: str = ""                    # result file (HDF5); "" = results/<strategy>-<date>-<time>.h5
     progress: bool = True            # progress bar on rank 0 (when stderr is a terminal)
 
@@ -209,7 +211,7 @@ def validate(c: Config) -> None:
                  "comm_timeout", "slow_factor"):
         positive(name)
     for name in ("lr", "momentum", "weight_decay", "subset", "test_subset", "max_local_batch",
-                 "benchmark_warmup", "threads", "sleep_prob", "dbs_min_gain"):
+                 "benchmark_warmup", "threads", "checkpoint_every", "sleep_prob", "dbs_min_gain"):
         non_negative(name)
     if c.min_local_batch < 1:
         _fail("min_local_batch", f"must be at least 1; got {c.min_local_batch}")

@@ -41,6 +41,15 @@ class StepTimes:
         self.table[:, step] = (data, pre + update, collective, update)
         self.pre[step] = pre
 
+    def snapshot(self, steps: int) -> dict:
+        """The first `steps` columns, for a checkpoint taken in the middle of an epoch."""
+        return {"table": self.table[:, :steps].copy(), "pre": self.pre[:steps].copy()}
+
+    def restore(self, snap: dict) -> None:
+        k = snap["pre"].shape[0]
+        self.table[:, :k] = snap["table"]
+        self.pre[:k] = snap["pre"]
+
     def as_array(self) -> np.ndarray:
         """(5, steps): data, compute, collective, update, pre-collective compute."""
         return np.vstack([self.table, self.pre[None]])

@@ -3,7 +3,9 @@
 Schema (see also README.md, "Result files"):
 
 root attributes
-  status           "running" while training, then "complete" or "failed"
+  status           "running" while training, then "complete" or "failed", or
+                   "interrupted" (stopped by SIGTERM/SIGUSR1 with a checkpoint; resumable)
+  resumed          ISO times at which the run was resumed (absent if never)
   config           JSON of the whole configuration
   strategy, aggregation, dataset, model (str); world_size, num_parameters (int)
   hostnames        host of every rank (list of str, rank order)
@@ -45,6 +47,7 @@ import numpy as np
 from .config import UserError
 
 STATUS_RUNNING, STATUS_COMPLETE, STATUS_FAILED = "running", "complete", "failed"
+STATUS_INTERRUPTED = "interrupted"   # stopped on request with a checkpoint: `dbs-mpi train --resume FILE`
 
 
 def versions(mpi_library: str = "") -> dict:
@@ -98,6 +101,34 @@ class RunWriter:
         f.attrs["created"] = datetime.datetime.now().isoformat(timespec="seconds")
         f.attrs["git_revision"] = git_revision()
         f.flush()
+
+    @classmethod
+    def reopen(cls, path, attrs: dict, world_size: int, epochs: int, steps: int) -> "RunWriter":
+        """Continue a stopped run's file: rows past the checkpoint (`epochs` epochs,
+        `steps` steps) are dropped, so no epoch is duplicated or missing."""
+        import h5py
+        self = cls.__new__(cls)
+        self.path = Path(path)
+        self.world_size = world_size
+        try:
+            self.file = h5py.File(self.path, "a")
+        except OSError as exc:
+            raise UserError(f"resume: cannot open {self.path} ({exc})") from None
+        f = self.file
+        if int(f.attrs.get("world_size", -1)) != world_size:
+            raise UserError(f"resume: {self.path} was written by {f.attrs.get('world_size')} ranks, not {world_size}")
+        for group, keep in (("epoch", epochs), ("step", steps)):
+            for name in list(f.get(group, {})):
+                ds = f[f"{group}/{name}"]
+                if ds.shape[0] > keep:
+                    ds.resize(keep, axis=0)
+        resumed = list(f.attrs.get("resumed", [])) + [datetime.datetime.now().isoformat(timespec="seconds")]
+        for key, value in attrs.items():
+            f.attrs[key] = value
+        f.attrs["resumed"] = resumed
+        f.attrs["status"] = STATUS_RUNNING
+        f.flush()
+        return self
 
     def _append(self, name: str, rows, dtype=np.float64) -> None:
         rows = np.asarray(rows, dtype=dtype)

@@ -53,6 +53,13 @@ class SyncStrategy:
         share = local_loss * local_batch / float(np.sum(step_batch_sizes))
         return self.exchange.allreduce(self.weight(local_batch, step_batch_sizes), share)
 
+    def state_dict(self) -> dict:
+        """What a checkpoint needs to continue with the same vector (and controller)."""
+        return {"batch_sizes": self.batch_sizes.copy()}
+
+    def load_state(self, state: dict) -> None:
+        self.batch_sizes = np.asarray(state["batch_sizes"], dtype=np.int64)
+
     def end_epoch(self, step_batch_sizes, pre_compute) -> dict:
         """Called on every rank with the same arguments (gathered timings). May change
         self.batch_sizes for the next epoch. Returns diagnostics for the results."""
@@ -82,6 +89,13 @@ class DBS(Static):
             model=speed_model, global_batch=cfg.global_batch, min_local=cfg.min_local_batch,
             max_local=self.max_local, smoothing=cfg.dbs_smoothing, follow=cfg.dbs_follow,
             min_gain=cfg.dbs_min_gain)
+
+    def state_dict(self):
+        return {**super().state_dict(), "controller_model": self.controller.model}
+
+    def load_state(self, state):
+        super().load_state(state)
+        self.controller.model = state["controller_model"]
 
     def end_epoch(self, step_batch_sizes, pre_compute):
         new, ratio = self.controller.update(self.batch_sizes, step_batch_sizes, pre_compute)

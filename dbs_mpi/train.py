@@ -7,6 +7,7 @@ point passes COMM_WORLD.
 """
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -15,13 +16,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import allocation, comm as mpi, sharding
+from . import allocation, checkpoint, comm as mpi, sharding
+from .checkpoint import EXIT_STOPPED, StopRequest
 from .config import ASYNC_STRATEGIES, Config, UserError, check_world
 from .data import Dataset, load_dataset
 from .heterogeneity import Emulator
 from .models import build_model, num_parameters
 from .profiling import StepTimes, benchmark_speed, split_wait
-from .results import STATUS_COMPLETE, STATUS_FAILED, NullWriter, RunWriter, default_path, versions
+from .results import STATUS_COMPLETE, STATUS_FAILED, STATUS_INTERRUPTED, NullWriter, RunWriter, default_path, versions
 from .strategies import make_strategy
 
 
@@ -90,8 +92,12 @@ def startup_benchmark(comm, cfg, model, train_set, emulator) -> tuple[allocation
     return fit, np.array([small, large]), times
 
 
-def train(comm, cfg: Config, out: str | None = None, log=None) -> RunSummary:
-    """Train cfg's model on all ranks of comm; rank 0 writes the HDF5 result file."""
+def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state: dict | None = None) -> RunSummary:
+    """Train cfg's model on all ranks of comm; rank 0 writes the HDF5 result file.
+
+    checkpoint_state (from checkpoint.load, on every rank) continues a stopped run:
+    the result file `out` is continued, not rewritten. Raises SystemExit(EXIT_STOPPED)
+    on every rank after a stop request (SIGTERM/SIGUSR1) was checkpointed."""
     rank, world = comm.Get_rank(), comm.Get_size()
     log = log or (lambda msg: print(msg, flush=True) if rank == 0 else None)
     out = out or cfg.out or str(default_path(cfg.strategy))
@@ -103,71 +109,152 @@ def train(comm, cfg: Config, out: str | None = None, log=None) -> RunSummary:
     emulator = Emulator.from_config(cfg, rank)
     hosts = mpi.hostnames(comm)
     oversubscribed = mpi.oversubscribed(hosts)
+    sleep_wait = mpi.sleep_while_waiting(cfg.wait_policy, hosts)
 
     attrs = dict(config=cfg.to_json(), strategy=cfg.strategy, aggregation=cfg.aggregation, dataset=cfg.dataset,
                  model=cfg.model, world_size=world, num_parameters=num_parameters(model), hostnames=hosts,
-                 versions=__import__("json").dumps(versions(mpi.mpi_library())), torch_threads=threads,
-                 oversubscribed=oversubscribed, sleep_while_waiting=mpi.sleep_while_waiting(cfg.wait_policy, hosts))
-    writer = mpi.agree(comm, lambda: RunWriter(out, attrs, world) if rank == 0 else NullWriter())
-    summary = RunSummary(path=out if rank == 0 else None, model=model, oversubscribed=oversubscribed)
-    if cfg.strategy in ASYNC_STRATEGIES:
-        from .parameter_server import train_async as run
-    else:
-        run = _train_epochs
-    try:
-        run(comm, cfg, model, train_set, test_set, emulator, writer, summary, log,
-            mpi.sleep_while_waiting(cfg.wait_policy, hosts))
-    except BaseException:
-        writer.close(STATUS_FAILED)
-        raise
-    writer.close(STATUS_COMPLETE)
+                 versions=json.dumps(versions(mpi.mpi_library())), torch_threads=threads,
+                 oversubscribed=oversubscribed, sleep_while_waiting=sleep_wait)
+    # Stop requests are honoured from here on: before the result file exists on rank 0,
+    # every rank has its handlers (the file is created inside a collective).
+    with StopRequest(comm, cfg.comm_timeout) as stop:
+        if checkpoint_state is None:
+            writer = mpi.agree(comm, lambda: RunWriter(out, attrs, world) if rank == 0 else NullWriter())
+        else:
+            done = checkpoint_state["records"]
+            writer = mpi.agree(comm, lambda: RunWriter.reopen(out, attrs, world, done["epochs"], done["steps"])
+                               if rank == 0 else NullWriter())
+        summary = RunSummary(path=out if rank == 0 else None, model=model, oversubscribed=oversubscribed)
+        if cfg.strategy in ASYNC_STRATEGIES:
+            from .parameter_server import train_async as run
+        else:
+            run = SyncTrainer(comm, cfg, out, stop, checkpoint_state).run
+        status = STATUS_FAILED
+        try:
+            run(comm, cfg, model, train_set, test_set, emulator, writer, summary, log, sleep_wait)
+            status = STATUS_COMPLETE
+        except Stopped:
+            status = STATUS_INTERRUPTED
+            raise SystemExit(EXIT_STOPPED)
+        finally:
+            writer.close(status)
     return summary
 
 
-def _train_epochs(comm, cfg, model, train_set, test_set, emulator, writer, summary, log, sleep_wait):
-    rank, world = comm.Get_rank(), comm.Get_size()
-    speed_model, bench_batches, bench_times = startup_benchmark(comm, cfg, model, train_set, emulator)
-    strategy = make_strategy(comm, model.parameters(), cfg, speed_model, sleep_wait)
-    writer.write("startup/local_batch", bench_batches)
-    writer.write("startup/step_time", bench_times)
-    writer.write("startup/batch_sizes", strategy.batch_sizes)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                                weight_decay=cfg.weight_decay)
-    n = len(train_set)
-    progress = _progress_bar(rank, cfg)
-    for epoch in range(cfg.epochs):
-        vector = strategy.batch_sizes.copy()
-        table = sharding.step_batch_sizes(n, cfg.global_batch, vector, cfg.drop_last)
-        shard = sharding.epoch_shard(n, epoch, cfg.seed, cfg.global_batch, vector, rank, cfg.drop_last)
-        steps = len(shard)
-        emulator.start_epoch(epoch, steps)
-        times = StepTimes(steps)
-        losses = np.zeros(steps)
-        bar = progress(steps, epoch)
-        epoch_start = time.perf_counter()
-        for s, idx in enumerate(shard):
-            t0 = time.perf_counter()
-            x, y = train_set.x[idx], train_set.y[idx]
-            t1 = time.perf_counter()
-            strategy.zero_grad()
-            local_loss = 0.0
-            if len(idx):
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-                local_loss = loss.item()
-            emulator.stretch(time.perf_counter() - t1)
-            t2 = time.perf_counter()
-            losses[s] = strategy.reduce(local_loss, len(idx), table[s])
-            t3 = time.perf_counter()
-            optimizer.step()
-            t4 = time.perf_counter()
-            times.record(s, t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+class Stopped(Exception):
+    """Raised on every rank after a stop request was checkpointed."""
+
+
+class SyncTrainer:
+    """The synchronous strategies' loop, with checkpoints at epoch ends and on request."""
+
+    def __init__(self, comm, cfg, out, stop: StopRequest, state=None):
+        self.comm, self.cfg, self.stop, self.state = comm, cfg, stop, state
+        self.path = cfg.checkpoint or str(checkpoint.default_path(out))
+
+    def run(self, comm, cfg, model, train_set, test_set, emulator, writer, summary, log, sleep_wait):
+        rank = comm.Get_rank()
+        state = self.state
+        if state is None:
+            speed_model, bench_batches, bench_times = startup_benchmark(comm, cfg, model, train_set, emulator)
+            writer.write("startup/local_batch", bench_batches)
+            writer.write("startup/step_time", bench_times)
+        else:
+            model.load_state_dict(state["model"])
+            speed_model = state["speed_model"]
+        strategy = make_strategy(comm, model.parameters(), cfg, speed_model, sleep_wait)
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                                    weight_decay=cfg.weight_decay)
+        first_epoch, first_step, partial = 0, 0, None
+        if state is None:
+            writer.write("startup/batch_sizes", strategy.batch_sizes)
+        else:
+            optimizer.load_state_dict(state["optimizer"])
+            strategy.load_state(state["strategy"])
+            checkpoint.restore_rng(state["per_rank"][rank]["rng"], emulator)
+            first_epoch, first_step = state["epoch"], state["step"]
+            partial = state.get("partial")
+            summary.epochs.extend(state["summary_epochs"])
+        self.records = dict(state["records"]) if state else {"epochs": 0, "steps": 0}
+        n = len(train_set)
+        progress = _progress_bar(rank, cfg)
+        stop = self.stop
+        for epoch in range(first_epoch, cfg.epochs):
+            vector = strategy.batch_sizes.copy()
+            table = sharding.step_batch_sizes(n, cfg.global_batch, vector, cfg.drop_last)
+            shard = sharding.epoch_shard(n, epoch, cfg.seed, cfg.global_batch, vector, rank, cfg.drop_last)
+            steps = len(shard)
+            times = StepTimes(steps)
+            losses = np.zeros(steps)
+            begin, elapsed_before = 0, 0.0
+            if epoch == first_epoch and first_step > 0:      # continue a stopped epoch
+                begin, elapsed_before = first_step, partial["elapsed"]
+                losses[:begin] = partial["losses"]
+                times.restore(state["per_rank"][rank]["times"])
+                emulator.__dict__.update(state["per_rank"][rank]["emulator"])
+            else:
+                emulator.start_epoch(epoch, steps)
+            bar = progress(steps, epoch)
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{losses[s]:.3f}", refresh=False)
-        duration = time.perf_counter() - epoch_start
-        if bar is not None:
-            bar.close()
+                bar.update(begin)
+            epoch_start = time.perf_counter()
+            stopped_at, stop_after_epoch = None, False
+            for s in range(begin, steps):
+                idx = shard[s]
+                stop.start()
+                t0 = time.perf_counter()
+                x, y = train_set.x[idx], train_set.y[idx]
+                t1 = time.perf_counter()
+                strategy.zero_grad()
+                local_loss = 0.0
+                if len(idx):
+                    loss = F.cross_entropy(model(x), y)
+                    loss.backward()
+                    local_loss = loss.item()
+                emulator.stretch(time.perf_counter() - t1)
+                t2 = time.perf_counter()
+                losses[s] = strategy.reduce(local_loss, len(idx), table[s])
+                t3 = time.perf_counter()
+                optimizer.step()
+                t4 = time.perf_counter()
+                times.record(s, t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{losses[s]:.3f}", refresh=False)
+                if stop.agreed():          # some rank got SIGTERM/SIGUSR1: all stop after this step
+                    if s + 1 < steps:
+                        stopped_at = s + 1
+                        break
+                    stop_after_epoch = True
+            duration = elapsed_before + time.perf_counter() - epoch_start
+            if bar is not None:
+                bar.close()
+            if stopped_at is not None:
+                partial = {"losses": losses[:stopped_at].copy(), "elapsed": duration}
+                self.save(comm, model, optimizer, strategy, emulator, summary, epoch, stopped_at, partial,
+                          times.snapshot(stopped_at))
+                log(f"stop requested (signal {stop.requested or 'on another rank'}): checkpoint at epoch {epoch + 1}, "
+                    f"step {stopped_at}/{steps} written to {self.path}; continue with: dbs-mpi train --resume "
+                    f"{summary.path or '<result file>'}")
+                raise Stopped()
+            record, step_rows = self.end_epoch(comm, cfg, model, test_set, strategy, table, times, losses,
+                                               vector, duration)
+            writer.append_epoch(record, step_rows)
+            self.records = {"epochs": epoch + 1, "steps": self.records["steps"] + steps}
+            summary.epochs.append(record)
+            log(f"epoch {epoch + 1}/{cfg.epochs}  train loss {record['train_loss']:.4f}  test loss "
+                f"{record['test_loss']:.4f}  accuracy {100 * record['test_accuracy']:.2f}%  time {duration:.2f} s  "
+                f"batch sizes {vector.tolist()}")
+            stop_now = stop_after_epoch
+            if stop_now or (cfg.checkpoint_every and (epoch + 1) % cfg.checkpoint_every == 0) \
+                    or epoch + 1 == cfg.epochs:
+                self.save(comm, model, optimizer, strategy, emulator, summary, epoch + 1, 0, None, None)
+            if stop_now and epoch + 1 < cfg.epochs:
+                log(f"stop requested: checkpoint after epoch {epoch + 1} written to {self.path}; continue with: "
+                    f"dbs-mpi train --resume {summary.path or '<result file>'}")
+                raise Stopped()
+
+    def end_epoch(self, comm, cfg, model, test_set, strategy, table, times, losses, vector, duration):
         # Everybody's step times, once per epoch: (ranks, 5, steps).
         gathered = mpi.allgather_array(comm, times.as_array(), cfg.comm_timeout)
         data_t, compute_t, collective_t, _, pre_t = (gathered[:, i, :] for i in range(5))
@@ -177,17 +264,25 @@ def _train_epochs(comm, cfg, model, train_set, test_set, emulator, writer, summa
         test_loss, test_acc = evaluate(comm, cfg, model, test_set)
         eval_time = time.perf_counter() - eval_start
         samples = table.sum(axis=1)
+        steps = len(losses)
         record = dict(
             train_loss=float((losses * samples).sum() / samples.sum()), test_loss=test_loss,
             test_accuracy=test_acc, duration=duration, eval_time=eval_time, batch_sizes=vector,
             compute_time=compute_t.sum(axis=1), comm_time=comm_t.sum(axis=1), wait_time=wait_t.sum(axis=1),
             data_time=data_t.sum(axis=1), speed=table.sum(axis=0) / np.maximum(pre_t.sum(axis=1), 1e-12),
             steps=np.int64(steps), **diagnostics)
-        writer.append_epoch(record, dict(loss=losses, epoch=np.full(steps, epoch, dtype=np.int64),
-                                         compute_time=compute_t.T, comm_time=comm_t.T, wait_time=wait_t.T))
-        summary.epochs.append(record)
-        log(f"epoch {epoch + 1}/{cfg.epochs}  train loss {record['train_loss']:.4f}  test loss {test_loss:.4f}  "
-            f"accuracy {100 * test_acc:.2f}%  time {duration:.2f} s  batch sizes {vector.tolist()}")
+        epoch_index = np.full(steps, self.records["epochs"], dtype=np.int64)
+        return record, dict(loss=losses, epoch=epoch_index, compute_time=compute_t.T, comm_time=comm_t.T,
+                            wait_time=wait_t.T)
+
+    def save(self, comm, model, optimizer, strategy, emulator, summary, epoch, step, partial, times):
+        common = {"config": self.cfg.to_dict(), "world_size": comm.Get_size(), "epoch": epoch, "step": step,
+                  "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                  "strategy": strategy.state_dict(), "speed_model": strategy.speed_model,
+                  "partial": partial, "records": self.records, "summary_epochs": summary.epochs}
+        per_rank = {"rng": checkpoint.rng_state(emulator), "times": times,
+                    "emulator": {k: getattr(emulator, k) for k in ("factor", "epoch_sleep", "step_sleep")}}
+        checkpoint.save(comm, self.path, common, per_rank)
 
 
 def _progress_bar(rank, cfg):
