@@ -31,6 +31,8 @@ groups / datasets (float64 unless said; E epochs, R ranks, S steps in all)
   step/loss                (S,)        global mean loss of each step
   step/epoch               (S,) int    epoch of each step
   step/compute_time, step/comm_time, step/wait_time   (S, R)
+  checkpoint/seconds       (K,)        wall seconds rank 0 spent writing each checkpoint
+  checkpoint/position      (K, 2) int  (epoch, step) each checkpoint continues from
 """
 from __future__ import annotations
 
@@ -139,6 +141,10 @@ class RunWriter:
         n = ds.shape[0]
         ds.resize(n + rows.shape[0], axis=0)
         ds[n:] = rows
+
+    def append_rows(self, name: str, rows, dtype=np.float64) -> None:
+        self._append(name, rows, dtype)
+        self.file.flush()
 
     def write(self, name: str, data) -> None:
         self.file.create_dataset(name, data=np.asarray(data))

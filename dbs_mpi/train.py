@@ -155,6 +155,7 @@ class SyncTrainer:
     def run(self, comm, cfg, model, train_set, test_set, emulator, writer, summary, log, sleep_wait):
         rank = comm.Get_rank()
         state = self.state
+        self.writer = writer
         if state is None:
             speed_model, bench_batches, bench_times = startup_benchmark(comm, cfg, model, train_set, emulator)
             writer.write("startup/local_batch", bench_batches)
@@ -205,7 +206,7 @@ class SyncTrainer:
                 t0 = time.perf_counter()
                 x, y = train_set.x[idx], train_set.y[idx]
                 t1 = time.perf_counter()
-                strategy.zero_grad()
+                strategy.zero_grad(len(idx), table[s])
                 local_loss = 0.0
                 if len(idx):
                     loss = F.cross_entropy(model(x), y)
@@ -282,7 +283,10 @@ class SyncTrainer:
                   "partial": partial, "records": self.records, "summary_epochs": summary.epochs}
         per_rank = {"rng": checkpoint.rng_state(emulator), "times": times,
                     "emulator": {k: getattr(emulator, k) for k in ("factor", "epoch_sleep", "step_sleep")}}
+        start = time.perf_counter()
         checkpoint.save(comm, self.path, common, per_rank)
+        self.writer.append_rows("checkpoint/seconds", [time.perf_counter() - start])
+        self.writer.append_rows("checkpoint/position", [[epoch, step]], dtype=np.int64)
 
 
 def _progress_bar(rank, cfg):

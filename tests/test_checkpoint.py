@@ -58,6 +58,8 @@ def test_stop_checkpoint_resume_is_bit_identical(tmp_path, ranks, sig):
     a, b = read_run(whole), read_run(cut)
     assert b["attrs"]["status"] == "complete" and len(b["attrs"]["resumed"]) == 1
     assert b["data"]["epoch/train_loss"].shape == (2,)                   # no epoch missing or twice
+    assert b["data"]["checkpoint/position"][-1].tolist() == [2, 0]
+    assert (b["data"]["checkpoint/seconds"] > 0).all()
     np.testing.assert_array_equal(a["data"]["step/loss"], b["data"]["step/loss"])
     np.testing.assert_array_equal(a["data"]["step/epoch"], b["data"]["step/epoch"])
     np.testing.assert_array_equal(a["data"]["epoch/test_loss"], b["data"]["epoch/test_loss"])

@@ -88,3 +88,18 @@ def test_random_values_give_a_config_or_a_config_error(values):
         assert str(exc).split(":")[0] in config.FIELDS or str(exc).startswith("bogus")
     else:
         config.validate(c)
+
+
+_tokens = st.sampled_from(["--global-batch", "--speeds", "--epochs", "--strategy", "--lr", "--seed", "--progress",
+                           "--bogus", "--synthetic-shape", "--sleep-epochs", "-x", "1", "0", "-1", "1,0.5",
+                           "nan", "dbs", "true", "3x32x32", "", "1e9", "0.0"])
+
+
+@given(st.lists(_tokens, max_size=8))
+@settings(max_examples=400, deadline=None)
+def test_random_command_lines_give_a_config_or_a_user_error(argv):
+    """Malformed command lines give a clear error (UserError, shown as one line), never a traceback."""
+    try:
+        parse_train_args(argv)
+    except UserError as exc:
+        assert str(exc) and "\n" not in str(exc)

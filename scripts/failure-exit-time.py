@@ -1,0 +1,69 @@
+#!/usr/bin/env python
+"""How long a job outlives the failure of one rank: the last rank raises in the middle
+of training (the other ranks wait in the gradient allreduce) or is killed with
+SIGKILL; we time from that moment to the exit of mpirun. Median of --repeats.
+
+    .venv/bin/python scripts/failure-exit-time.py --ranks 2 4 --repeats 5
+"""
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+CRASH = textwrap.dedent("""
+    import sys, time
+    from mpi4py import MPI
+    from dbs_mpi import comm as mpi
+    from dbs_mpi.models import LeNet5
+    import torch, torch.nn.functional as F
+    comm = MPI.COMM_WORLD
+    mpi.abort_on_uncaught(comm)
+    model = LeNet5()
+    exchange = mpi.GradientExchange(comm, model.parameters(), timeout=60)
+    x, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+    for step in range(100000):
+        exchange.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if comm.Get_rank() == comm.Get_size() - 1 and step == 20:
+            if sys.argv[1] == "kill":
+                print(f"FAIL_AT {time.time():.6f}", flush=True)
+                import os, signal; os.kill(os.getpid(), signal.SIGKILL)
+            print(f"FAIL_AT {time.time():.6f}", flush=True)
+            raise RuntimeError("injected failure")
+        exchange.allreduce(1.0, 0.0)
+""")
+
+
+def once(mpirun, ranks, mode, script):
+    proc = subprocess.run([mpirun, "-n", str(ranks), sys.executable, script, mode], capture_output=True,
+                          text=True, timeout=120)
+    end = time.time()
+    fail_at = float(next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("FAIL_AT")))
+    return end - fail_at, proc.returncode
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--mpirun", default=os.path.join(os.path.dirname(sys.executable), "mpirun"))
+    args = p.parse_args()
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(CRASH)
+    print(f"{'ranks':>5} {'failure':<10} {'exit after failure, s (median)':>31}  all repeats   exit codes")
+    for ranks in args.ranks:
+        for mode in ("exception", "kill"):
+            runs = [once(args.mpirun, ranks, mode, f.name) for _ in range(args.repeats)]
+            times = [t for t, _ in runs]
+            print(f"{ranks:>5} {mode:<10} {statistics.median(times):>31.3f}  "
+                  f"{' '.join(f'{t:.3f}' for t in times)}   {sorted({c for _, c in runs})}")
+    os.unlink(f.name)
+
+
+if __name__ == "__main__":
+    main()
