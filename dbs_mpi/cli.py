@@ -1,9 +1,10 @@
-"""The `dbs-mpi` command: train, info, bench. The only place that picks COMM_WORLD.
+"""The `dbs-mpi` command: train, info, bench, data. The only place that picks COMM_WORLD.
 
     mpirun -n 4 dbs-mpi train --config jobs/main.toml --speeds 1,0.5,0.25,0.25
     dbs-mpi train --dataset synthetic --epochs 1          # one rank, no mpirun needed
     mpirun -n 2 dbs-mpi info
     mpirun -n 2 dbs-mpi bench hetero
+    dbs-mpi data fetch cifar10                            # download and verify; no MPI
 
 A user's mistake (bad option, missing file, unwritable output) gives one line
 `dbs-mpi: error: <field>: <what is wrong>` from one rank and exit status 2 on every
@@ -135,13 +136,18 @@ def cmd_bench(comm, argv) -> int:
     return bench_main(comm, argv)
 
 
-COMMANDS = {"train": cmd_train, "info": cmd_info, "bench": cmd_bench}
+def cmd_data(comm, argv) -> int:
+    from .data import data_main
+    return data_main(argv)
+
+
+COMMANDS = {"train": cmd_train, "info": cmd_info, "bench": cmd_bench, "data": cmd_data}
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        usage = "usage: dbs-mpi {train,info,bench} [options]   (dbs-mpi COMMAND --help for details)"
+        usage = "usage: dbs-mpi {train,info,bench,data} [options]   (dbs-mpi COMMAND --help for details)"
         if argv and argv[0] not in ("-h", "--help"):
             print(f"dbs-mpi: error: unknown command {argv[0]!r}; {usage}", file=sys.stderr)
             return 2
