@@ -1,0 +1,386 @@
+"""The job scripts in jobs/ on a real one-node Slurm cluster (scripts/slurm-cluster.sh):
+`sbatch --wait` for jobs/slurm/*.sbatch, slurm-wlm-torque's `qsub` for jobs/pbs/*.pbs.
+
+Training is tiny (synthetic data, an MLP, 2 ranks, 2 epochs); every result file the jobs
+write is read back and checked, and a job whose training fails must be seen as failed.
+Each test session starts a cluster of its own (a fresh /tmp/dbs-mpi-slurm-test-* and
+free ports, so that neither a developer's /tmp/dbs-mpi-slurm nor another test run is
+touched), stops it at the end and removes its directory unless a test failed. It needs
+root (it installs Debian's Slurm packages if they are missing and runs munged as the
+munge user); elsewhere the cluster tests are skipped.
+Every wait is bounded: each submission by a subprocess timeout, each job by a time limit.
+"""
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+h5py = pytest.importorskip("h5py")
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "slurm-cluster.sh"
+
+EPOCHS = 2
+GLOBAL_BATCH = 64
+TINY = (f"--dataset synthetic --model mlp --synthetic-samples 512 "
+        f"--global-batch {GLOBAL_BATCH} --epochs {EPOCHS}")
+SUBMIT_TIMEOUT = 300     # seconds for one submission to finish (all tasks of an array)
+JOB_MINUTES = 5          # Slurm's time limit of every test job
+
+# Installing the packages may take minutes on a fresh machine; the first test pays it.
+pytestmark = pytest.mark.timeout(1200)
+
+
+def _skip_reason():
+    if not sys.platform.startswith("linux"):
+        return "the test cluster needs Linux"
+    if os.geteuid() != 0:
+        return ("needs root: scripts/slurm-cluster.sh installs Debian's Slurm packages "
+                "and runs munged as the munge user")
+    if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
+        return "Slurm is not installed and there is no apt-get to install it"
+    if shutil.which("runuser") is None:
+        return "no runuser (util-linux) to start munged as the munge user"
+    return None
+
+
+def _free_port_pair(first=6827, tries=50):
+    """P such that 127.0.0.1:P (slurmctld) and P+1 (slurmd) are free."""
+    for port in range(first, first + 2 * tries, 2):
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    pytest.fail(f"no free port pair in {first}..{first + 2 * tries}")
+
+
+class Cluster:
+    def __init__(self, env, directory):
+        self.env = env
+        self.dir = Path(directory)
+
+    def job_env(self, results, **settings):
+        """The submitting shell's environment: the cluster's SLURM_CONF, no leftover
+        job-script settings, results into `results`, plus `settings`."""
+        env = {k: v for k, v in self.env.items()
+               if not k.startswith(("SLURM_", "PBS_", "GRID_"))
+               and k not in ("MPIEXEC", "CONFIG", "EXTRA_ARGS", "OUT", "RESULTS_DIR", "NP", "INDEX")}
+        env["SLURM_CONF"] = str(self.dir / "slurm.conf")
+        # This interpreter's venv first: `dbs-mpi`/`mpirun` when the project has no .venv.
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        env["RESULTS_DIR"] = str(results)
+        env.update(settings)
+        return env
+
+
+@pytest.fixture(scope="module")
+def cluster(request):
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    directory = tempfile.mkdtemp(prefix="dbs-mpi-slurm-test-", dir="/tmp")
+    os.chmod(directory, 0o755)          # munged (user munge) reaches its socket inside
+    env = {**os.environ, "DBS_MPI_SLURM_DIR": directory, "DBS_MPI_SLURM_PORT": str(_free_port_pair())}
+    failed_before = request.session.testsfailed
+    try:
+        t0 = time.monotonic()
+        start = subprocess.run(["bash", str(SCRIPT), "start"], env=env, capture_output=True,
+                               text=True, timeout=1000)
+        assert start.returncode == 0, f"slurm-cluster.sh start failed:\n{start.stdout}\n{start.stderr}"
+        print(f"test cluster up in {time.monotonic() - t0:.1f} s: {start.stderr.strip().splitlines()[-1]}")
+        status = subprocess.run(["bash", str(SCRIPT), "status"], env=env, capture_output=True,
+                                text=True, timeout=60)
+        assert status.returncode == 0 and "idle" in status.stdout, status.stdout + status.stderr
+        yield Cluster(env, directory)
+    finally:
+        stop = subprocess.run(["bash", str(SCRIPT), "stop"], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        if request.session.testsfailed == failed_before:
+            shutil.rmtree(directory, ignore_errors=True)
+        else:
+            print(f"test cluster's configuration and logs kept in {directory}")
+
+
+# --- talking to Slurm -----------------------------------------------------------------
+
+def _run(cmd, env, timeout=SUBMIT_TIMEOUT):
+    try:
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        job = re.search(r"\d+", out)
+        if job:   # do not leave the job running behind a failed test
+            subprocess.run(["scancel", job.group()], env=env, timeout=30)
+        pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s; output so far: {out}")
+
+
+def sbatch_wait(cluster, env, *args):
+    """`sbatch --wait` from the project's root; returns (exit status, job id, output)."""
+    p = _run(["sbatch", "--wait", "--parsable", "-t", str(JOB_MINUTES), *args], env)
+    m = re.match(r"(\d+)", p.stdout.strip())
+    assert m, f"sbatch printed no job id: {p.stdout} {p.stderr}"
+    return p.returncode, m.group(1), p.stdout + p.stderr
+
+
+def qsub_block(cluster, env, *args):
+    """slurm-wlm-torque's `qsub -W block=true`; returns the job id. Its exit status says
+    only whether the submission worked (0 even for a failed job): see job_records."""
+    p = _run(["qsub", "-W", "block=true", *args], env)
+    assert p.returncode == 0, f"qsub failed: {p.stdout} {p.stderr}"
+    job = p.stdout.strip().splitlines()[-1]
+    assert job.isdigit(), p.stdout
+    return job
+
+
+def wait_gone(env, job, timeout=SUBMIT_TIMEOUT):
+    """Until no task of `job` is queued or running (bounded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        q = subprocess.run(["squeue", "-h", "-j", job, "-o", "%i %T"], env=env,
+                           capture_output=True, text=True, timeout=30)
+        if q.returncode != 0 or not q.stdout.strip():   # unknown (purged) or nothing left
+            return
+        time.sleep(0.5)
+    pytest.fail(f"job {job} still in the queue after {timeout} s")
+
+
+_FIELD = {k: re.compile(rf"(?:^|\s){k}=(\S+)") for k in ("JobId", "ArrayJobId", "ArrayTaskId", "JobState", "ExitCode")}
+
+
+def _fields(line):
+    return {k: (m.group(1) if (m := r.search(line)) else None) for k, r in _FIELD.items()}
+
+
+def job_records(cluster, job, expect, timeout=30):
+    """{array index (None for a plain job): (JobState, ExitCode)} of the finished `job`,
+    from `scontrol show job` and, for records slurmctld has already forgotten
+    (MinJobAge), the cluster's job-completion log."""
+    env = cluster.job_env(results="")
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = []
+        s = subprocess.run(["scontrol", "-o", "show", "job", job], env=env, capture_output=True,
+                           text=True, timeout=30)
+        if s.returncode == 0:
+            lines += s.stdout.splitlines()
+        log = cluster.dir / "log" / "jobcomp.log"
+        if log.exists():
+            lines += log.read_text().splitlines()
+        records = {}
+        for line in lines:
+            f = _fields(line)
+            if f["ArrayJobId"] == job or (f["JobId"] == job and f["ArrayJobId"] is None):
+                task = int(f["ArrayTaskId"]) if f["ArrayTaskId"] and f["ArrayTaskId"].isdigit() else None
+                records.setdefault(task, (f["JobState"], f["ExitCode"]))
+        done = {t: r for t, r in records.items() if r[0] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING")}
+        if len(done) >= expect or time.monotonic() > deadline:
+            return done
+        time.sleep(0.5)
+
+
+# --- checking result files --------------------------------------------------------------
+
+def _str(v):
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def check_result(path, log, *, strategy, seed, speeds, world_size=2):
+    """The HDF5 result of a finished run: complete, with this run's settings and
+    one entry per epoch; `log` (the job's output) is shown when something is off."""
+    assert path.exists(), f"no result {path.name}; job log:\n{log}"
+    with h5py.File(path, "r") as f:
+        a = f.attrs
+        assert _str(a["status"]) == "complete", log
+        assert int(a["world_size"]) == world_size
+        assert _str(a["strategy"]) == strategy
+        cfg = json.loads(_str(a["config"]))
+        assert cfg["strategy"] == strategy and cfg["seed"] == seed
+        assert cfg["dataset"] == "synthetic" and cfg["epochs"] == EPOCHS
+        assert [float(s) for s in cfg["speeds"]] == [float(s) for s in speeds]
+        loss = f["epoch/train_loss"][()]
+        acc = f["epoch/test_accuracy"][()]
+        sizes = f["epoch/batch_sizes"][()]
+    assert loss.shape == (EPOCHS,) and np.isfinite(loss).all()
+    assert acc.shape == (EPOCHS,) and ((acc >= 0) & (acc <= 1)).all()
+    assert sizes.shape == (EPOCHS, world_size) and (sizes >= 0).all()
+    assert (sizes.sum(axis=1) == GLOBAL_BATCH).all(), sizes
+    if strategy == "ssgd":
+        assert (sizes == GLOBAL_BATCH // world_size).all(), sizes
+    return cfg
+
+
+def _read(path):
+    return path.read_text() if path.exists() else f"(no {path})"
+
+
+def _main_toml():
+    with open(ROOT / "jobs" / "main.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+VENV_MPIRUN = ROOT / ".venv" / "bin" / "mpirun"
+
+
+# --- the tests -------------------------------------------------------------------------
+
+def test_slurm_train(cluster, tmp_path):
+    env = cluster.job_env(tmp_path, EXTRA_ARGS=f"{TINY} --speeds 1,0.5")
+    rc, job, out = sbatch_wait(cluster, env, "-n", "2", "-o", f"{tmp_path}/%x-%j.out",
+                               "jobs/slurm/train.sbatch")
+    log = _read(tmp_path / f"dbs-mpi-train-{job}.out")
+    assert rc == 0, f"sbatch --wait exited {rc}: {out}\njob log:\n{log}"
+    assert job_records(cluster, job, 1) == {None: ("COMPLETED", "0:0")}
+    # The default CONFIG (jobs/main.toml) is read; EXTRA_ARGS override it.
+    main = _main_toml()
+    cfg = check_result(tmp_path / f"train-{job}.h5", log, strategy=main["strategy"],
+                       seed=main["seed"], speeds=[1, 0.5])
+    assert cfg["model"] == "mlp" and cfg["lr"] == main["lr"]
+    if VENV_MPIRUN.exists():
+        assert f"launcher {VENV_MPIRUN}" in log, log
+    assert sorted(p.name for p in tmp_path.glob("*.h5")) == [f"train-{job}.h5"]
+
+
+def test_slurm_grid(cluster, tmp_path):
+    """2 strategies x 1 seed x 2 settings: every array index runs its combination
+    (test_grid_scripts_enumerate_the_grid checks the whole default grid's indexing)."""
+    grid = dict(GRID_STRATEGIES="ssgd dbs", GRID_SEEDS="2", GRID_HETERO="equal:1,1 slow:1,0.25")
+    env = cluster.job_env(tmp_path, EXTRA_ARGS=TINY, **grid)
+    rc, job, out = sbatch_wait(cluster, env, "--array=0-3", "-o", f"{tmp_path}/%x-%A_%a.out",
+                               "jobs/slurm/grid.sbatch")
+    logs = "\n".join(_read(p) for p in sorted(tmp_path.glob("*.out")))
+    assert rc == 0, f"sbatch --wait exited {rc}: {out}\njob logs:\n{logs}"
+    assert job_records(cluster, job, 4) == {i: ("COMPLETED", "0:0") for i in range(4)}
+    expected = []
+    for i, (strategy, (name, speeds)) in enumerate(
+            (st, h) for st in ("ssgd", "dbs") for h in (("equal", [1, 1]), ("slow", [1, 0.25]))):
+        path = tmp_path / f"grid-{job}_{i}-{strategy}-s2-{name}.h5"
+        expected.append(path.name)
+        check_result(path, _read(tmp_path / f"dbs-mpi-grid-{job}_{i}.out"),
+                     strategy=strategy, seed=2, speeds=speeds)
+    assert sorted(p.name for p in tmp_path.glob("*.h5")) == sorted(expected)
+
+
+def test_slurm_failed_training_fails_the_job(cluster, tmp_path):
+    env = cluster.job_env(tmp_path, EXTRA_ARGS=f"{TINY} --speeds 1,0.5 --strategy no-such-strategy")
+    rc, job, out = sbatch_wait(cluster, env, "-n", "2", "-o", f"{tmp_path}/%x-%j.out",
+                               "jobs/slurm/train.sbatch")
+    log = _read(tmp_path / f"dbs-mpi-train-{job}.out")
+    assert rc == 2, f"sbatch --wait exited {rc}, expected dbs-mpi's 2: {out}\n{log}"
+    assert job_records(cluster, job, 1) == {None: ("FAILED", "2:0")}
+    assert "dbs-mpi: error: strategy" in log, log
+    assert not list(tmp_path.glob("*.h5"))
+
+
+def test_slurm_grid_task_fails_alone(cluster, tmp_path):
+    """In an array, the task whose training fails (3 speeds for 2 ranks) is FAILED, its
+    neighbour COMPLETED, and sbatch --wait reports the failure."""
+    grid = dict(GRID_STRATEGIES="ssgd", GRID_SEEDS="0", GRID_HETERO="ok:1,1 bad:1,0.5,0.25")
+    env = cluster.job_env(tmp_path, EXTRA_ARGS=TINY, **grid)
+    rc, job, out = sbatch_wait(cluster, env, "--array=0-1", "-o", f"{tmp_path}/%x-%A_%a.out",
+                               "jobs/slurm/grid.sbatch")
+    assert rc == 2, out
+    assert job_records(cluster, job, 2) == {0: ("COMPLETED", "0:0"), 1: ("FAILED", "2:0")}
+    check_result(tmp_path / f"grid-{job}_0-ssgd-s0-ok.h5", _read(tmp_path / f"dbs-mpi-grid-{job}_0.out"),
+                 strategy="ssgd", seed=0, speeds=[1, 1])
+    assert "dbs-mpi: error: speeds" in _read(tmp_path / f"dbs-mpi-grid-{job}_1.out")
+    assert [p.name for p in tmp_path.glob("*.h5")] == [f"grid-{job}_0-ssgd-s0-ok.h5"]
+
+
+def test_pbs_train(cluster, tmp_path):
+    env = cluster.job_env(tmp_path, EXTRA_ARGS=f"{TINY} --speeds 1,0.5")
+    out = tmp_path / "train.out"
+    job = qsub_block(cluster, env, "-l", f"nodes=1:ppn=2,walltime=00:{JOB_MINUTES:02d}:00",
+                     "-j", "oe", "-o", str(out), "jobs/pbs/train.pbs")
+    wait_gone(env, job)
+    assert job_records(cluster, job, 1) == {None: ("COMPLETED", "0:0")}, _read(out)
+    main = _main_toml()
+    log = _read(out)
+    check_result(tmp_path / f"train-{job}.h5", log, strategy=main["strategy"],
+                 seed=main["seed"], speeds=[1, 0.5])
+    assert "2 ranks on localhost" in log, log      # from $PBS_NODEFILE
+
+
+def test_pbs_grid(cluster, tmp_path):
+    """qsub -t: $PBS_ARRAYID picks the combination, PBS_JOBID 'N[i].host' names it."""
+    grid = dict(GRID_STRATEGIES="ssgd static", GRID_SEEDS="3", GRID_HETERO="slow:1,0.25")
+    env = cluster.job_env(tmp_path, EXTRA_ARGS=TINY, **grid)
+    job = qsub_block(cluster, env, "-t", "0-1", "-l", f"walltime=00:{JOB_MINUTES:02d}:00",
+                     "-j", "oe", "-o", f"{tmp_path}/grid-%A_%a.out", "jobs/pbs/grid.pbs")
+    wait_gone(env, job)
+    logs = "\n".join(_read(p) for p in sorted(tmp_path.glob("*.out")))
+    assert job_records(cluster, job, 2) == {i: ("COMPLETED", "0:0") for i in range(2)}, logs
+    expected = []
+    for i, (strategy, seed) in enumerate((st, se) for st in ("ssgd", "static") for se in (3,)):
+        path = tmp_path / f"grid-{job}_{i}-{strategy}-s{seed}-slow.h5"
+        expected.append(path.name)
+        check_result(path, _read(tmp_path / f"grid-{job}_{i}.out"), strategy=strategy,
+                     seed=seed, speeds=[1, 0.25])
+    assert sorted(p.name for p in tmp_path.glob("*.h5")) == sorted(expected)
+
+
+def test_pbs_failed_training_fails_the_job(cluster, tmp_path):
+    env = cluster.job_env(tmp_path, EXTRA_ARGS=f"{TINY} --speeds 1,0.5,0.25")
+    out = tmp_path / "train.out"
+    job = qsub_block(cluster, env, "-l", f"nodes=1:ppn=2,walltime=00:{JOB_MINUTES:02d}:00",
+                     "-j", "oe", "-o", str(out), "jobs/pbs/train.pbs")
+    wait_gone(env, job)
+    assert job_records(cluster, job, 1) == {None: ("FAILED", "2:0")}, _read(out)
+    assert "dbs-mpi: error: speeds" in _read(out)
+    assert not list(tmp_path.glob("*.h5"))
+
+
+@pytest.mark.parametrize("script, directive", [("jobs/slurm/grid.sbatch", r"#SBATCH --array=(\d+)-(\d+)"),
+                                               ("jobs/pbs/grid.pbs", r"#PBS -t (\d+)-(\d+)")])
+def test_grid_scripts_enumerate_the_grid(script, directive, tmp_path):
+    """No cluster needed: run the script by hand with MPIEXEC="echo LAUNCH" (it prints the
+    launch line instead of training) for every index. The default array range is exactly the
+    default grid, every index gets a different combination, named after it, and an index
+    past the end fails with status 2 naming the grid's size."""
+    first, last = map(int, re.search(directive, (ROOT / script).read_text()).groups())
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "PBS_", "GRID_"))
+           and k not in ("CONFIG", "EXTRA_ARGS", "OUT", "NP")}
+    env.update(RESULTS_DIR=str(tmp_path), MPIEXEC="echo LAUNCH")
+
+    def run(index):
+        return subprocess.run(["bash", script], cwd=ROOT, env={**env, "INDEX": str(index)},
+                              capture_output=True, text=True, timeout=60)
+
+    p = run(last + 1)
+    assert p.returncode == 2, p.stdout + p.stderr
+    m = re.search(r"not in the grid 0-(\d+) \((\d+) strategies x (\d+) seeds x (\d+) settings\)", p.stderr)
+    assert m, p.stderr
+    assert first == 0 and last == int(m.group(1))
+    assert last + 1 == int(m.group(2)) * int(m.group(3)) * int(m.group(4))
+    combos = set()
+    for i in range(last + 1):
+        p = run(i)
+        assert p.returncode == 0, p.stdout + p.stderr
+        line = next((l for l in p.stdout.splitlines() if l.startswith("LAUNCH ")), "")
+        args = dict(re.findall(r"--(strategy|seed|speeds|out) (\S+)", line))
+        assert set(args) == {"strategy", "seed", "speeds", "out"}, line
+        ranks = len(args["speeds"].split(","))
+        assert line.startswith(f"LAUNCH -n {ranks} "), line   # ranks = entries of speeds
+        out = Path(args["out"])
+        assert out.parent == tmp_path
+        assert re.fullmatch(rf"grid-local-\d+_{i}-{args['strategy']}-s{args['seed']}-\w+\.h5", out.name), out.name
+        combos.add((args["strategy"], args["seed"], args["speeds"]))
+    assert len(combos) == last + 1
