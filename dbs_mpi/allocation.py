@@ -157,9 +157,11 @@ class SpeedModel:
         # Noise can make the slope non-positive or the intercept negative: fall back to
         # the proportional reading of the larger batch, which is always sensible.
         bad = (slope <= 0) | (ts - slope * bs < 0)
-        per_sample = np.where(bad, tl / bl, slope)
-        overhead = np.where(bad, 0.0, tl - per_sample * bl)
-        return cls(per_sample=per_sample, overhead=np.maximum(overhead, 0.0))
+        # A disturbed small-batch timing can also fake a huge fixed cost, which would
+        # starve the rank: the fixed cost is capped at half of the small batch's time.
+        overhead = np.clip(np.where(bad, 0.0, tl - slope * bl), 0.0, 0.5 * ts)
+        per_sample = np.where(bad, tl / bl, (tl - overhead) / bl)
+        return cls(per_sample=per_sample, overhead=overhead)
 
     def allocate(self, global_batch, min_local=1, max_local=None) -> np.ndarray:
         return allocate(global_batch, self.per_sample, self.overhead, min_local, max_local)
@@ -183,6 +185,10 @@ class DBSController:
       3. A new vector is computed from the updated model; it replaces the current one
          only if it lowers the predicted step time (max over ranks) by at least
          min_gain (default 3%): a dead band, so that noise never makes it oscillate.
+      4. A rank whose local batch would reverse direction for the second epoch in a
+         row goes only half way: an oscillation (seen under heavy load, where a step
+         time measured at a very small local batch misleads the model) is damped,
+         while a change of speed, and its end, are each followed at once.
     With model="proportional", smoothing=1, follow=0 and min_gain=0 this is exactly the
     DBS authors' rule r_i <- (r_i/t_i) / sum_j (r_j/t_j).
     """
@@ -193,6 +199,8 @@ class DBSController:
     smoothing: float = 0.5
     follow: float = 0.25
     min_gain: float = 0.03
+    last_move: np.ndarray | None = None          # vector change of the last re-allocation
+    last_reversed: np.ndarray | None = None      # ranks whose last change reversed the one before
 
     def update(self, current, steps_batches, measured_time) -> tuple[np.ndarray, np.ndarray]:
         """current: the vector of the epoch; steps_batches: (steps x ranks) local batches
@@ -210,6 +218,19 @@ class DBSController:
         candidate = self.model.allocate(self.global_batch, self.min_local, self.max_local)
         now = self.model.predict(current).max()
         new = self.model.predict(candidate).max()
-        if new <= now * (1.0 - self.min_gain):
-            return candidate, ratio
-        return np.asarray(current, dtype=np.int64), ratio
+        current = np.asarray(current, dtype=np.int64)
+        if new > now * (1.0 - self.min_gain):
+            return current, ratio
+        move = candidate - current
+        reverse = np.zeros(len(current), bool)
+        if self.last_move is not None:
+            reverse = np.sign(move) * np.sign(self.last_move) < 0
+            damp = reverse & self.last_reversed
+            if damp.any():
+                target = np.where(damp, current + 0.5 * move, candidate).astype(float)
+                hi = None if self.max_local is None else np.full(len(current), float(self.max_local))
+                target = np.clip(target * self.global_batch / target.sum(), self.min_local, hi)
+                candidate = round_preserving_sum(target, self.global_batch, np.full(len(current), self.min_local), hi)
+                move = candidate - current
+        self.last_move, self.last_reversed = move, reverse
+        return candidate, ratio

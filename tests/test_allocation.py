@@ -127,3 +127,28 @@ def test_split_partial_and_rounding():
     assert allocation.split_partial(0, [3, 3]).tolist() == [0, 0]
     x = allocation.round_preserving_sum([0.5, 0.5, 2.0], 3)
     assert x.sum() == 3
+
+
+def test_dbs_damps_an_oscillation():
+    """A model that keeps mis-predicting in alternating directions cannot make the vector
+    swing back and forth at full amplitude: every reversal goes half way."""
+    ctl = _controller([1000, 1000], B=512)
+    vector = np.array([256, 256])
+    swings = []
+    for epoch in range(8):
+        slow = 1 if epoch % 2 == 0 else 0              # the measurement blames a different rank each epoch
+        speeds = [1000, 1000]
+        speeds[slow] = 250
+        new, _ = ctl.update(vector, np.tile(vector, (10, 1)), _measure(vector, speeds))
+        swings.append(abs(int(new[0]) - int(vector[0])))
+        vector = new
+    assert new.sum() == 512
+    assert swings[1] >= swings[0] > 100                 # a change and its reversal: followed at once
+    assert max(swings[3:]) <= 0.6 * swings[1], swings   # a third swing in a row and later: damped
+
+
+def test_benchmark_fit_cannot_starve_a_rank():
+    # the small-batch timing was disturbed (nearly as slow as the large one)
+    m = SpeedModel.fit([64, 64], [0.010, 0.039], [256, 256], [0.040, 0.040])
+    b = m.allocate(512)
+    assert b.min() > 100, b.tolist()
