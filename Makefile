@@ -20,7 +20,7 @@ DATA_DIR ?= data
 # Bound on each MPI test session, so that a hang fails instead of blocking CI.
 TEST_TIMEOUT ?= 900
 
-.PHONY: install venv deps data test test-serial test-mpi test-np% run bench-hetero info clean
+.PHONY: install venv deps data test test-serial test-mpi test-np% run bench bench-hetero info clean experiments figures test-notebooks
 
 install: deps data
 
@@ -36,7 +36,7 @@ else
 	$(PY) -m pip install -q mpich mpi4py
 endif
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,analysis]"
 
 # Fashion-MNIST from Debian's package, unpacked without root (scripts/get-data.sh).
 data:
@@ -62,6 +62,13 @@ test-mpi: test-np2 test-np4
 run:
 	$(MPIEXEC) -n $(NP) $(VENV)/bin/dbs-mpi train --config jobs/main.toml --data-dir $(DATA_DIR)
 
+# Every benchmark case in one job (cases needing fewer ranks run on the first ranks; the
+# 4-rank runs are oversubscribed on a 2-core machine and marked so); one table at the end,
+# HDF5 under results/bench/. 10 to 13 minutes on 2 cores (busy machine). Bounded by BENCH_TIMEOUT.
+BENCH_TIMEOUT ?= 1800
+bench:
+	timeout $(BENCH_TIMEOUT) $(MPIEXEC) -n 4 $(VENV)/bin/dbs-mpi bench all --data-dir $(DATA_DIR)
+
 bench-hetero:
 	$(MPIEXEC) -n 2 $(VENV)/bin/dbs-mpi bench hetero --data-dir $(DATA_DIR)
 
@@ -70,3 +77,33 @@ info:
 
 clean:
 	rm -rf build *.egg-info .pytest_cache
+
+# The experiment grid of jobs/experiments.toml, one `dbs-mpi train` launch per run, result
+# files in GRID_OUT (complete runs are skipped, interrupted ones resumed, each launch bounded
+# by the grid's timeout). SCALE=small: this 2-core machine (~25 min); SCALE=paper: a cluster.
+# ONLY=name[,name...] restricts it to experiments, figures or runs.
+SCALE    ?= small
+GRID_OUT ?= results/grid
+ONLY     ?=
+experiments:
+	$(PY) -m dbs_mpi.experiments --scale $(SCALE) --out $(GRID_OUT) --mpiexec "$(MPIEXEC)" \
+		--data-dir $(DATA_DIR) $(if $(ONLY),--only $(ONLY))
+
+# Execute the notebooks in analysis/ headless on GRID_OUT: PNG, PDF and caption of every
+# figure into analysis/figures/, executed copies into analysis/executed/ (not committed),
+# then README.md's "Figures" section and analysis/figures/README.md from the captions.
+NOTEBOOKS       := $(sort $(wildcard analysis/*.ipynb))
+NOTEBOOK_TIMEOUT ?= 600
+figures:
+	DBS_MPI_GRID=$(abspath $(GRID_OUT)) timeout $(NOTEBOOK_TIMEOUT) $(VENV)/bin/jupyter nbconvert --to notebook \
+		--execute --ExecutePreprocessor.timeout=300 --output-dir analysis/executed $(NOTEBOOKS)
+	$(PY) analysis/readme.py
+
+# The notebooks execute without error on the committed results (figures go to a temporary
+# folder, nothing in the tree changes) and produce every figure.
+test-notebooks:
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	DBS_MPI_GRID=$(abspath $(GRID_OUT)) DBS_MPI_FIGURES=$$tmp timeout $(NOTEBOOK_TIMEOUT) \
+		$(VENV)/bin/jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=300 \
+		--output-dir $$tmp $(NOTEBOOKS) && \
+	$(PY) analysis/readme.py --check $$tmp

@@ -1,0 +1,323 @@
+"""Analysis: a folder of HDF5 result files -> pandas tables. No MPI, no plotting.
+
+    from dbs_mpi import analysis
+    t = analysis.load("results/grid")        # every *.h5 below the folder
+    t.runs      # one row per run: configuration columns and a few summary numbers
+    t.epochs    # one row per (run, epoch)
+    t.ranks     # one row per (run, epoch, rank)
+    t.steps     # one row per (run, step), synchronous strategies
+    t.updates   # one row per applied gradient, asynchronous strategies
+
+Every table has a `run` column (the file's path below the folder, without `.h5`), so
+tables join on it, and the per-epoch/rank/step/update tables repeat the columns that
+figures group by (KEY_COLUMNS: strategy, aggregation, seed, experiment, ...).
+
+Conventions. `epoch` is 0-based, as in the configuration's `slow_epochs` and
+`sleep_epochs` windows (an epoch e is disturbed if start <= e < stop). Times are wall
+seconds of *training* only: evaluation after each epoch and the start-up benchmark are
+not in `duration`, `wall_time` or `train_time`. `wall_time` in `epochs` is the training
+time at the end of the epoch (cumulative durations); in `steps` it is the training time
+at the end of the step, each epoch's duration spread over its steps in proportion to the
+steps' measured times (compute + communication + wait, mean over ranks); in `updates` it
+is the server's clock when the gradient was applied (`update/time`).
+
+Speeds: `speeds` is the configuration's tuple (relative, () = all equal);
+`heterogeneity` = mean(v)/min(v) over the ranks that compute (every rank for the
+synchronous strategies, ranks 1.. for the parameter server's), the best possible
+speed-up of a proportional split over an equal one (RESEARCH.md section 2).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .config import ASYNC_STRATEGIES
+
+# Columns copied from `runs` into every other table, for grouping without a join.
+KEY_COLUMNS = ("strategy", "aggregation", "seed", "world_size", "experiment", "case")
+
+# Root attributes of a result file that become columns of `runs` (when present).
+ATTR_COLUMNS = ("status", "strategy", "aggregation", "dataset", "model", "world_size", "num_parameters", "versions",
+                "git_revision", "created", "command", "oversubscribed", "torch_threads", "sleep_while_waiting",
+                "staleness_mean", "staleness_max", "updates", "gradients", "gradients_per_update", "reply_mode",
+                "training_time", "grid_experiment", "grid_case", "grid_scale", "grid_figures", "grid_loadavg",
+                "grid_elapsed")
+
+
+@dataclass
+class Tables:
+    runs: pd.DataFrame
+    epochs: pd.DataFrame
+    ranks: pd.DataFrame
+    steps: pd.DataFrame
+    updates: pd.DataFrame
+
+    def run(self, name: str) -> pd.Series:
+        """The `runs` row of one run (by its name)."""
+        return self.runs.set_index("run").loc[name]
+
+
+def ideal_speedup(speeds, skip_server: bool = False) -> float:
+    """mean(v)/min(v): the best speed-up of a proportional split over an equal split."""
+    v = np.asarray(speeds, dtype=float)
+    if skip_server:
+        v = v[1:]
+    if v.size == 0:
+        return 1.0
+    return float(v.mean() / v.min())
+
+
+def _attr(value):
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return tuple(_attr(v) for v in value.tolist())
+    return value
+
+
+def open_readonly(path):
+    """h5py.File(path, "r") without HDF5's file lock, so that a file a running job holds
+    open for writing can be read; with the lock where this process has the file open
+    already (HDF5 insists that the flags match)."""
+    import h5py
+    try:
+        return h5py.File(path, "r", locking=False)
+    except OSError as exc:
+        if "locking" not in str(exc):
+            raise
+        return h5py.File(path, "r")
+
+
+def read_file(path) -> dict:
+    """One result file: {'attrs': {...}, 'config': {...}, 'data': {name: ndarray}}.
+    Datasets are read even while the run is still being written (status running)."""
+    out = {"attrs": {}, "data": {}, "config": {}}
+    with open_readonly(path) as f:
+        for key, value in f.attrs.items():
+            out["attrs"][key] = _attr(value)
+        f.visititems(lambda name, obj: out["data"].__setitem__(name, obj[()]) if hasattr(obj, "shape") else None)
+    if "config" in out["attrs"]:
+        out["config"] = json.loads(out["attrs"]["config"])
+    return out
+
+
+def _run_row(name: str, path: Path, run: dict) -> dict:
+    attrs, cfg, data = run["attrs"], run["config"], run["data"]
+    row = {"run": name, "path": str(path)}
+    for key, value in cfg.items():                       # configuration columns
+        row[key] = tuple(value) if isinstance(value, list) else value
+    for key in ATTR_COLUMNS:
+        if key in attrs:
+            row[key] = attrs[key]
+    row["experiment"] = attrs.get("grid_experiment", "")
+    row["case"] = attrs.get("grid_case", "")
+    world = int(attrs.get("world_size", len(cfg.get("speeds", ())) or 1))
+    row["world_size"] = world
+    row["hostnames"] = tuple(attrs.get("hostnames", ()))
+    row["resumed"] = len(attrs.get("resumed", ()) or ())
+    speeds = tuple(cfg.get("speeds", ())) or (1.0,) * world
+    row["speeds"] = tuple(float(s) for s in speeds)
+    asynchronous = row.get("strategy") in ASYNC_STRATEGIES
+    row["asynchronous"] = asynchronous
+    row["heterogeneity"] = ideal_speedup(row["speeds"], skip_server=asynchronous and len(row["speeds"]) > 1)
+    duration = data.get("epoch/duration", np.zeros(0))
+    row["epochs_done"] = int(duration.shape[0])
+    row["train_time"] = float(duration.sum())
+    row["mean_epoch_time"] = float(duration.mean()) if duration.size else np.nan
+    row["median_epoch_time"] = float(np.median(duration)) if duration.size else np.nan
+    # Epoch time after the first epoch: dbs re-allocates from epoch 1's measurement.
+    row["steady_epoch_time"] = float(np.median(duration[1:])) if duration.size > 1 else row["median_epoch_time"]
+    for key in ("train_loss", "test_loss", "test_accuracy"):
+        values = data.get(f"epoch/{key}", np.zeros(0))
+        row[f"final_{key}"] = float(values[-1]) if values.size else np.nan
+    acc = data.get("epoch/test_accuracy", np.zeros(0))
+    row["best_test_accuracy"] = float(acc.max()) if acc.size else np.nan
+    if "update/staleness" in data and "staleness_mean" not in row:
+        st = data["update/staleness"]
+        row["staleness_mean"] = float(st.mean()) if st.size else np.nan
+        row["staleness_max"] = float(st.max()) if st.size else np.nan
+    return row
+
+
+def _epoch_rows(name: str, data: dict) -> pd.DataFrame:
+    n = data["epoch/duration"].shape[0] if "epoch/duration" in data else 0
+    cols = {"run": [name] * n, "epoch": np.arange(n)}
+    for key, value in data.items():
+        group, _, field = key.partition("/")
+        if group == "epoch" and value.ndim == 1 and value.shape[0] == n:
+            cols[field] = value
+    df = pd.DataFrame(cols)
+    if n:
+        df["wall_time"] = np.cumsum(data["epoch/duration"])
+        df["wall_time_start"] = df["wall_time"] - df["duration"]
+    return df
+
+
+def _rank_rows(name: str, data: dict) -> pd.DataFrame:
+    per_rank = {key.partition("/")[2]: value for key, value in data.items()
+                if key.startswith("epoch/") and value.ndim == 2}
+    if not per_rank:
+        return pd.DataFrame()
+    n, ranks = next(iter(per_rank.values())).shape
+    cols = {"run": [name] * (n * ranks), "epoch": np.repeat(np.arange(n), ranks), "rank": np.tile(np.arange(ranks), n)}
+    for field, value in per_rank.items():
+        if value.shape == (n, ranks):
+            cols["batch_size" if field == "batch_sizes" else field] = value.reshape(-1)
+    df = pd.DataFrame(cols)
+    parts = [c for c in ("compute_time", "comm_time", "wait_time", "data_time") if c in df]
+    if parts:
+        df["busy_time"] = df[parts].sum(axis=1)
+    return df
+
+
+def _step_rows(name: str, data: dict) -> pd.DataFrame:
+    if "step/loss" not in data:
+        return pd.DataFrame()
+    loss, epoch = data["step/loss"], data["step/epoch"]
+    n = loss.shape[0]
+    parts = [data[k] for k in ("step/compute_time", "step/comm_time", "step/wait_time") if k in data]
+    step_time = sum(p for p in parts).mean(axis=1) if parts else np.ones(n)
+    wall = np.zeros(n)
+    durations = data.get("epoch/duration", np.zeros(0))
+    offset = 0.0
+    for e in range(int(epoch.max()) + 1 if n else 0):
+        mask = epoch == e
+        t = step_time[mask]
+        total = durations[e] if e < durations.shape[0] else t.sum()
+        share = t / t.sum() if t.sum() > 0 else np.full(t.shape, 1.0 / max(t.size, 1))
+        wall[mask] = offset + np.cumsum(share) * total
+        offset += total
+    index_in_epoch = pd.Series(epoch).groupby(epoch).cumcount().to_numpy()
+    return pd.DataFrame({"run": [name] * n, "step": np.arange(n), "epoch": epoch, "step_in_epoch": index_in_epoch,
+                         "loss": loss, "step_time": step_time, "wall_time": wall})
+
+
+def _update_rows(name: str, data: dict) -> pd.DataFrame:
+    fields = {key.partition("/")[2]: value for key, value in data.items() if key.startswith("update/")}
+    if not fields:
+        return pd.DataFrame()
+    n = max(v.shape[0] for v in fields.values())
+    df = pd.DataFrame({"run": [name] * n, "gradient": np.arange(n),
+                       **{k: v for k, v in fields.items() if v.shape[0] == n}})
+    if "time" in df:
+        df["wall_time"] = df["time"]
+    return df
+
+
+def run_name(path: Path, root: Path) -> str:
+    try:
+        rel = path.relative_to(root)
+    except ValueError:
+        rel = Path(path.name)
+    return str(rel.with_suffix("")).replace("\\", "/")
+
+
+def find_runs(folder) -> list[Path]:
+    """Result files below `folder` (or `folder` itself if it is a file), sorted."""
+    folder = Path(folder)
+    if folder.is_file():
+        return [folder]
+    return sorted(p for p in folder.rglob("*.h5") if p.is_file())
+
+
+def load(folder, statuses=("complete",), strict: bool = False) -> Tables:
+    """Every result file below `folder` whose status is in `statuses` (None: all).
+    Unreadable files are skipped with a warning (raise with strict=True)."""
+    import warnings
+    root = Path(folder) if Path(folder).is_dir() else Path(folder).parent
+    runs, epochs, ranks, steps, updates = [], [], [], [], []
+    for path in find_runs(folder):
+        try:
+            run = read_file(path)
+        except (OSError, KeyError, ValueError) as exc:
+            if strict:
+                raise
+            warnings.warn(f"skipping {path}: {exc}")
+            continue
+        if statuses is not None and run["attrs"].get("status") not in statuses:
+            continue
+        name = run_name(path, root)
+        runs.append(_run_row(name, path, run))
+        epochs.append(_epoch_rows(name, run["data"]))
+        ranks.append(_rank_rows(name, run["data"]))
+        steps.append(_step_rows(name, run["data"]))
+        updates.append(_update_rows(name, run["data"]))
+    runs_df = pd.DataFrame(runs)
+    if runs_df.empty:
+        runs_df = pd.DataFrame(columns=["run", "path", *KEY_COLUMNS])
+
+    def combine(frames, index):
+        frames = [f for f in frames if not f.empty]
+        if not frames:
+            return pd.DataFrame(columns=["run", *KEY_COLUMNS, *index])
+        df = pd.concat(frames, ignore_index=True)
+        keys = runs_df[["run", *[c for c in KEY_COLUMNS if c in runs_df]]]
+        return df.merge(keys, on="run", how="left")[
+            ["run", *[c for c in KEY_COLUMNS if c in runs_df], *[c for c in df.columns if c != "run"]]]
+
+    return Tables(runs=runs_df, epochs=combine(epochs, ["epoch"]), ranks=combine(ranks, ["epoch", "rank"]),
+                  steps=combine(steps, ["step"]), updates=combine(updates, ["gradient"]))
+
+
+# --- derived tables the figures use -------------------------------------------------
+
+def utilisation(tables: Tables, by=("strategy",)) -> pd.DataFrame:
+    """Share of each rank's training time in compute, communication, waiting and data
+    (summed over epochs and runs), one row per (by..., rank)."""
+    r = tables.ranks
+    parts = ["compute_time", "comm_time", "wait_time", "data_time"]
+    g = r.groupby([*by, "rank"])[parts].sum()
+    total = g.sum(axis=1)
+    share = g.div(total.where(total > 0, 1.0), axis=0)
+    share.columns = [c.replace("_time", "") for c in parts]
+    return share.reset_index()
+
+
+def speedup(tables: Tables, baseline: str = "ssgd", strategy: str = "dbs",
+            group=("experiment", "speeds", "seed"), time_column: str = "steady_epoch_time") -> pd.DataFrame:
+    """Measured speed-up time(baseline)/time(strategy) per group (runs that differ only in
+    strategy), with the ideal mean(v)/min(v) next to it."""
+    runs = tables.runs
+    cols = [c for c in group if c in runs]
+    base = runs[runs.strategy == baseline].set_index(cols)[time_column]
+    other = runs[runs.strategy == strategy].set_index(cols)
+    joined = other[[time_column, "heterogeneity"]].join(base.rename("baseline_time"), how="inner")
+    joined = joined.rename(columns={time_column: "time"})
+    joined["speedup"] = joined["baseline_time"] / joined["time"]
+    joined["ideal"] = joined["heterogeneity"]
+    joined["fraction_of_ideal"] = joined["speedup"] / joined["ideal"]
+    return joined.reset_index()
+
+
+def smooth(values, window: int) -> np.ndarray:
+    """Centred rolling mean (edges use what is there)."""
+    return pd.Series(np.asarray(values, dtype=float)).rolling(max(1, int(window)), center=True,
+                                                               min_periods=1).mean().to_numpy()
+
+
+def disturbances(run: pd.Series | dict, epochs: int | None = None) -> pd.DataFrame:
+    """The emulated disturbances of a run, per (epoch, rank), replayed from its
+    configuration: `slow_factor` (compute-time multiplier of the --slow-rank window) and
+    `extra_sleep` (seconds of the DBS paper's random sleeps in that epoch). The random
+    draws are seeded by (seed, rank) and made once per epoch whatever happens, so the
+    replay is exactly what the run did (heterogeneity.Emulator)."""
+    from .heterogeneity import Emulator
+    get = run.get
+    epochs = int(epochs if epochs is not None else get("epochs_done", get("epochs", 0)))
+    world = int(get("world_size", len(get("speeds", ())) or 1))
+    rows = []
+    for rank in range(world):
+        em = Emulator(rank, 1.0, seed=int(get("seed", 0)), slow_rank=int(get("slow_rank", -1)),
+                      slow_factor=float(get("slow_factor", 1.0)), slow_epochs=tuple(get("slow_epochs", (0, 0))),
+                      sleep_prob=float(get("sleep_prob", 0.0)), sleep_seconds=tuple(get("sleep_seconds", (5.0, 10.0))),
+                      sleep_epochs=tuple(get("sleep_epochs", (4, 20))))
+        for epoch in range(epochs):
+            em.start_epoch(epoch, 1)
+            rows.append((epoch, rank, float(em.factor), float(em.epoch_sleep)))
+    return pd.DataFrame(rows, columns=["epoch", "rank", "slow_factor", "extra_sleep"])
