@@ -42,7 +42,7 @@ endif
 data:
 	bash scripts/get-data.sh $(DATA_DIR)
 
-test: test-serial test-np1 test-np2 test-np4
+test: test-serial test-np1 test-np2 test-np4 test-notebooks
 
 # Unit tests, and tests that launch mpirun themselves (error propagation, CLI).
 test-serial:
