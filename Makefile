@@ -18,7 +18,7 @@ NP       ?= 4
 TORCH    ?= torch==2.13.0
 DATA_DIR ?= data
 # Bound on each MPI test session, so that a hang fails instead of blocking CI.
-TEST_TIMEOUT ?= 900
+TEST_TIMEOUT ?= 2400
 
 .PHONY: install venv deps data test test-serial test-mpi test-np% run bench bench-hetero info clean experiments figures test-notebooks
 
