@@ -11,10 +11,12 @@
   Allreduce at once (lowest latency). "auto" (default) sleeps only where a node runs
   more ranks than it has cores, i.e. where a spinning rank would steal a core.
 * `GradientExchange` owns one flat float32 buffer that the model's .grad tensors are
-  views of (autograd accumulates straight into it: no copies), plus one slot for the
-  loss. A step's exchange scales the buffer by this rank's weight and does one
-  in-place sum-allreduce: the sample-weighted gradient sum_i (b_i/B) g_i and the
-  global mean loss in a single collective (RESEARCH.md section 1).
+  views of (autograd accumulates straight into it: no copies), cut into buckets as in
+  PyTorch DDP (reverse registration order, 25 MiB cap, a 1 MiB first bucket), plus one
+  slot for the loss. Every rank scales its gradients by its weight b_i/B and sums them
+  with an in-place allreduce: the sample-weighted gradient sum_i (b_i/B) g_i and the
+  global mean loss (RESEARCH.md section 1). With several buckets, a bucket's
+  Iallreduce starts from autograd hooks as soon as backward has filled it.
 * `agree` runs a set-up function on every rank and lets all ranks fail together,
   cleanly, when any rank fails (one message, exit status 2, nobody left waiting).
 * `abort_on_uncaught` makes an unexpected exception on any rank end the whole job.
@@ -45,8 +47,10 @@ class CommTimeout(RuntimeError):
     pass
 
 
-def wait(request: MPI.Request, timeout: float = 600.0, what: str = "collective") -> None:
-    """Complete `request`, sleeping between tests; CommTimeout after `timeout` seconds."""
+def wait(request: MPI.Request, timeout: float = 600.0, what: str = "collective",
+         max_pause: float = POLL_SLEEP_MAX) -> None:
+    """Complete `request`, sleeping between tests (at most `max_pause` seconds: the
+    added latency); CommTimeout after `timeout` seconds."""
     if request.Test():
         return
     start = time.perf_counter()
@@ -59,12 +63,12 @@ def wait(request: MPI.Request, timeout: float = 600.0, what: str = "collective")
             raise CommTimeout(f"waited more than {timeout:g} s in {what}: another rank is stuck or dead "
                               f"(raise comm_timeout if a step can legitimately take that long)")
         time.sleep(pause)
-        pause = min(2 * pause, POLL_SLEEP_MAX)
+        pause = min(2 * pause, max_pause)
 
 
-def barrier(comm: MPI.Comm, timeout: float = 600.0) -> None:
+def barrier(comm: MPI.Comm, timeout: float = 600.0, max_pause: float = POLL_SLEEP_MAX) -> None:
     if comm.Get_size() > 1:
-        wait(comm.Ibarrier(), timeout, "barrier")
+        wait(comm.Ibarrier(), timeout, "barrier", max_pause)
 
 
 def allreduce_sum(comm: MPI.Comm, array: np.ndarray, timeout: float = 600.0) -> np.ndarray:
@@ -97,34 +101,205 @@ def broadcast_parameters(comm: MPI.Comm, module: torch.nn.Module, root: int = 0)
             data.copy_(comm.bcast(data, root=root))
 
 
-class GradientExchange:
-    """Sample-weighted gradient allreduce over one flat buffer that .grad tensors view."""
+MIB = 2 ** 20
+BUCKET_BYTES = 25 * MIB        # PyTorch DDP's bucket cap
+FIRST_BUCKET_BYTES = 1 * MIB   # PyTorch DDP's first-bucket cap (the last layers: ready first)
 
-    def __init__(self, comm: MPI.Comm, params, timeout: float = 600.0, sleep_while_waiting: bool = False):
+
+def bucket_layout(numels, bucket_bytes: int = BUCKET_BYTES, first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+                  itemsize: int = 4) -> list[list[int]]:
+    """Parameter indices of each bucket, in launch order (PyTorch DDP's rule).
+
+    Parameters are taken in reverse registration order (backward produces the last
+    layers' gradients first); a bucket is closed as soon as it holds at least its cap
+    in bytes: `first_bucket_bytes` for the first bucket, `bucket_bytes` for the others
+    (so a bucket exceeds its cap by at most one tensor, and a tensor larger than the
+    cap gets a bucket of its own). A cap of 0 means no cap. There is always at least
+    one bucket (empty if there are no parameters)."""
+    buckets, current, size = [], [], 0
+    for index in reversed(range(len(numels))):
+        current.append(index)
+        size += numels[index] * itemsize
+        cap = first_bucket_bytes if not buckets else bucket_bytes
+        if cap and size >= cap:
+            buckets.append(current)
+            current, size = [], 0
+    if current or not buckets:
+        buckets.append(current)
+    return buckets
+
+
+class GradientExchange:
+    """Sample-weighted gradient allreduce over flat buckets that the .grad tensors view.
+
+    One float32 buffer holds every gradient, bucket after bucket in launch order (inside
+    a bucket, parameters keep their registration order), then one slot for the step's
+    loss; each parameter's .grad is a view of its place, so autograd accumulates
+    straight into the buffer (no copies) and the optimizer reads the reduced values.
+
+    A step is `zero_grad(weight)`, `backward(loss)` (or loss.backward()),
+    `allreduce(weight, loss_share)`. Weighting: `backward(loss)` seeds autograd with
+    the weight, so the gradients arrive already multiplied by b_i/B and nothing is
+    scaled afterwards; after a plain loss.backward() every bucket is scaled (one pass
+    over its bytes) just before its allreduce starts.
+
+    * Overlap. With several buckets and several ranks, a post-accumulate-grad hook on
+      every parameter counts down its bucket; when all of a bucket's gradients are
+      there, the bucket is weighted (see above) and its non-blocking sum-allreduce
+      (Iallreduce) starts, while backward goes on.
+      Buckets start strictly in bucket order, whatever order the hooks fire in, and
+      every bucket is reduced by the same kind of call on every rank (non-final
+      buckets: Iallreduce; the final bucket: blocking Allreduce), so no rank can
+      mismatch another. MPICH moves a non-blocking collective on only inside MPI calls:
+      every hook Tests the oldest request in flight, so communication progresses
+      between the layers' backward kernels.
+    * The final bucket carries the loss slot, so it starts in `allreduce`, when the
+      loss is known; everything not started yet (a rank with no samples runs no
+      backward; a parameter unused in this step fires no hook; zero_grad() was called
+      without a weight) starts there too, in bucket order. With one bucket (LeNet-5 and
+      the MLP at the default caps) a step is one blocking Allreduce, no hooks; on
+      this 2-core machine overlap did not pay even with small buckets (see bench
+      overlap), so the DDP caps are the default.
+    * Waiting. "spin": blocking Allreduce of the final bucket, then Waitall. "sleep":
+      first a sleeping Ibarrier (posted after the buckets' Iallreduces, so MPI_Test on
+      it progresses them too) until every rank has arrived, then the same calls, which
+      spin only while bytes move. The choice is agreed by all ranks at construction."""
+
+    def __init__(self, comm: MPI.Comm, params, timeout: float = 600.0, sleep_while_waiting: bool = False,
+                 bucket_bytes: int = BUCKET_BYTES, first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+                 overlap: bool = True):
         self.comm = comm
         self.timeout = timeout
-        self.sleep_while_waiting = sleep_while_waiting
+        self.world_size = comm.Get_size()
         self.params = [p for p in params if p.requires_grad]
-        self.numel = sum(p.numel() for p in self.params)
-        # Flat float32 buffer: gradients first, then one slot for the weighted loss.
-        self.flat = torch.zeros(self.numel + 1, dtype=torch.float32)
-        self._array = self.flat.numpy()
-        offset = 0
         for p in self.params:
             if p.dtype != torch.float32:
                 raise TypeError("GradientExchange supports float32 parameters only")
-            n = p.numel()
-            p.grad = self.flat[offset:offset + n].view_as(p)
-            offset += n
+        self.numel = sum(p.numel() for p in self.params)
+        # Every rank must take the same waiting path (the Ibarrier is a collective).
+        self.sleep_while_waiting = bool(comm.allreduce(bool(sleep_while_waiting), op=MPI.LOR)) \
+            if self.world_size > 1 else False
+        self.layout = bucket_layout([p.numel() for p in self.params], bucket_bytes, first_bucket_bytes)
+        self.flat = torch.zeros(self.numel + 1, dtype=torch.float32)
+        self._array = self.flat.numpy()
+        self.bounds = []                 # (start, stop) of every bucket in flat; the final one ends at the loss slot
+        self._bucket_of = [0] * len(self.params)
+        self._grad_ptr = [0] * len(self.params)
+        offset = 0
+        for b, indices in enumerate(self.layout):
+            start = offset
+            for index in sorted(indices):
+                p = self.params[index]
+                n = p.numel()
+                p.grad = self.flat[offset:offset + n].view_as(p)
+                self._bucket_of[index] = b
+                self._grad_ptr[index] = p.grad.data_ptr()
+                offset += n
+            self.bounds.append((start, offset))
+        self.bounds[-1] = (self.bounds[-1][0], self.numel + 1)
+        self._views = [self._array[start:stop] for start, stop in self.bounds]   # what each bucket's allreduce sends
+        self._final_grads = self._array[self.bounds[-1][0]:self.numel]
+        self._sizes = [len(indices) for indices in self.layout]
+        self.overlap = bool(overlap) and self.world_size > 1 and len(self.layout) > 1
+        self._hooks = []
+        if self.overlap:
+            for index, p in enumerate(self.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook_for(index)))
+        self._reset()
 
-    def zero_grad(self) -> None:
+    @property
+    def num_buckets(self) -> int:
+        return len(self.layout)
+
+    def bucket_numels(self) -> list[int]:
+        """Gradient elements of every bucket, in launch order (the loss slot not counted)."""
+        return [stop - start for start, stop in self.bounds[:-1]] + [self.bounds[-1][1] - 1 - self.bounds[-1][0]]
+
+    def gradient(self) -> torch.Tensor:
+        """A copy of all gradients, flattened in registration order (like torch.cat of the .grad)."""
+        return torch.cat([p.grad.reshape(-1) for p in self.params]) if self.params else torch.zeros(0)
+
+    def close(self) -> None:
+        """Remove the hooks (the .grad views stay)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.overlap = False
+
+    # --- a step ---------------------------------------------------------------
+    def _reset(self) -> None:
+        self._weight = None                       # set by zero_grad(weight): hooks may start buckets
+        self._prescaled = False                   # backward(loss) seeded the gradients with the weight
+        self._left = list(self._sizes)            # gradients still to come, per bucket
+        self._next = 0                            # next bucket to start
+        self._requests = []                       # in flight: buckets 0 .. self._next - 1
+        self._oldest = 0                          # first request not known to be complete
+
+    def zero_grad(self, weight: float | None = None) -> None:
+        """Zero all gradients and begin a step. With this rank's weight (b_i/B, 1/n for
+        plain averaging), buckets start as soon as backward has filled them; without,
+        everything starts in allreduce()."""
+        if self._requests:
+            raise RuntimeError("zero_grad() while gradient buckets are still being reduced: call allreduce() "
+                               "(strategy.reduce) once after every backward")
+        self._reset()
         self.flat.zero_()
+        self._weight = None if weight is None else float(weight)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), seeded with this rank's weight (given to zero_grad): autograd
+        then produces weight * gradient directly, so no bucket needs a scaling pass
+        (the seed multiplies only the scalar at the root of the graph). Without a
+        weight it is plain loss.backward() and allreduce() scales."""
+        if self._weight is None or self._weight == 1.0:
+            loss.backward()
+            return
+        if self._left != self._sizes and not self._prescaled:
+            raise RuntimeError("backward(loss) after a plain backward in the same step: the gradients would "
+                               "be weighted unevenly")
+        self._prescaled = True
+        loss.backward(torch.full_like(loss, self._weight))
+
+    def _hook_for(self, index: int):
+        bucket = self._bucket_of[index]
+        ptr = self._grad_ptr[index]
+
+        def hook(p):
+            if p.grad is None or p.grad.data_ptr() != ptr:
+                raise RuntimeError("a parameter's .grad no longer views the exchange buffer; use "
+                                   "strategy.zero_grad() (exchange.zero_grad) instead of optimizer.zero_grad()")
+            self._left[bucket] -= 1
+            if bucket < self._next:
+                raise RuntimeError("a gradient changed after its bucket's allreduce had started: with overlap, "
+                                   "run one backward per step between zero_grad() and allreduce()")
+            if self._left[bucket] == 0 and self._weight is not None:
+                self._start_ready()
+            elif self._oldest < len(self._requests):
+                self._progress()
+        return hook
+
+    def _start(self, bucket: int, weight: float) -> None:
+        view = self._views[bucket]
+        if weight != 1.0 and not self._prescaled:
+            np.multiply(view, weight, out=view)
+        self._requests.append(self.comm.Iallreduce(MPI.IN_PLACE, view, op=MPI.SUM))
+        self._next = bucket + 1
+
+    def _start_ready(self) -> None:
+        last = len(self.layout) - 1
+        while self._next < last and self._left[self._next] <= 0:
+            self._start(self._next, self._weight)
+        self._progress()
+
+    def _progress(self) -> None:
+        """Let MPICH move the buckets in flight on (it does only inside MPI calls)."""
+        while self._oldest < len(self._requests) and self._requests[self._oldest].Test():
+            self._oldest += 1
 
     def check_views(self) -> None:
         """Fail loudly if something replaced a .grad (e.g. zero_grad(set_to_none=True))."""
-        for p in self.params:
-            if p.grad is None or p.grad.data_ptr() < self.flat.data_ptr() or \
-                    p.grad.data_ptr() >= self.flat.data_ptr() + 4 * self.numel:
+        for p, ptr in zip(self.params, self._grad_ptr):
+            if p.grad is None or p.grad.data_ptr() != ptr:
                 raise RuntimeError("a parameter's .grad no longer views the exchange buffer; "
                                    "use exchange.zero_grad() instead of optimizer.zero_grad()")
 
@@ -132,15 +307,29 @@ class GradientExchange:
         """flat <- sum over ranks of weight_r * grad_r; returns sum_r loss_share_r.
 
         weight is b_i/B for sample-weighted aggregation (1/n for plain averaging);
-        loss_share is loss_i * b_i/B, so the returned value is the global mean loss."""
-        if weight != 1.0:
-            self.flat[:self.numel].mul_(weight)
-        self.flat[self.numel] = loss_share
-        if self.comm.Get_size() > 1:
-            if self.sleep_while_waiting:
-                wait(self.comm.Ibarrier(), self.timeout, "gradient allreduce (waiting for the other ranks)")
-            self.comm.Allreduce(MPI.IN_PLACE, self._array, op=MPI.SUM)
-        return float(self.flat[self.numel])
+        loss_share is loss_i * b_i/B, so the returned value is the global mean loss.
+        Waits for every bucket: afterwards the .grad tensors hold the reduced gradient."""
+        weight = float(weight)
+        if self._weight is not None and weight != self._weight:
+            raise RuntimeError(f"allreduce(weight={weight:g}) but zero_grad was given weight {self._weight:g}: "
+                               f"the buckets already started were scaled by that")
+        last = len(self.layout) - 1
+        try:
+            while self._next < last:       # not started yet (no backward, unused parameters, no weight given)
+                self._start(self._next, weight)
+            if weight != 1.0 and not self._prescaled:
+                np.multiply(self._final_grads, weight, out=self._final_grads)
+            self._array[self.numel] = loss_share
+            if self.world_size > 1:
+                if self.sleep_while_waiting:
+                    wait(self.comm.Ibarrier(), self.timeout, "gradient allreduce (waiting for the other ranks)")
+                self.comm.Allreduce(MPI.IN_PLACE, self._views[last], op=MPI.SUM)
+                if self._requests:
+                    MPI.Request.Waitall(self._requests)
+        finally:
+            self._requests = []
+            self._reset()
+        return float(self._array[self.numel])
 
 
 # --- failing together ----------------------------------------------------------

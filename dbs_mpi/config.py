@@ -43,7 +43,7 @@ class Config:
     # --- what to train ---------------------------------------------------------
     strategy: str = "dbs"            # ssgd (equal local batches) | static (start-up benchmark) | dbs (re-allocated every epoch) | asgd | nsoftsync | dbs-sgd (parameter server)
     aggregation: str = "weighted"    # weighted: sum_i b_i*g_i / B | mean: (1/n) sum_i g_i
-    dataset: str = "fashion-mnist"   # fashion-mnist | mnist | synthetic
+    dataset: str = "fashion-mnist"   # fashion-mnist | mnist | cifar10 | synthetic
     data_dir: str = ""               # folder holding <dataset>/ files; "" = $DBS_MPI_DATA_DIR, else ./data
     model: str = "lenet5"            # lenet5 | mlp | resnet20 | cifar-cnn
     norm: str = "group"              # resnet20's normalisation: group (consistent across uneven local batches) | batch
@@ -72,6 +72,8 @@ class Config:
     # --- asynchronous strategies (parameter server: rank 0 serves, the others work) ---
     softsync_n: int = 1              # nsoftsync: the server applies after floor(workers / n) gradients
     staleness_lr: bool = False       # scale the learning rate by 1/staleness (alpha0 where staleness is 0)
+    softsync_wait: bool = False      # nsoftsync: a worker gets new weights only once its gradient is applied (softsync_n = 1: hardsync, staleness 0); false: at once (Zhang et al.)
+    time_budget: float = 0.0         # asynchronous strategies: seconds of training after which no new work is handed out; 0 = no limit (epochs still caps the run)
     # --- heterogeneity emulation -----------------------------------------------
     speeds: tuple = ()               # per-rank speed in (0, 1]: rank i computes 1/speeds[i] times slower; () = all 1
     slow_rank: int = -1              # disturbance: this rank is slowed ... (-1 = none)
@@ -84,6 +86,8 @@ class Config:
     threads: int = 0                 # torch threads per rank; 0 = cores of the node / ranks on the node
     wait_policy: str = "auto"        # waiting ranks: sleep | spin | auto (sleep only where a node has more ranks than cores)
     comm_timeout: float = 600.0      # seconds a rank may wait in one collective before the job is aborted
+    bucket_mb: float = 25.0          # gradient bucket cap, MiB (PyTorch DDP's); a full bucket is reduced during backward; 0 = no cap
+    first_bucket_mb: float = 1.0     # cap of the first bucket (the last layers' gradients, ready first), MiB; 0 = no cap
     checkpoint_every: int = 1       # write a checkpoint every N epochs (and on SIGTERM/SIGUSR1); 0 = only on signals
     checkpoint: str = ""             # checkpoint file; "" = <out>.ckpt
     out: str = ""                    # result file (HDF5); "" = results/<strategy>-<date>-<time>.h5
@@ -211,8 +215,11 @@ def validate(c: Config) -> None:
                  "comm_timeout", "slow_factor"):
         positive(name)
     for name in ("lr", "momentum", "weight_decay", "subset", "test_subset", "max_local_batch",
-                 "benchmark_warmup", "threads", "checkpoint_every", "sleep_prob", "dbs_min_gain"):
+                 "benchmark_warmup", "threads", "checkpoint_every", "sleep_prob", "dbs_min_gain",
+                 "bucket_mb", "first_bucket_mb"):
         non_negative(name)
+    if c.time_budget < 0:
+        _fail("time_budget", f"must be zero (no limit) or positive seconds; got {c.time_budget}")
     if c.min_local_batch < 1:
         _fail("min_local_batch", f"must be at least 1; got {c.min_local_batch}")
     if c.max_local_batch and c.max_local_batch < c.min_local_batch:
@@ -246,6 +253,12 @@ def check_world(c: Config, world_size: int) -> None:
                               f"{world_size} x {c.max_local_batch}")
     if c.slow_rank >= world_size:
         _fail("slow_rank", f"is {c.slow_rank} but ranks are 0..{world_size - 1}")
+    if c.strategy in ASYNC_STRATEGIES and world_size < 2:
+        _fail("strategy", f"{c.strategy} needs at least 2 ranks (rank 0 serves the parameters, the others work); "
+                          f"run it under mpirun -n 2 or more")
+    if c.strategy == "nsoftsync" and c.softsync_n > world_size - 1:
+        _fail("softsync_n", f"is {c.softsync_n} but there are only {world_size - 1} workers (1 <= n <= workers; "
+                            f"n = workers is ASGD)")
 
 
 def from_dict(values: dict) -> Config:

@@ -1,6 +1,6 @@
 """Synchronous data-parallel strategies: who gets how many samples, and how gradients
 are combined. Strategies own the communication; the training loop only calls
-zero_grad(), reduce() and end_epoch().
+zero_grad(), backward(), reduce() and end_epoch().
 
   ssgd    equal local batches, fixed (the baseline every paper compares to)
   static  local batches from the start-up benchmark, fixed for the run
@@ -29,7 +29,9 @@ class SyncStrategy:
         self.cfg = cfg
         self.world_size = comm.Get_size()
         self.aggregation = cfg.aggregation
-        self.exchange = GradientExchange(comm, params, cfg.comm_timeout, sleep_while_waiting)
+        self.exchange = GradientExchange(comm, params, cfg.comm_timeout, sleep_while_waiting,
+                                         bucket_bytes=int(cfg.bucket_mb * 2 ** 20),
+                                         first_bucket_bytes=int(cfg.first_bucket_mb * 2 ** 20))
         self.max_local = cfg.max_local_batch or None
         self.speed_model = speed_model
         self.batch_sizes = self.initial_batch_sizes()
@@ -37,8 +39,17 @@ class SyncStrategy:
     def initial_batch_sizes(self) -> np.ndarray:
         raise NotImplementedError
 
-    def zero_grad(self) -> None:
-        self.exchange.zero_grad()
+    def zero_grad(self, local_batch: int | None = None, step_batch_sizes=None) -> None:
+        """Zero the gradients and begin a step. Given the step's local batches, the
+        weight is known before backward, so gradient buckets can start reducing while
+        backward still runs (comm.GradientExchange); without, they start in reduce()."""
+        weight = None if local_batch is None else self.weight(local_batch, step_batch_sizes)
+        self.exchange.zero_grad(weight)
+
+    def backward(self, loss) -> None:
+        """loss.backward(), with the gradients weighted by this rank's share b_i/B as
+        autograd produces them (the weight given to zero_grad; see comm.GradientExchange)."""
+        self.exchange.backward(loss)
 
     def weight(self, local_batch: int, step_batch_sizes) -> float:
         """This rank's share of the global gradient for a step with these local batches."""
@@ -91,11 +102,11 @@ class DBS(Static):
             min_gain=cfg.dbs_min_gain)
 
     def state_dict(self):
-        return {**super().state_dict(), "controller_model": self.controller.model}
+        return {**super().state_dict(), "controller": self.controller}
 
     def load_state(self, state):
         super().load_state(state)
-        self.controller.model = state["controller_model"]
+        self.controller = state["controller"]
 
     def end_epoch(self, step_batch_sizes, pre_compute):
         new, ratio = self.controller.update(self.batch_sizes, step_batch_sizes, pre_compute)

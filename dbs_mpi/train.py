@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from . import allocation, checkpoint, comm as mpi, sharding
 from .checkpoint import EXIT_STOPPED, StopRequest
 from .config import ASYNC_STRATEGIES, Config, UserError, check_world
-from .data import Dataset, load_dataset
+from .data import Dataset, augment, load_dataset
 from .heterogeneity import Emulator
 from .models import build_model, num_parameters
 from .profiling import StepTimes, benchmark_speed, split_wait
@@ -52,7 +52,7 @@ def setup(comm, cfg: Config, out: str | None):
         raise UserError(f"global_batch: {cfg.global_batch} is larger than the {len(train_set)} training samples "
                         f"(with drop_last nothing is left)")
     try:
-        model = build_model(cfg.model, train_set.sample_shape, train_set.num_classes)
+        model = build_model(cfg.model, train_set.sample_shape, train_set.num_classes, norm=cfg.norm)
     except ValueError as exc:
         raise UserError(f"model: {exc}") from None
     return train_set, test_set, model
@@ -205,12 +205,14 @@ class SyncTrainer:
                 stop.start()
                 t0 = time.perf_counter()
                 x, y = train_set.x[idx], train_set.y[idx]
+                if cfg.augment:
+                    x = augment(x, idx, epoch, cfg.seed)
                 t1 = time.perf_counter()
                 strategy.zero_grad(len(idx), table[s])
                 local_loss = 0.0
                 if len(idx):
                     loss = F.cross_entropy(model(x), y)
-                    loss.backward()
+                    strategy.backward(loss)
                     local_loss = loss.item()
                 emulator.stretch(time.perf_counter() - t1)
                 t2 = time.perf_counter()

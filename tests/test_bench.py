@@ -1,0 +1,117 @@
+"""`dbs-mpi bench` reports: formatting and the final table on fake numbers, the ideal
+epoch time, the HDF5 summary, and the rank requirements. No timing is asserted here:
+speed targets belong to the benchmarks themselves."""
+import json
+
+import h5py
+import numpy as np
+import pytest
+
+from dbs_mpi import bench
+from dbs_mpi.config import UserError
+
+
+def fake_reports():
+    exchange = {"case": "exchange", "world_size": 2, "repeats": 2, "iterations": 10, "oversubscribed": False,
+                "models": {"lenet5": {"bytes": 246828,
+                                      "times": {"framework": [5.5e-5, 5.7e-5], "raw": [5e-5, 5e-5]},
+                                      "ratio": [1.1, 1.14]}}}
+    exchange["checks"] = [bench.check("lenet5 exchange / raw Allreduce", 1.12, 1.10, "<=")]
+    ddp = {"case": "ddp", "world_size": 2, "repeats": 2, "model": "lenet5", "local_batch": 64, "steps": 10,
+           "threads": 1, "oversubscribed": False, "throughput": {"dbs-mpi": [12000.0, 12500.0],
+                                                                 "ddp": [11000.0, 11600.0]},
+           "ratio": [1.09, 1.08], "checks": [bench.check("dbs-mpi / DDP", 1.085, 1.0, ">=")]}
+    part = {"compute": 3.9, "comm": 0.1, "update_data": 0.2, "ideal": 4.2}
+    hetero = {"case": "hetero", "world_size": 2, "speeds": [1.0, 0.25], "global_batch": 512, "repeats": 2,
+              "oversubscribed": True, "times": {"ssgd": [11.0, 11.2], "dbs": [4.5, 4.6]},
+              "batch_sizes": {"ssgd": [256, 256], "dbs": [412, 100]}, "ideal": 2.5,
+              "ideal_time": {"ssgd": [4.3, 4.3], "dbs": [4.2, 4.2]}, "ideal_parts": {"ssgd": [part], "dbs": [part]},
+              "ratios": {"dbs": [2.44, 2.43]}, "median_ratio": {"dbs": 2.435},
+              "to_ideal": {"ssgd": [2.6, 2.6], "dbs": [1.07, 1.09]},
+              "checks": [bench.check("ssgd/dbs / ideal", 0.97, 0.9, ">="), bench.check("dbs / ideal", 1.08, 1.1)]}
+    overhead = {"case": "overhead", "world_size": 1, "repeats": 2, "model": "lenet5", "local_batch": 64, "steps": 10,
+                "threads": 1, "times": {"dbs-mpi": [1.02, 1.03], "plain": [1.0, 1.0]}, "ratio": [1.02, 1.03],
+                "overhead_per_step": [2e-4, 3e-4], "checks": [bench.check("1 rank / plain", 1.025, 1.05)]}
+    scaling = {"case": "scaling", "sizes": [1, 2, 4], "repeats": 2, "model": "lenet5", "local_batch": 64, "steps": 10,
+               "threads": 1, "cores": 2, "throughput": {"1": [9000.0, 9100.0], "2": [17000.0, 17500.0],
+                                                        "4": [8000.0, 8100.0]},
+               "speedup": {"1": [1.0, 1.0], "2": [1.89, 1.92], "4": [0.89, 0.89]},
+               "oversubscribed_at": {"1": False, "2": False, "4": True}, "oversubscribed": True,
+               "checks": [bench.check("throughput 2 / 1", 1.9, None), bench.check("throughput 4 / 1", 0.89, None)]}
+    overlap = {"case": "overlap", "world_size": 2, "repeats": 2, "steps": 10, "local_batch": 64, "bucket_kb": 64,
+               "first_bucket_kb": 16, "oversubscribed": False,
+               "models": {"mlp": {"times": {"one bucket": [2e-3, 2e-3], "buckets, overlap": [2.1e-3, 2.2e-3]},
+                                  "buckets": {"one bucket": 1, "buckets, overlap": 2}, "ratio": [0.95, 0.91]}},
+               "checks": [bench.check("mlp one bucket / overlapped", 0.93, None)]}
+    wait = {"case": "wait", "world_size": 4, "cores": 2, "speeds": [1, 0.25, 0.25, 0.25], "global_batch": 512,
+            "repeats": 2, "oversubscribed": True, "times": {"ssgd": {"spin": [1.5, 1.6], "sleep": [1.1, 1.2]}},
+            "ratios": {"ssgd": [1.36, 1.33]}, "checks": [bench.check("ssgd spin / sleep", 1.345, None)]}
+    return [exchange, ddp, hetero, overhead, scaling, overlap, wait]
+
+
+def test_check_verdicts():
+    assert bench.check("x", 1.2, 1.1, "<=")["met"] is False
+    assert bench.check("x", 1.0, 1.1, "<=")["met"] is True
+    assert bench.check("x", 0.9, 1.0, ">=")["met"] is False
+    assert bench.check("x", 1.0, 1.0, ">=")["met"] is True
+    assert bench.check("x", 3.0, None)["met"] is None
+
+
+@pytest.mark.parametrize("report", fake_reports(), ids=lambda r: r["case"])
+def test_every_case_formats_its_numbers(report):
+    text = bench.FORMATTERS[report["case"]](report)
+    assert text.startswith(f"bench {report['case']}")
+    assert ("OVERSUBSCRIBED" in text or "oversubscribed" in text) == bool(report.get("oversubscribed"))
+    if report["case"] == "hetero":
+        assert "ssgd/dbs epoch-time ratio: median 2.435" in text and "0.97 of ideal" in text
+        assert "dbs epoch time / ideal" in text and "median 1.080" in text
+    if report["case"] == "ddp":
+        assert "12250" in text and "11300" in text          # medians of the two throughputs
+    if report["case"] == "scaling":
+        assert "1.90" in text and "[oversubscribed]" in text.splitlines()[-1]
+
+
+def test_the_table_has_one_line_per_check_with_its_verdict():
+    reports = fake_reports()
+    lines = bench.format_table(reports).splitlines()
+    assert len(lines) == 1 + sum(len(r["checks"]) for r in reports)
+    verdicts = [line.split()[-1] for line in lines[1:]]
+    assert verdicts[:5] == ["MISSED", "met", "met", "met", "met"]
+    assert verdicts.count("info") == 4
+    assert "<= 1.10" in lines[1] and ">= 1.00" in lines[2]
+
+
+def test_summary_file(tmp_path):
+    path = tmp_path / "bench" / "summary.h5"
+    reports = fake_reports()
+    bench.write_report(reports, path, {"command": "dbs-mpi bench all", "world_size": 4})
+    with h5py.File(path, "r") as f:
+        assert f.attrs["command"] == "dbs-mpi bench all"
+        assert set(f) == {r["case"] for r in reports}
+        assert json.loads(f["hetero"].attrs["report"])["speeds"] == [1.0, 0.25]
+        np.testing.assert_allclose(f["hetero/times/dbs"][()], [4.5, 4.6])
+        np.testing.assert_allclose(f["exchange/check_value"][()], [1.12])
+
+
+def test_ideal_epoch_time():
+    # 1000 samples, B = 100, vector [80, 20]: rank 0 computes 800 samples, rank 1 200
+    record = {"batch_sizes": np.array([80, 20]), "speed": np.array([800.0, 200.0]),
+              "compute_time": np.array([1.1, 1.2]), "comm_time": np.array([0.3, 0.1]),
+              "data_time": np.array([0.05, 0.05])}
+    part = bench.ideal_epoch_time(record, 1000, 100)
+    assert part["compute"] == pytest.approx(1000 / 1000.0)
+    assert part["comm"] == pytest.approx(0.2)
+    assert part["update_data"] == pytest.approx(((1.1 - 1.0) + (1.2 - 1.0)) / 2 + 0.05)
+    assert part["ideal"] == pytest.approx(part["compute"] + part["comm"] + part["update_data"])
+
+
+def test_rank_requirements_are_checked_before_anything_runs():
+    with pytest.raises(UserError, match="needs 2 ranks"):
+        bench._setup(["ddp"], 1)
+    with pytest.raises(UserError, match="needs 3 ranks"):
+        bench._setup(["hetero", "--speeds", "1,0.5,0.2"], 2)
+    args = bench._setup(["all"], 4)
+    assert args.subset == bench.ALL_DEFAULTS["subset"]
+    assert bench._setup(["overhead"], 1).case == "overhead"
+    with pytest.raises(UserError):
+        bench._setup(["nonsense"], 4)

@@ -1,0 +1,155 @@
+"""The parameter server's pure parts (no MPI): how work is handed out, message layout,
+update-group sizes, staleness statistics, configuration checks; and the asynchronous
+strategies end to end through `dbs-mpi train` under mpirun (bounded in time)."""
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_cli
+from dbs_mpi import sharding
+from dbs_mpi.config import Config, ConfigError, check_world
+from dbs_mpi.models import LeNet5
+from dbs_mpi.parameter_server import (HEADER, Cursor, Message, bind_gradients, bind_parameters, group_size,
+                                      staleness_stats)
+from dbs_mpi.results import read_run
+
+
+def drain(cursor, vector, order):
+    """Hand out everything, asking for workers in `order` (cycled); returns the assignments."""
+    out = []
+    for i in range(10_000):
+        if cursor.done:
+            return out
+        if cursor.needs_epoch:
+            cursor.begin_epoch(vector)
+        w = order[i % len(order)]
+        out.append((w, *cursor.take(w)))
+    raise AssertionError("the cursor never finished")
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_stream_hands_out_every_sample_once_per_epoch_in_epoch_order(drop_last):
+    n, B = 103, 20
+    cursor = Cursor(n, B, epochs=3, drop_last=drop_last, workers=3, rounds=False)
+    vector = np.array([10, 6, 4])
+    got = drain(cursor, vector, order=[0, 0, 1, 0, 2, 0, 1])   # a fast worker 0 asks most often
+    per_epoch = 100 if drop_last else 103
+    epochs = [e for _, e, _, _ in got]
+    assert epochs == sorted(epochs), "all of epoch e before any of epoch e+1"
+    for e in range(3):
+        slices = [(s, c) for _, ep, s, c in got if ep == e]
+        covered = np.concatenate([np.arange(s, s + c) for s, c in slices])
+        assert covered.tolist() == list(range(per_epoch)), "contiguous, each position once, none past the end"
+        assert all(c >= 1 for _, c in slices)
+    for w, e, s, c in got:   # a worker gets its own local batch, less only at an epoch's end
+        assert c == vector[w] or s + c == per_epoch
+
+
+def test_rounds_are_the_synchronous_steps():
+    """Rounds (hardsync): worker w's slice at step s is the synchronous rank w's, tail included."""
+    n, B, vector = 107, 30, np.array([10, 10, 10])
+    cursor = Cursor(n, B, epochs=2, drop_last=False, workers=3, rounds=True)
+    got = drain(cursor, vector, order=[0, 1, 2])
+    steps = sharding.steps_per_epoch(n, B)
+    assert len(got) == 2 * steps * 3
+    for e in range(2):
+        perm = sharding.epoch_permutation(n, e, seed=5)
+        for w in range(3):
+            mine = [perm[s:s + c] for ww, ep, s, c in got if ww == w and ep == e]
+            sync = sharding.epoch_shard(n, e, 5, B, vector, w)
+            assert [m.tolist() for m in mine] == [x.tolist() for x in sync]
+    assert [c for _, _, _, c in got[-3:]] == sharding.step_batch_sizes(n, B, vector)[-1].tolist() == [6, 6, 5]
+
+
+def test_rounds_refuse_work_out_of_turn():
+    cursor = Cursor(60, 30, epochs=1, drop_last=False, workers=3, rounds=True)
+    cursor.begin_epoch([10, 10, 10])
+    cursor.take(0)
+    with pytest.raises(RuntimeError, match="out of turn"):
+        cursor.take(2)
+
+
+def test_group_size():
+    assert group_size("asgd", 7, 1) == 1
+    assert group_size("dbs-sgd", 7, 1) == 1
+    assert [group_size("nsoftsync", 6, n) for n in (1, 2, 3, 4, 6)] == [6, 3, 2, 1, 1]
+
+
+def test_staleness_stats():
+    mean, high, pct = staleness_stats([0, 1, 1, 2, 6])
+    assert (mean, high) == (2.0, 6.0)
+    assert pct == pytest.approx(np.percentile([0, 1, 1, 2, 6], [50, 90, 99]).tolist())
+    assert staleness_stats([]) == (0.0, 0.0, [0.0, 0.0, 0.0])
+
+
+def test_message_layout_and_views():
+    msg = Message(5)
+    assert msg.array.dtype == np.float32 and msg.array.size == 2 * HEADER + 5
+    msg.header[0] = 2.0 ** 40 + 1          # integers far past float32's range survive in the header
+    msg.body[:] = torch.arange(5.0)
+    assert msg.array[:2 * HEADER].view(np.float64)[0] == 2.0 ** 40 + 1
+    assert msg.array[2 * HEADER:].tolist() == [0, 1, 2, 3, 4]
+    assert msg.head[0].size == 2 * HEADER
+
+
+def test_parameters_and_gradients_view_flat_buffers():
+    torch.manual_seed(0)
+    model = LeNet5()
+    before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    n = before.numel()
+    weights, grads = torch.zeros(n), torch.zeros(n)
+    bind_parameters(model.parameters(), weights)
+    bind_gradients(model.parameters(), grads)
+    assert torch.equal(weights, before), "values kept"
+    model(torch.randn(4, 1, 28, 28)).sum().backward()
+    assert grads.abs().sum() > 0, "autograd accumulated into the flat buffer"
+    weights.zero_()
+    assert all((p.detach() == 0).all() for p in model.parameters()), "parameters are views"
+
+
+def test_config_checks_for_the_parameter_server():
+    with pytest.raises(ConfigError, match="^strategy: asgd needs at least 2 ranks"):
+        check_world(Config(strategy="asgd", speeds=()), 1)
+    with pytest.raises(ConfigError, match="^softsync_n: "):
+        check_world(Config(strategy="nsoftsync", softsync_n=4), 4)
+    check_world(Config(strategy="nsoftsync", softsync_n=3), 4)
+    with pytest.raises(ConfigError, match="^time_budget: "):
+        Config(time_budget=-1.0)
+
+
+TINY = ["--dataset", "synthetic", "--synthetic-samples", "512", "--test-subset", "128", "--global-batch", "64",
+        "--benchmark-steps", "1", "--benchmark-warmup", "0"]
+
+
+@pytest.mark.parametrize("strategy, extra", [
+    ("asgd", []),
+    ("nsoftsync", ["--softsync-n", "2", "--staleness-lr", "true"]),
+    ("dbs-sgd", ["--speeds", "1,1,0.25", "--benchmark-steps", "3", "--benchmark-warmup", "1"]),
+])
+def test_cli_runs_every_asynchronous_strategy(tmp_path, strategy, extra):
+    out = tmp_path / f"{strategy}.h5"
+    proc = run_cli(["train", *TINY, "--strategy", strategy, "--epochs", "2", "--out", str(out), *extra], ranks=3,
+                   timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("final: train loss") == 1 and "staleness over" in proc.stdout
+    run = read_run(out)
+    attrs, data = run["attrs"], run["data"]
+    assert attrs["status"] == "complete" and attrs["strategy"] == strategy
+    assert data["epoch/batch_sizes"].shape == (2, 3) and (data["epoch/batch_sizes"][:, 0] == 0).all()
+    assert (data["epoch/batch_sizes"][:, 1:].sum(axis=1) == 64).all()
+    for key in ("compute_time", "comm_time", "wait_time", "data_time", "speed", "gradients"):
+        assert data[f"epoch/{key}"].shape == (2, 3)
+    assert data["update/local_batch"].sum() == 2 * 512
+    assert len(data["update/staleness"]) == len(data["update/worker"]) == len(data["update/time"])
+    assert set(np.unique(data["update/worker"]).tolist()) == {1, 2}
+    assert 0 < data["epoch/test_accuracy"][-1] <= 1
+    if strategy == "dbs-sgd":
+        b = data["epoch/batch_sizes"][-1]
+        assert b[1] > b[2], f"the 0.25-speed worker should get the smaller local batch: {b.tolist()}"
+
+
+def test_cli_refuses_one_rank(tmp_path):
+    proc = run_cli(["train", *TINY, "--strategy", "asgd", "--out", str(tmp_path / "x.h5")])
+    assert proc.returncode == 2
+    assert "strategy: asgd needs at least 2 ranks" in proc.stderr
+    assert not (tmp_path / "x.h5").exists()
