@@ -8,6 +8,10 @@ Where each idea of the papers lives:
   profiling.py      compute / communication / wait times; the start-up benchmark
   heterogeneity.py  emulated speeds and disturbances
   results.py        the HDF5 result file
-  train.py          the training loop;  cli.py  the `dbs-mpi` command
+  checkpoint.py     checkpoints, stop requests (SIGTERM/SIGUSR1), resume
+  parameter_server.py  asgd, n-softsync, dbs-sgd on an MPI parameter server
+  data.py, models.py   datasets and models (no MPI)
+  train.py          the training loop;  cli.py  the `dbs-mpi` command;  bench.py  benchmarks
+  experiments.py    the experiment grid;  analysis.py  result files -> pandas tables
 """
 __version__ = "0.1.0"

@@ -7,6 +7,7 @@ point passes COMM_WORLD.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -117,7 +118,10 @@ def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state:
                  oversubscribed=oversubscribed, sleep_while_waiting=sleep_wait)
     # Stop requests are honoured from here on: before the result file exists on rank 0,
     # every rank has its handlers (the file is created inside a collective).
-    with StopRequest(comm, cfg.comm_timeout) as stop:
+    # The asynchronous strategies have no checkpoints yet: there a signal keeps its
+    # default action (the job ends) rather than being swallowed.
+    sync = cfg.strategy not in ASYNC_STRATEGIES
+    with StopRequest(comm, cfg.comm_timeout) if sync else contextlib.nullcontext() as stop:
         if checkpoint_state is None:
             writer = mpi.agree(comm, lambda: RunWriter(out, attrs, world) if rank == 0 else NullWriter())
         else:
