@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import h5py
+
 import numpy as np
 import pytest
 
@@ -384,3 +386,51 @@ def test_grid_scripts_enumerate_the_grid(script, directive, tmp_path):
         assert re.fullmatch(rf"grid-local-\d+_{i}-{args['strategy']}-s{args['seed']}-\w+\.h5", out.name), out.name
         combos.add((args["strategy"], args["seed"], args["speeds"]))
     assert len(combos) == last + 1
+
+
+def _job_state(env, job):
+    out = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True,
+                         timeout=30).stdout
+    m = re.search(r"JobState=(\S+)", out)
+    return m.group(1) if m else None, out
+
+
+def test_slurm_time_limit_signal_checkpoints_requeues_and_resumes(cluster, tmp_path):
+    """What Slurm does before a time limit (--signal=B:USR1@120), done now: the batch
+    shell gets USR1, the ranks checkpoint and exit 3, the job requeues itself, and the
+    second start continues the same result file from the checkpoint."""
+    env = cluster.job_env(tmp_path, CONFIG="", EXTRA_ARGS="--dataset synthetic --synthetic-samples 20000 "
+                          "--epochs 2 --global-batch 64 --strategy ssgd --progress false")
+    p = _run(["sbatch", "--parsable", "-n", "2", "-t", str(JOB_MINUTES), "-o", f"{tmp_path}/%x-%j.out",
+              "jobs/slurm/train.sbatch"], env)
+    job = p.stdout.strip().split(";")[0]
+    assert job.isdigit(), p.stdout + p.stderr
+    result = tmp_path / f"train-{job}.h5"
+    deadline = time.monotonic() + 120
+    while not result.exists():
+        assert time.monotonic() < deadline, f"{result} never appeared"
+        time.sleep(0.2)
+    time.sleep(2)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
+    deadline = time.monotonic() + 180
+    while True:
+        state, text = _job_state(env, job)
+        if "Restarts=1" in text and state == "PENDING":
+            break            # requeued; Slurm holds a requeued job ~2 minutes (BeginTime): start it now
+        assert state not in ("COMPLETED", "FAILED", "CANCELLED"), text
+        assert time.monotonic() < deadline, f"job {job} was not requeued: {text}"
+        time.sleep(0.5)
+    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], env=env, check=True, timeout=30)
+    deadline = time.monotonic() + 240
+    while (state := _job_state(env, job)[0]) != "COMPLETED":
+        assert state in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING"), state
+        assert time.monotonic() < deadline, f"job {job} did not complete after the requeue"
+        time.sleep(0.5)
+    log = _read(tmp_path / f"dbs-mpi-train-{job}.out")
+    assert "checkpoint written; requeueing" in log and f"resuming {result}" in log, log
+    run = h5py.File(result, "r")
+    try:
+        assert run.attrs["status"] == "complete" and len(run.attrs["resumed"]) == 1
+        assert run["epoch/train_loss"].shape == (2,)
+    finally:
+        run.close()
