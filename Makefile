@@ -11,7 +11,7 @@ MPI      ?= mpich
 ifeq ($(MPI),system)
 MPIEXEC  ?= mpirun
 else
-MPIEXEC  ?= $(VENV)/bin/mpirun
+MPIEXEC  ?= $(abspath $(VENV))/bin/mpirun
 endif
 NP       ?= 4
 # CPU build of PyTorch for the dev install (an unpinned torch pulls a CUDA build).
