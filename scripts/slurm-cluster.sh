@@ -83,7 +83,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$DIR/munge/munge.socket.2
+AuthInfo=socket=$DIR/munge/munge.socket.2,cred_expire=10
 StateSaveLocation=$DIR/state/ctld
 SlurmdSpoolDir=$DIR/state/d
 SlurmctldPidFile=$DIR/run/slurmctld.pid
