@@ -40,6 +40,7 @@ from .config import UserError
 POLL_SPIN = 20e-6       # seconds of plain polling before the first sleep
 POLL_SLEEP_MIN = 20e-6  # first sleep between polls, seconds
 POLL_SLEEP_MAX = 1e-4   # longest sleep between polls, seconds (bounds the added latency)
+ABORT_GRACE = 0.2       # seconds between printing a failure and aborting the job
 WAIT_POLICIES = ("auto", "spin", "sleep")
 
 
@@ -362,6 +363,19 @@ def agree(comm: MPI.Comm, fn, *args, **kwargs):
     return result
 
 
+def _write_stderr(message: str) -> None:
+    """Write message to stderr in as few system calls as possible (whole, unbuffered)."""
+    sys.stderr.flush()
+    try:
+        data, fd = message.encode(errors="replace"), sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):      # a stream without a file descriptor
+        sys.stderr.write(message)
+        sys.stderr.flush()
+        return
+    while data:
+        data = data[os.write(fd, data):]
+
+
 def abort_on_uncaught(comm: MPI.Comm, cleanup=None) -> None:
     """An uncaught exception on this rank prints its traceback, runs `cleanup` (e.g. mark
     the result file failed) and aborts the whole job, so no rank waits forever."""
@@ -372,11 +386,16 @@ def abort_on_uncaught(comm: MPI.Comm, cleanup=None) -> None:
             return previous(kind, value, tb)
         try:
             if isinstance(value, UserError):
-                sys.stderr.write(_error_line(value) + f" (rank {comm.Get_rank()})\n")
+                message = _error_line(value) + f" (rank {comm.Get_rank()})\n"
             else:
-                sys.stderr.write(f"dbs-mpi: rank {comm.Get_rank()} of {comm.Get_size()} failed:\n")
-                traceback.print_exception(kind, value, tb)
-            sys.stderr.flush()
+                message = (f"dbs-mpi: rank {comm.Get_rank()} of {comm.Get_size()} failed:\n"
+                           + "".join(traceback.format_exception(kind, value, tb)))
+            # One write, then a moment for mpirun's I/O forwarding to pass it on: the
+            # abort tears down the forwarding, and a traceback written in pieces was seen
+            # cut after its first line.
+            _write_stderr(message)
+            if comm.Get_size() > 1:
+                time.sleep(ABORT_GRACE)
             if cleanup is not None:
                 cleanup()
         finally:
