@@ -31,6 +31,10 @@ EXIT_STOPPED = 3          # exit status after a stop request: checkpoint written
 FORMAT_VERSION = 1
 
 
+class Stopped(Exception):
+    """Raised on every rank after a stop request was checkpointed (train() exits with EXIT_STOPPED)."""
+
+
 def default_path(out) -> Path:
     return Path(str(out) + ".ckpt")
 
@@ -103,6 +107,9 @@ class StopRequest:
 
     def _handle(self, signum, frame):
         self.requested = signum
+
+    # The synchronous loop agrees on the flag with start()/agreed() at every step; the
+    # parameter server reads `requested` directly (workers send it with their gradients).
 
     def start(self) -> None:
         """Begin the step's agreement (non-blocking; every rank calls it at the same step)."""

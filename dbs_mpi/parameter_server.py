@@ -86,8 +86,32 @@ gradients (per rank); root attributes with the whole run's staleness distributio
 The server's row in the per-rank epoch records is: batch 0, compute = aggregation and
 optimizer step, comm = receiving and replying, wait = idle polling.
 
-Not supported here: checkpoints and stop requests (SIGTERM) of the synchronous path;
-models with floating-point buffers (BatchNorm statistics: use norm = "group").
+Checkpoints and stop requests. A consistent snapshot of an asynchronous run needs a
+moment with nothing in flight, so training runs in segments. A segment ends by draining:
+the server hands out no more work and answers every push with STOP (after applying
+it; a group that can no longer fill is applied as it is), so when the last worker has
+its STOP every handed-out sample is applied and no message is in flight. A segment ends
+  * at an epoch boundary where a checkpoint is due (cfg.checkpoint_every): epoch e is
+    all handed out, nothing of e+1 is; the drain costs at most the slowest worker's
+    last step, while the faster workers idle (measured in the epoch's duration);
+  * on a stop request (SIGTERM/SIGUSR1, checkpoint.StopRequest): the server notices its
+    own flag at its next poll, a worker's with its next push (G_SIGNAL); the drain then
+    takes at most one step of every worker;
+  * when the budget is used up (the end).
+Between segments, outside the training clock, all ranks evaluate the newly closed
+epochs, rank 0 appends their records and the update rows, and all write the
+checkpoint (the server's weights, optimizer, version, cursor, controller, records;
+every rank's RNG, emulator and statistics). On a stop request every rank then raises
+checkpoint.Stopped (exit status EXIT_STOPPED); `dbs-mpi train --resume` continues with
+the next segment, the clock and the version where they were. Every sample is still
+applied exactly once per epoch across a stop; a drain resets staleness (every worker
+restarts on the newest weights), and rounds (hardsync) are never split, so a resumed
+hardsync run with one worker ends with the same weights, bit for bit, as an
+uninterrupted one (with more workers the order in which gradients arrive changes the
+sum's rounding).
+
+Not supported here: models with floating-point buffers (BatchNorm statistics: use
+norm = "group").
 """
 from __future__ import annotations
 
@@ -99,7 +123,7 @@ import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 
-from . import allocation, comm as mpi, sharding
+from . import allocation, checkpoint, comm as mpi, sharding
 from .comm import CommTimeout
 from .config import UserError
 
@@ -108,8 +132,10 @@ TAG_GRAD = 2    # worker -> server: header + gradient
 
 HEADER = 8                                                  # float64 slots at the front of every message
 W_COMMAND, W_VERSION, W_EPOCH, W_START, W_COUNT, W_HELD = range(6)   # TAG_WORK header
-G_VERSION, G_COUNT, G_LOSS, G_COMPUTE = range(4)                      # TAG_GRAD header
+G_VERSION, G_COUNT, G_LOSS, G_COMPUTE, G_SIGNAL = range(5)            # TAG_GRAD header
 CMD_STOP, CMD_WORK = 0.0, 1.0
+# Why a segment of the protocol ended (Server.run's answer; see "Checkpoints" above).
+END_DONE, END_CHECKPOINT, END_STOP = 1, 2, 3
 
 # Per-rank, per-epoch statistics gathered at the end: columns of one (epochs, K) array.
 C_COMPUTE, C_COMM, C_WAIT, C_DATA, C_SAMPLES, C_GRADIENTS = range(6)   # every rank
@@ -232,8 +258,8 @@ class Assignment:
 class Server:
     """Rank 0: applies updates, hands out work, records every applied gradient."""
 
-    def __init__(self, pcomm, cfg, model, num_samples: int, vector, controller, log):
-        self.comm, self.cfg, self.model, self.log = pcomm, cfg, model, log
+    def __init__(self, pcomm, cfg, model, num_samples: int, vector, controller, log, stop=None):
+        self.comm, self.cfg, self.model, self.log, self.stop = pcomm, cfg, model, log, stop
         self.workers = pcomm.Get_size() - 1
         self.timeout = cfg.comm_timeout
         params = [p for p in model.parameters()]
@@ -271,10 +297,15 @@ class Server:
         self.vectors = np.zeros((epochs, self.workers), dtype=np.int64)
         self.stats = np.zeros((epochs, S_VECTOR + self.workers))
         self.closed = 0                              # epochs whose samples have all been applied
-        self.snapshots: list[np.ndarray] = []       # weights at the end of every closed epoch
+        self.written = 0                             # closed epochs evaluated and in the result file
+        self.rows_written = 0                        # update rows in the result file
+        self.snapshots: dict[int, np.ndarray] = {}  # weights at the end of closed, unwritten epochs
         self.ends: list[float] = []                 # seconds since the start at which each epoch closed
         self.updates_at_close = 0
         self.messages = 0
+        self.clock = 0.0                             # training seconds before this segment
+        self.signal = 0                              # stop signal (own or a worker's): drain and stop
+        self.segment_epoch = 0                       # cursor epoch when this segment began
         self.max_messages = epochs * (self.cursor.per_epoch + self.workers *
                                       sharding.steps_per_epoch(num_samples, cfg.global_batch, cfg.drop_last)) + 1
 
@@ -286,8 +317,14 @@ class Server:
         return time.perf_counter() - self.t0
 
     # --- the loop ----------------------------------------------------------------
-    def run(self) -> np.ndarray:
-        self.t0 = time.perf_counter()
+    def run(self) -> int:
+        """One segment of the protocol: hand out work until every worker has had STOP.
+        Returns why it ended: END_DONE (budget used up), END_CHECKPOINT (an epoch boundary
+        where a checkpoint is due) or END_STOP (a stop request). The clock runs only here."""
+        self.t0 = time.perf_counter() - self.clock
+        self.segment_epoch = self.cursor.epoch
+        self.stopped = [False] * self.workers
+        self.arrived = [0.0] * self.workers
         for w in range(self.workers):              # everybody's first work, in worker order
             self.reply(w)
         pause, idle_since = mpi.POLL_SLEEP_MIN, time.perf_counter()
@@ -295,6 +332,8 @@ class Server:
         # in all) or sleeps; comm_timeout seconds without any gradient raise CommTimeout.
         while not all(self.stopped):
             t = time.perf_counter()
+            if not self.signal and self.stop is not None and self.stop.requested:
+                self._stop_requested(self.stop.requested, "the server")
             done = MPI.Request.Testsome(self.recvs)
             if not done:
                 if all(r == MPI.REQUEST_NULL for r in self.recvs):   # would wait forever: a bug, say so
@@ -320,8 +359,25 @@ class Server:
         # Invariants of the protocol: nothing in flight, nothing half-applied.
         assert all(r == MPI.REQUEST_NULL for r in self.recvs), "a receive is still posted"
         assert not self.group and not self.deferred and not any(self.outstanding), "work left over"
-        self._close_epochs(final=True)
-        return self.stats
+        end = END_DONE if self._out_of_work() else END_STOP if self.signal else END_CHECKPOINT
+        if end == END_DONE:
+            self._close_epochs(final=True)
+        self.clock = self._elapsed()
+        return end
+
+    def _stop_requested(self, signum: int, where: str) -> None:
+        """From now on every worker gets STOP at its next push (drain), then all checkpoint."""
+        self.signal = int(signum)
+        self.log(f"stop requested (signal {self.signal} on {where}): draining the workers")
+
+    def _pausing(self) -> bool:
+        """Hand out no more work in this segment: a stop request, or the cursor reached an
+        epoch boundary at which a checkpoint is due. Decided per push, so in rounds mode
+        (replies to a whole round at once, after one push) a round is never split."""
+        if self.signal:
+            return True
+        c, every = self.cursor, self.cfg.checkpoint_every
+        return bool(every) and c.needs_epoch and c.epoch > self.segment_epoch and c.epoch % every == 0
 
     def receive(self, w: int) -> None:
         """Take in worker w's gradient; apply when the group is full; reply."""
@@ -336,6 +392,8 @@ class Server:
                                f"but was given {a}")
         self.outstanding[w] = None
         self.arrived[w] = t
+        if msg.header[G_SIGNAL] and not self.signal:
+            self._stop_requested(int(msg.header[G_SIGNAL]), f"worker {w + 1}")
         tau = self.version - timestamp            # the version does not change until the group is applied
         scale = 1.0 / max(tau, 1) if self.cfg.staleness_lr else 1.0
         if count:
@@ -397,7 +455,7 @@ class Server:
         msg = self.replies[w]
         msg.header[:] = 0.0
         msg.header[W_HELD] = t - self.arrived[w] if self.arrived[w] else 0.0
-        if self._out_of_work():
+        if self._out_of_work() or self._pausing():
             msg.header[W_COMMAND] = CMD_STOP
             self.stopped[w] = True
             self.sends[w] = self.comm.Isend(msg.head, w + 1, TAG_WORK)
@@ -415,6 +473,30 @@ class Server:
             self.recvs[w] = self.comm.Irecv(self.grads[w].whole, w + 1, TAG_GRAD)
             self.sends[w] = self.comm.Isend(msg.whole, w + 1, TAG_WORK)
         self._charge(C_COMM, time.perf_counter() - t)
+
+    # --- checkpoints ---------------------------------------------------------------
+    STATE = ("version", "vector", "controller", "measure", "rows", "applied", "vectors", "stats", "closed",
+             "written", "rows_written", "snapshots", "ends", "updates_at_close", "messages", "clock")
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue, taken between segments (nothing in flight)."""
+        return {"weights": self.weights.clone(), "optimizer": self.optimizer.state_dict(),
+                "cursor": {k: v for k, v in vars(self.cursor).items()},
+                **{k: getattr(self, k) for k in self.STATE}}
+
+    def load_state(self, state: dict) -> None:
+        """Continue from state_dict(); cfg.epochs may have grown (a run extended on resume)."""
+        self.weights.copy_(state["weights"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        epochs = self.cfg.epochs
+        for k in self.STATE:
+            value = state[k]
+            if k in ("applied", "vectors", "stats"):     # per-epoch arrays: pad to the new epoch count
+                padded = np.zeros((epochs, *value.shape[1:]), dtype=value.dtype)
+                padded[:len(value)] = value[:epochs]
+                value = padded
+            setattr(self, k, value)
+        self.cursor.__dict__.update({k: v for k, v in state["cursor"].items() if k != "epochs"})
 
     def _begin_epoch(self) -> None:
         """The cursor enters a new epoch: dbs-sgd re-plans the local batches first."""
@@ -460,7 +542,7 @@ class Server:
             s[C_GRADIENTS] = rows.sum()
             self.ends.append(end)
             self.updates_at_close = self.version
-            self.snapshots.append(self.weights.numpy().copy())
+            self.snapshots[e] = self.weights.numpy().copy()
             self.closed += 1
             self.log(f"epoch {e + 1}/{self.cfg.epochs} trained: train loss {s[S_LOSS]:.4f}, {int(s[S_UPDATES])} "
                      f"updates, staleness mean {mean:.2f} max {int(high)}, time {s[S_DURATION]:.2f} s, "
@@ -470,8 +552,9 @@ class Server:
 class Worker:
     """Ranks 1..n-1: wait for work, compute the gradient, push it, repeat until STOP."""
 
-    def __init__(self, pcomm, cfg, model, train_set, emulator):
+    def __init__(self, pcomm, cfg, model, train_set, emulator, stop=None):
         self.comm, self.cfg, self.model, self.train_set, self.emulator = pcomm, cfg, model, train_set, emulator
+        self.stop = stop
         self.timeout = cfg.comm_timeout
         params = [p for p in model.parameters()]
         self.numel = sum(p.numel() for p in params)
@@ -482,10 +565,23 @@ class Worker:
         self.stats = np.zeros((cfg.epochs, S_VECTOR + pcomm.Get_size() - 1))
         self.steps_per_epoch = sharding.steps_per_epoch(len(train_set), cfg.global_batch, cfg.drop_last)
         self.max_messages = cfg.epochs * (len(train_set) + (pcomm.Get_size() - 1) * self.steps_per_epoch) + 1
+        self.perm, self.perm_epoch, self.epoch = None, -1, 0
 
-    def run(self) -> np.ndarray:
+    def state_dict(self) -> dict:
+        return {"stats": self.stats, "perm_epoch": self.perm_epoch, "epoch": self.epoch}
+
+    def load_state(self, state: dict) -> None:
+        stats = np.zeros_like(self.stats)            # cfg.epochs may have grown
+        stats[:len(state["stats"])] = state["stats"][:len(stats)]
+        self.stats, self.perm_epoch, self.epoch = stats, state["perm_epoch"], state["epoch"]
+        if self.perm_epoch >= 0:
+            self.perm = torch.from_numpy(sharding.epoch_permutation(len(self.train_set), self.perm_epoch,
+                                                                    self.cfg.seed))
+
+    def run(self) -> None:
+        """One segment: compute until the server says STOP (the end, or a checkpoint)."""
         x_all, y_all = self.train_set.x, self.train_set.y
-        perm, perm_epoch, epoch = None, -1, 0
+        perm, perm_epoch, epoch = self.perm, self.perm_epoch, self.epoch
         recv = self.comm.Irecv(self.weights.whole, 0, TAG_WORK)
         header = self.weights.header
         t_push, first = time.perf_counter(), True
@@ -498,7 +594,8 @@ class Worker:
             self.stats[epoch, C_WAIT] += held
             self.stats[epoch, C_COMM] += exchange - held
             if header[W_COMMAND] == CMD_STOP:
-                return self.stats
+                self.perm, self.perm_epoch, self.epoch = perm, perm_epoch, epoch
+                return
             version, epoch = header[W_VERSION], int(header[W_EPOCH])
             start, count = int(header[W_START]), int(header[W_COUNT])
             t0 = time.perf_counter()
@@ -523,6 +620,7 @@ class Worker:
             h = self.grad.header
             h[:] = 0.0
             h[G_VERSION], h[G_COUNT], h[G_LOSS], h[G_COMPUTE] = version, count, loss_value, t2 - t1
+            h[G_SIGNAL] = self.stop.requested if self.stop is not None else 0   # the server drains
             s = self.stats[epoch]
             s[C_DATA] += t1 - t0
             s[C_COMPUTE] += t2 - t1
@@ -571,93 +669,183 @@ def initial_vector(comm, cfg, model, train_set, emulator, writer):
     return speed_model.allocate(cfg.global_batch, cfg.min_local_batch, max_local), controller
 
 
-def train_async(comm, cfg, model, train_set, test_set, emulator, writer, summary, log, sleep_wait) -> None:
-    """Run cfg.strategy (asgd | nsoftsync | dbs-sgd) on comm: rank 0 serves, the others
-    work. Fills summary.epochs on every rank; rank 0 writes the records. Waiting ranks
-    always sleep between polls (sleep_wait is not needed: the protocol never spins)."""
-    from .train import evaluate
-    rank, world = comm.Get_rank(), comm.Get_size()
-    workers = world - 1
-    mpi.agree(comm, _check_model, model)
-    vector, controller = initial_vector(comm, cfg, model, train_set, emulator, writer)
-    writer.write("startup/batch_sizes", np.concatenate([[0], vector]).astype(np.int64))
-    c = group_size(cfg.strategy, workers, cfg.softsync_n)
-    mode = "immediate" if not (cfg.strategy == "nsoftsync" and cfg.softsync_wait) else (
-        "rounds (hardsync)" if c == workers else "wait")
-    log(f"{cfg.strategy}: 1 server + {workers} worker(s), {c} gradient(s) per update, replies {mode}, "
-        f"local batches {vector.tolist()}" + (", learning rate / staleness" if cfg.staleness_lr else "")
-        + (f", time budget {cfg.time_budget:g} s" if cfg.time_budget else ""))
+class AsyncTrainer:
+    """Runs cfg.strategy (asgd | nsoftsync | dbs-sgd) on comm: rank 0 serves, the others
+    work, in segments between checkpoints (module docstring, "Checkpoints"). Same shape
+    as train.SyncTrainer: train.train() builds it and calls run(); rank 0 writes the
+    records. Waiting ranks always sleep between polls (sleep_wait is not needed: the
+    protocol never spins)."""
 
-    pcomm = comm.Dup()              # the protocol's own context: its tags meet no other message
-    server = Server(pcomm, cfg, model, len(train_set), vector, controller, log) if rank == 0 else None
-    worker = Worker(pcomm, cfg, model, train_set, emulator) if rank > 0 else None
-    mpi.barrier(comm, cfg.comm_timeout)    # everybody set up: the clocks start now
-    stats = server.run() if server is not None else worker.run()
-    # Everybody is out of the protocol; a message still queued would be a protocol bug.
-    mpi.barrier(pcomm, cfg.comm_timeout)
-    stray = float(pcomm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG))
-    pcomm.Free()
-    closed = server.closed if server is not None else 0
-    flags = mpi.allgather_array(comm, [closed, stray], cfg.comm_timeout)
-    if flags[:, 1].any():
-        raise RuntimeError(f"parameter server protocol: unmatched message(s) on rank(s) "
-                           f"{np.flatnonzero(flags[:, 1]).tolist()}")
-    epochs = int(flags[0, 0])
-    gathered = mpi.allgather_array(comm, stats, cfg.comm_timeout)      # (world, epochs, K)
+    def __init__(self, comm, cfg, out, stop, state=None):
+        self.comm, self.cfg, self.stop, self.state = comm, cfg, stop, state
+        self.path = cfg.checkpoint or str(checkpoint.default_path(out))
 
-    # Evaluate the server's weights at the end of every epoch, all ranks together.
-    params = [p for p in model.parameters()]
-    flat = server.weights if server is not None else torch.cat([p.data.reshape(-1) for p in params])
-    if server is None:
-        bind_parameters(params, flat)
-    final = flat.clone() if server is not None else None
-    results = []
-    for e in range(epochs):
+    def run(self, comm, cfg, model, train_set, test_set, emulator, writer, summary, log, sleep_wait) -> None:
+        rank, world = comm.Get_rank(), comm.Get_size()
+        workers = world - 1
+        state = self.state
+        self.writer, self.log, self.summary = writer, log, summary
+        mpi.agree(comm, _check_model, model)
+        if state is None:
+            vector, controller = initial_vector(comm, cfg, model, train_set, emulator, writer)
+            writer.write("startup/batch_sizes", np.concatenate([[0], vector]).astype(np.int64))
+        else:                               # the server's state has them
+            vector, controller = allocation.equal(cfg.global_batch, workers, 1, None), None
+            summary.epochs.extend(state["summary_epochs"])
+            checkpoint.restore_rng(state["per_rank"][rank]["rng"], emulator)
+            emulator.__dict__.update(state["per_rank"][rank]["emulator"])
+        c = group_size(cfg.strategy, workers, cfg.softsync_n)
+        mode = "immediate" if not (cfg.strategy == "nsoftsync" and cfg.softsync_wait) else (
+            "rounds (hardsync)" if c == workers else "wait")
+        self.c, self.mode = c, mode
+
+        pcomm = comm.Dup()              # the protocol's own context: its tags meet no other message
+        server = worker = None
+        if rank == 0:
+            server = Server(pcomm, cfg, model, len(train_set), vector, controller, log, self.stop)
+            if state is not None:
+                server.load_state(state["server"])
+        else:
+            worker = Worker(pcomm, cfg, model, train_set, emulator, self.stop)
+            if state is not None:
+                worker.load_state(state["per_rank"][rank]["worker"])
+        if state is None:
+            log(f"{cfg.strategy}: 1 server + {workers} worker(s), {c} gradient(s) per update, replies {mode}, "
+                f"local batches {vector.tolist()}" + (", learning rate / staleness" if cfg.staleness_lr else "")
+                + (f", time budget {cfg.time_budget:g} s" if cfg.time_budget else ""))
+        else:
+            log(f"{cfg.strategy}: resumed after {state['epoch']} epoch(s) and {state['server']['version']} "
+                f"update(s), {state['server']['clock']:.1f} s of training")
+        self.written = state["epoch"] if state is not None else 0
+        mpi.barrier(comm, cfg.comm_timeout)    # everybody set up: the clocks start now
+
+        # Bounded: every segment but the last hands out at least one epoch boundary's or
+        # one stop request's worth of work, and the server's budget ends the run.
+        while True:
+            end = server.run() if server is not None else worker.run()
+            # Everybody is out of the protocol; a message still queued would be a protocol bug.
+            mpi.barrier(pcomm, cfg.comm_timeout)
+            stray = float(pcomm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG))
+            closed = server.closed if server is not None else 0
+            flags = mpi.allgather_array(comm, [end or 0, closed, stray, self.stop.requested], cfg.comm_timeout)
+            if flags[:, 2].any():
+                raise RuntimeError(f"parameter server protocol: unmatched message(s) on rank(s) "
+                                   f"{np.flatnonzero(flags[:, 2]).tolist()}")
+            end = int(flags[0, 0])
+            if end != END_DONE and flags[:, 3].any():     # a signal that came after a worker's last push
+                end = END_STOP
+            self._write_epochs(comm, cfg, model, test_set, server, worker, int(flags[0, 1]))
+            if end == END_DONE:
+                self._finish(comm, cfg, model, server)
+            self._save(comm, server, worker, emulator)
+            if end == END_STOP:
+                pcomm.Free()
+                log(f"stop requested: checkpoint after {self.written} epoch(s) written to {self.path}; continue "
+                    f"with: dbs-mpi train --resume {summary.path or '<result file>'}")
+                raise checkpoint.Stopped()
+            if end == END_DONE:
+                break
+        pcomm.Free()
+
+    def _write_epochs(self, comm, cfg, model, test_set, server, worker, closed: int) -> None:
+        """Evaluate the weights at the end of every newly closed epoch (all ranks together,
+        outside the training clock) and append the epochs' records; rank 0 also appends
+        the update rows applied since the last segment."""
         if server is not None:
-            flat.copy_(torch.from_numpy(server.snapshots[e]))
+            rows = server.rows
+            for name, dtype in UPDATE_COLUMNS:
+                self.writer.append_rows(f"update/{name}", np.asarray(rows[name][server.rows_written:], dtype=dtype),
+                                        dtype=dtype)
+            server.rows_written = len(rows["staleness"])
+        if closed == self.written:
+            return
+        stats = server.stats if server is not None else worker.stats
+        gathered = mpi.allgather_array(comm, stats, cfg.comm_timeout)      # (world, epochs, K)
+        # The model's parameters are views of the protocol buffers: evaluate in place
+        # (the server's current weights are put back afterwards).
+        flat = server.weights if server is not None else worker.weights.body
+        current = flat.clone()
+        workers = comm.Get_size() - 1
+        for e in range(self.written, closed):
+            if server is not None:
+                flat.copy_(torch.from_numpy(server.snapshots.pop(e)))
+            mpi.wait(comm.Ibcast([flat.numpy(), MPI.FLOAT], root=0), cfg.comm_timeout, "broadcasting weights")
+            t = time.perf_counter()
+            test_loss, test_acc = self._evaluate(comm, cfg, model, test_set)
+            record = epoch_record(gathered, e, workers, test_loss, test_acc, time.perf_counter() - t)
+            self.writer.append_epoch(record, {})
+            self.summary.epochs.append(record)
+            self.log(f"epoch {e + 1}/{cfg.epochs}  train loss {record['train_loss']:.4f}  test loss {test_loss:.4f}  "
+                     f"accuracy {100 * test_acc:.2f}%  time {record['duration']:.2f} s  staleness mean "
+                     f"{record['staleness_mean']:.2f} max {int(record['staleness_max'])}  "
+                     f"batch sizes {record['batch_sizes'].tolist()}")
+        flat.copy_(current)
+        self.written = closed
+        if server is not None:
+            server.written = closed
+
+    @staticmethod
+    def _evaluate(comm, cfg, model, test_set):
+        from .train import evaluate
+        return evaluate(comm, cfg, model, test_set)
+
+    def _finish(self, comm, cfg, model, server) -> None:
+        """The run is complete: every rank's model gets the final weights as plain
+        parameters (no views of protocol buffers); rank 0 writes the run's staleness."""
+        params = [p for p in model.parameters()]
+        flat = torch.zeros(sum(p.numel() for p in params))
+        bind_parameters(params, flat)
         mpi.wait(comm.Ibcast([flat.numpy(), MPI.FLOAT], root=0), cfg.comm_timeout, "broadcasting weights")
-        t = time.perf_counter()
-        results.append((*evaluate(comm, cfg, model, test_set), time.perf_counter() - t))
-    if server is not None:
-        assert torch.equal(flat, final), "the last epoch's weights are the final weights"
-    for p in params:                 # leave plain parameters behind (no views of protocol buffers)
-        p.grad = None
-
-    records = []
-    for e in range(epochs):
-        s = gathered[0, e]
-        compute, samples = gathered[:, e, C_COMPUTE], gathered[:, e, C_SAMPLES]
-        speed = np.where(compute > 0, samples / np.maximum(compute, 1e-12), 0.0)
-        speed[0] = 0.0
-        test_loss, test_acc, eval_time = results[e]
-        record = dict(
-            train_loss=float(s[S_LOSS]), test_loss=test_loss, test_accuracy=test_acc,
-            duration=float(s[S_DURATION]), eval_time=eval_time,
-            batch_sizes=np.concatenate([[0], s[S_VECTOR:S_VECTOR + workers]]).astype(np.int64),
-            compute_time=gathered[:, e, C_COMPUTE], comm_time=gathered[:, e, C_COMM],
-            wait_time=gathered[:, e, C_WAIT], data_time=gathered[:, e, C_DATA], speed=speed,
-            samples=np.int64(s[C_SAMPLES]), updates=np.int64(s[S_UPDATES]),
-            gradients=np.concatenate([[s[C_GRADIENTS]], gathered[1:, e, C_GRADIENTS]]).astype(np.int64),
-            staleness_mean=float(s[S_STALE_MEAN]), staleness_max=float(s[S_STALE_MAX]),
-            **{f"staleness_p{q}": float(s[S_P50 + i]) for i, q in enumerate(PERCENTILES)})
-        records.append(record)
-        writer.append_epoch(record, {})
-        log(f"epoch {e + 1}/{cfg.epochs}  train loss {record['train_loss']:.4f}  test loss {test_loss:.4f}  "
-            f"accuracy {100 * test_acc:.2f}%  time {record['duration']:.2f} s  staleness mean "
-            f"{record['staleness_mean']:.2f} max {int(record['staleness_max'])}  "
-            f"batch sizes {record['batch_sizes'].tolist()}")
-    summary.epochs.extend(records)
-
-    if server is not None:
+        for p in params:
+            p.grad = None
+        if server is None:
+            return
         rows = server.rows
-        for name, dtype in (("staleness", np.int64), ("worker", np.int64), ("time", np.float64),
-                            ("local_batch", np.int64), ("loss", np.float64), ("epoch", np.int64),
-                            ("version", np.int64), ("timestamp", np.int64)):
-            writer.write(f"update/{name}", np.asarray(rows[name], dtype=dtype))
         mean, high, pct = staleness_stats(rows["staleness"])
-        writer.set_attrs(staleness_mean=mean, staleness_max=high,
-                         staleness_percentiles=np.asarray(pct), staleness_percentile_levels=np.asarray(PERCENTILES),
-                         updates=server.version, gradients=len(rows["staleness"]), gradients_per_update=c,
-                         reply_mode=mode, training_time=float(server.ends[-1]) if epochs else 0.0)
-        log(f"staleness over {len(rows['staleness'])} gradients in {server.version} updates: mean {mean:.2f}, "
-            f"p50 {pct[0]:g}, p90 {pct[1]:g}, p99 {pct[2]:g}, max {int(high)}")
+        self.writer.set_attrs(staleness_mean=mean, staleness_max=high, staleness_percentiles=np.asarray(pct),
+                              staleness_percentile_levels=np.asarray(PERCENTILES), updates=server.version,
+                              gradients=len(rows["staleness"]), gradients_per_update=self.c, reply_mode=self.mode,
+                              training_time=float(server.ends[-1]) if server.ends else 0.0)
+        self.log(f"staleness over {len(rows['staleness'])} gradients in {server.version} updates: mean {mean:.2f}, "
+                 f"p50 {pct[0]:g}, p90 {pct[1]:g}, p99 {pct[2]:g}, max {int(high)}")
+
+    def _save(self, comm, server, worker, emulator) -> None:
+        """Collective: the checkpoint, between segments (nothing in flight, every applied
+        gradient and every closed epoch already in the result file)."""
+        common = {}
+        if server is not None:
+            position = [self.written, int(server.applied[self.written]) if self.written < len(server.applied) else 0]
+            common = {"config": self.cfg.to_dict(), "world_size": comm.Get_size(), "epoch": self.written,
+                      "step": 0, "position": position, "server": server.state_dict(),
+                      "records": {"epochs": self.written, "steps": 0, "updates": server.rows_written},
+                      "summary_epochs": self.summary.epochs}
+        per_rank = {"rng": checkpoint.rng_state(emulator),
+                    "emulator": {k: getattr(emulator, k) for k in ("factor", "epoch_sleep", "step_sleep")},
+                    "worker": worker.state_dict() if worker is not None else None}
+        start = time.perf_counter()
+        checkpoint.save(comm, self.path, common, per_rank)
+        if server is not None:
+            self.writer.append_rows("checkpoint/seconds", [time.perf_counter() - start])
+            self.writer.append_rows("checkpoint/position", [common["position"]], dtype=np.int64)
+
+
+UPDATE_COLUMNS = (("staleness", np.int64), ("worker", np.int64), ("time", np.float64), ("local_batch", np.int64),
+                  ("loss", np.float64), ("epoch", np.int64), ("version", np.int64), ("timestamp", np.int64))
+
+
+def epoch_record(gathered, e: int, workers: int, test_loss: float, test_acc: float, eval_time: float) -> dict:
+    """Epoch e's record from every rank's statistics (gathered: (world, epochs, K))."""
+    s = gathered[0, e]
+    compute, samples = gathered[:, e, C_COMPUTE], gathered[:, e, C_SAMPLES]
+    speed = np.where(compute > 0, samples / np.maximum(compute, 1e-12), 0.0)
+    speed[0] = 0.0
+    return dict(
+        train_loss=float(s[S_LOSS]), test_loss=test_loss, test_accuracy=test_acc,
+        duration=float(s[S_DURATION]), eval_time=eval_time,
+        batch_sizes=np.concatenate([[0], s[S_VECTOR:S_VECTOR + workers]]).astype(np.int64),
+        compute_time=gathered[:, e, C_COMPUTE], comm_time=gathered[:, e, C_COMM],
+        wait_time=gathered[:, e, C_WAIT], data_time=gathered[:, e, C_DATA], speed=speed,
+        samples=np.int64(s[C_SAMPLES]), updates=np.int64(s[S_UPDATES]),
+        gradients=np.concatenate([[s[C_GRADIENTS]], gathered[1:, e, C_GRADIENTS]]).astype(np.int64),
+        staleness_mean=float(s[S_STALE_MEAN]), staleness_max=float(s[S_STALE_MAX]),
+        **{f"staleness_p{q}": float(s[S_P50 + i]) for i, q in enumerate(PERCENTILES)})

@@ -32,7 +32,9 @@ groups / datasets (float64 unless said; E epochs, R ranks, S steps in all)
   step/epoch               (S,) int    epoch of each step
   step/compute_time, step/comm_time, step/wait_time   (S, R)
   checkpoint/seconds       (K,)        wall seconds rank 0 spent writing each checkpoint
-  checkpoint/position      (K, 2) int  (epoch, step) each checkpoint continues from
+  checkpoint/position      (K, 2) int  (epoch, step) each checkpoint continues from; asynchronous
+                                       runs: (epoch, samples of that epoch already applied)
+  update/*, epoch/staleness_* ...      asynchronous strategies: see parameter_server.py
 """
 from __future__ import annotations
 
@@ -105,9 +107,11 @@ class RunWriter:
         f.flush()
 
     @classmethod
-    def reopen(cls, path, attrs: dict, world_size: int, epochs: int, steps: int) -> "RunWriter":
+    def reopen(cls, path, attrs: dict, world_size: int, epochs: int, steps: int,
+               updates: int | None = None) -> "RunWriter":
         """Continue a stopped run's file: rows past the checkpoint (`epochs` epochs,
-        `steps` steps) are dropped, so no epoch is duplicated or missing."""
+        `steps` steps, `updates` applied gradients of an asynchronous run) are dropped,
+        so no epoch or update is duplicated or missing."""
         import h5py
         self = cls.__new__(cls)
         self.path = Path(path)
@@ -119,7 +123,9 @@ class RunWriter:
         f = self.file
         if int(f.attrs.get("world_size", -1)) != world_size:
             raise UserError(f"resume: {self.path} was written by {f.attrs.get('world_size')} ranks, not {world_size}")
-        for group, keep in (("epoch", epochs), ("step", steps)):
+        for group, keep in (("epoch", epochs), ("step", steps), ("update", updates)):
+            if keep is None:
+                continue
             for name in list(f.get(group, {})):
                 ds = f[f"{group}/{name}"]
                 if ds.shape[0] > keep:
@@ -135,7 +141,8 @@ class RunWriter:
     def _append(self, name: str, rows, dtype=np.float64) -> None:
         rows = np.asarray(rows, dtype=dtype)
         if name not in self.file:
-            self.file.create_dataset(name, data=rows, maxshape=(None, *rows.shape[1:]), chunks=True)
+            chunks = True if rows.size else (1024, *rows.shape[1:])   # h5py cannot guess for 0 rows
+            self.file.create_dataset(name, data=rows, maxshape=(None, *rows.shape[1:]), chunks=chunks)
             return
         ds = self.file[name]
         n = ds.shape[0]

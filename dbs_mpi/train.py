@@ -7,7 +7,6 @@ point passes COMM_WORLD.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import time
@@ -18,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from . import allocation, checkpoint, comm as mpi, sharding
-from .checkpoint import EXIT_STOPPED, StopRequest
+from .checkpoint import EXIT_STOPPED, StopRequest, Stopped
 from .config import ASYNC_STRATEGIES, Config, UserError, check_world
 from .data import Dataset, augment, load_dataset
 from .heterogeneity import Emulator
@@ -118,21 +117,19 @@ def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state:
                  oversubscribed=oversubscribed, sleep_while_waiting=sleep_wait)
     # Stop requests are honoured from here on: before the result file exists on rank 0,
     # every rank has its handlers (the file is created inside a collective).
-    # The asynchronous strategies have no checkpoints yet: there a signal keeps its
-    # default action (the job ends) rather than being swallowed.
-    sync = cfg.strategy not in ASYNC_STRATEGIES
-    with StopRequest(comm, cfg.comm_timeout) if sync else contextlib.nullcontext() as stop:
+    with StopRequest(comm, cfg.comm_timeout) as stop:
         if checkpoint_state is None:
             writer = mpi.agree(comm, lambda: RunWriter(out, attrs, world) if rank == 0 else NullWriter())
         else:
             done = checkpoint_state["records"]
-            writer = mpi.agree(comm, lambda: RunWriter.reopen(out, attrs, world, done["epochs"], done["steps"])
-                               if rank == 0 else NullWriter())
+            writer = mpi.agree(comm, lambda: RunWriter.reopen(out, attrs, world, done["epochs"], done["steps"],
+                                                              done.get("updates")) if rank == 0 else NullWriter())
         summary = RunSummary(path=out if rank == 0 else None, model=model, oversubscribed=oversubscribed)
         if cfg.strategy in ASYNC_STRATEGIES:
-            from .parameter_server import train_async as run
+            from .parameter_server import AsyncTrainer as Trainer
         else:
-            run = SyncTrainer(comm, cfg, out, stop, checkpoint_state).run
+            Trainer = SyncTrainer
+        run = Trainer(comm, cfg, out, stop, checkpoint_state).run
         status = STATUS_FAILED
         try:
             run(comm, cfg, model, train_set, test_set, emulator, writer, summary, log, sleep_wait)
@@ -143,10 +140,6 @@ def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state:
         finally:
             writer.close(status)
     return summary
-
-
-class Stopped(Exception):
-    """Raised on every rank after a stop request was checkpointed."""
 
 
 class SyncTrainer:

@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import numpy as np
@@ -129,3 +130,165 @@ def test_sigkill_of_one_rank_ends_the_job_and_keeps_finished_epochs(tmp_path, ra
     run = read_run(out)                                   # still readable
     assert run["attrs"]["status"] != "complete"
     assert run["data"]["epoch/train_loss"].shape[0] >= 2   # every finished epoch is there
+
+
+# --- the asynchronous strategies (parameter server) ---------------------------------
+
+ASYNC = ["--dataset", "synthetic", "--synthetic-samples", "9000", "--test-subset", "200", "--epochs", "3",
+         "--global-batch", "60", "--norm", "group", "--benchmark-steps", "1", "--benchmark-warmup", "0"]
+
+
+def read_line(proc, text, seconds=120):
+    """Read proc's stdout up to a line containing text (bounded in time)."""
+    deadline = time.monotonic() + seconds
+    while text not in (line := proc.stdout.readline()):
+        assert line or proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"no line with {text!r}"
+
+
+def samples_per_epoch(run):
+    d = run["data"]
+    return np.bincount(d["update/epoch"], weights=d["update/local_batch"]).astype(int).tolist()
+
+
+@pytest.mark.parametrize("strategy, ranks, sig, every", [
+    ("asgd", 2, signal.SIGUSR1, "0"), ("nsoftsync", 4, signal.SIGTERM, "1"), ("dbs-sgd", 4, signal.SIGUSR1, "1")])
+def test_async_stop_and_resume_applies_every_sample_once(tmp_path, strategy, ranks, sig, every):
+    """A stop request drains the parameter server, checkpoints and exits with
+    EXIT_STOPPED; the resumed run continues the same file, the clock and the server
+    version, and every sample of every epoch is applied exactly once across the stop."""
+    out = tmp_path / "cut.h5"
+    proc = launch([*ASYNC, "--strategy", strategy, "--checkpoint-every", every, "--out", str(out)], ranks)
+    read_line(proc, "epoch 1/3 trained")
+    proc.send_signal(sig)
+    stdout, err = proc.communicate(timeout=120)
+    assert proc.returncode == checkpoint.EXIT_STOPPED, err
+    assert "stop requested" in stdout
+    state = checkpoint.load(str(out) + ".ckpt")
+    assert state["epoch"] < 3
+    cut = read_run(out)
+    assert cut["attrs"]["status"] == "interrupted"
+    assert cut["data"]["epoch/train_loss"].shape[0] == state["epoch"]        # every closed epoch is written
+    assert len(cut["data"]["update/version"]) == state["records"]["updates"]  # and every applied gradient
+
+    proc = run_cli(["train", "--resume", str(out)], ranks=ranks, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    run = read_run(out)
+    d = run["data"]
+    assert run["attrs"]["status"] == "complete" and len(run["attrs"]["resumed"]) == 1
+    assert d["epoch/train_loss"].shape == (3,) and (d["epoch/samples"] == 9000).all()
+    assert samples_per_epoch(run) == [9000, 9000, 9000]                       # none lost, none twice
+    versions = d["update/version"]
+    assert (np.diff(versions) >= 0).all() and versions[-1] == run["attrs"]["updates"] - 1
+    assert (np.diff(d["update/time"]) >= 0).all()                             # the clock continues
+    assert (d["update/staleness"] == versions - d["update/timestamp"]).all()
+    assert d["checkpoint/position"][-1].tolist() == [3, 0]
+    if every == "1":                                                          # one checkpoint per epoch
+        assert [p[0] for p in d["checkpoint/position"] if p[1] == 0] == [1, 2, 3]
+
+    # A complete run may be extended: one more epoch, from the last checkpoint.
+    proc = run_cli(["train", "--resume", str(out), "--epochs", "4"], ranks=ranks, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert samples_per_epoch(read_run(out)) == [9000] * 4
+
+
+def test_hardsync_stop_and_resume_is_bit_identical(tmp_path):
+    """Rounds are never split by a drain: with one worker, interrupted and resumed
+    hardsync ends with the weights of an uninterrupted run, bit for bit."""
+    args = [*ASYNC, "--strategy", "nsoftsync", "--softsync-n", "1", "--softsync-wait", "true",
+            "--checkpoint-every", "0"]
+    whole = tmp_path / "whole.h5"
+    proc = run_cli(["train", *args, "--out", str(whole)], ranks=2, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    cut = tmp_path / "cut.h5"
+    proc = launch([*args, "--out", str(cut)], 2)
+    read_line(proc, "epoch 1/3 trained")
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert proc.returncode == checkpoint.EXIT_STOPPED
+    assert checkpoint.load(str(cut) + ".ckpt")["position"] != [3, 0]          # stopped before the end
+    proc = run_cli(["train", "--resume", str(cut)], ranks=2, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    a, b = read_run(whole)["data"], read_run(cut)["data"]
+    np.testing.assert_array_equal(a["update/loss"], b["update/loss"])
+    np.testing.assert_array_equal(a["epoch/test_loss"], b["epoch/test_loss"])
+    wa = checkpoint.load(str(whole) + ".ckpt")["server"]["weights"]
+    wb = checkpoint.load(str(cut) + ".ckpt")["server"]["weights"]
+    assert torch.equal(wa, wb)
+
+
+ASYNC_CRASH = textwrap.dedent("""
+    import sys, time
+    from mpi4py import MPI
+    from dbs_mpi import cli, heterogeneity, parameter_server as ps
+    where, out = sys.argv[1], sys.argv[2]
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    def fail():
+        print(f"FAIL_AT {time.time():.6f}", flush=True)
+        raise RuntimeError(f"injected failure in the {where}")
+    if where == "server":                  # rank 0, while applying the 20th update
+        apply = ps.Server.apply
+        def failing_apply(self):
+            if self.version == 20:
+                fail()
+            apply(self)
+        ps.Server.apply = failing_apply
+    elif rank == size - 1:                 # the last worker, after its 20th gradient
+        stretch, calls = heterogeneity.Emulator.stretch, [0]
+        def failing_stretch(self, seconds):
+            calls[0] += 1
+            if calls[0] == 20:
+                fail()
+            stretch(self, seconds)
+        heterogeneity.Emulator.stretch = failing_stretch
+    sys.exit(cli.main(["train", "--strategy", "asgd", "--dataset", "synthetic", "--synthetic-samples", "6000",
+                       "--test-subset", "200", "--epochs", "50", "--global-batch", "60", "--out", out]))
+""")
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("where", ["server", "worker"])
+def test_async_exception_ends_all_ranks_within_10_s(tmp_path, ranks, where):
+    script = tmp_path / "crash.py"
+    script.write_text(ASYNC_CRASH)
+    out = tmp_path / "run.h5"
+    proc = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable, str(script), where, str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    end = time.time()
+    assert proc.returncode != 0
+    fail_at = [float(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("FAIL_AT")]
+    assert len(fail_at) == 1, proc.stdout
+    assert end - fail_at[0] < 10, f"the job outlived the failure by {end - fail_at[0]:.1f} s"
+    assert proc.stderr.count(f"RuntimeError: injected failure in the {where}") == 1, proc.stderr
+    # mpirun may return while the killed ranks are still going away: rank 0's file lock
+    # is released when it is gone, which must also be within 10 s of the failure.
+    run = read_released(out, deadline=fail_at[0] + 10)
+    assert run["attrs"]["status"] != "complete"
+
+
+def read_released(path, deadline):
+    """read_run(path) once no process holds its HDF5 lock any more (by time.time() deadline)."""
+    while True:
+        try:
+            return read_run(path)
+        except BlockingIOError:
+            assert time.time() < deadline, f"{path} is still locked by a rank that should be gone"
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_sigkill_of_one_rank_ends_an_async_job(tmp_path, ranks):
+    out = tmp_path / "killed.h5"
+    proc = launch([*ASYNC, "--strategy", "asgd", "--epochs", "50", "--synthetic-samples", "3000",
+                   "--out", str(out)], ranks)
+    read_line(proc, "epoch 2/50  train loss")
+    pids = _rank_pids(proc.pid)
+    assert len(pids) == ranks
+    os.kill(pids[-1], signal.SIGKILL)
+    killed = time.monotonic()
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert time.monotonic() - killed < 10, "the job outlived the killed rank by more than 10 s"
+    run = read_run(out)
+    assert run["attrs"]["status"] != "complete"
+    assert run["data"]["epoch/train_loss"].shape[0] >= 2
