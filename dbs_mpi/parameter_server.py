@@ -49,8 +49,10 @@ seconds. Two ways of handing out:
     (sharding.step_batch_sizes: in the last, partial step a worker may get 0 samples).
   * stream (everything else): the next min(b_w, left in the epoch) samples.
 An epoch ends when all its samples (and those of the epochs before) have been applied;
-the weights are copied then, and each copy is evaluated on the test set after the run
-by all ranks together (so evaluation never stalls training and is not in epoch times).
+the weights are copied then, and each copy is evaluated on the test set by all ranks
+together at the end of the segment ("Checkpoints" below: at the next checkpoint
+boundary, or after the run), with the training clock stopped, so evaluation is not in
+epoch times and never interrupts a segment.
 
 Messages (on a duplicate of comm, so that the tags cannot meet any other traffic).
 Every message is one flat float32 buffer sent with the uppercase calls (no pickling):
