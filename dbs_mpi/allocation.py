@@ -35,6 +35,8 @@ def round_preserving_sum(x, total: int, lo=None, hi=None) -> np.ndarray:
     x must already satisfy lo <= x <= hi and sum(x) == total (up to rounding)."""
     x = np.asarray(x, dtype=float)
     n = len(x)
+    if not np.all(np.isfinite(x)):
+        raise AllocationError(f"local batch sizes must be finite numbers; got {x.tolist()}")
     lo = np.zeros(n) if lo is None else np.asarray(lo, dtype=float)
     hi = np.full(n, np.inf) if hi is None else np.asarray(hi, dtype=float)
     base = np.clip(np.floor(x + 1e-9), np.ceil(lo), np.floor(hi)).astype(np.int64)
@@ -95,6 +97,13 @@ def allocate(global_batch: int, per_sample, overhead=None, min_local: int = 1,
     if len(a) != n or not np.all(np.isfinite(a)) or np.any(a < 0):
         raise AllocationError(f"overheads must be {n} non-negative finite numbers; got {a.tolist()}")
     lo, hi = _bounds(n, min_local, max_local)
+    # Only ratios matter: measure time in units of the fastest rank's per-sample time,
+    # and cap how much slower a rank can be so that no step of the bisection overflows
+    # (a rank 1e15 times slower than the fastest gets min_local for any real B anyway).
+    unit = float(c.min())
+    with np.errstate(over="ignore"):
+        c = np.minimum(c / unit, 1e15)
+        a = np.minimum(a / unit, 1e15)
 
     def fill(t):  # local batches that finish by time t, within bounds
         return np.clip((t - a) / c, lo, hi)
@@ -117,8 +126,10 @@ def allocate(global_batch: int, per_sample, overhead=None, min_local: int = 1,
 def proportional(global_batch: int, weights, min_local: int = 1, max_local: int | None = None) -> np.ndarray:
     """b_i proportional to weights (speeds), summing to global_batch."""
     w = np.asarray(weights, dtype=float)
+    check_feasible(global_batch, len(w), min_local, max_local)
     if not np.all(np.isfinite(w)) or np.any(w <= 0):
         raise AllocationError(f"speeds must be positive and finite; got {w.tolist()}")
+    w = np.maximum(w / w.max(), 1e-15)  # relative speeds; 1/w cannot overflow
     return allocate(global_batch, 1.0 / w, None, min_local, max_local)
 
 

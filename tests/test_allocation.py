@@ -1,7 +1,7 @@
 """Allocation: pure functions, no MPI."""
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dbs_mpi import allocation
@@ -51,6 +51,33 @@ def test_minimum_and_maximum_are_respected():
 def test_impossible_inputs_are_rejected(args):
     with pytest.raises(AllocationError):
         allocation.proportional(**args)
+
+
+_any_float = st.floats(allow_nan=True, allow_infinity=True)
+
+
+@given(B=st.integers(-10, 10**6), speeds=st.lists(_any_float, max_size=8),
+       overheads=st.none() | st.lists(_any_float, max_size=8),
+       min_local=st.integers(-3, 50), max_local=st.none() | st.integers(0, 10**5))
+@example(B=100, speeds=[1e300, 1e-300], overheads=[0.0, 1e300], min_local=1, max_local=None)
+@example(B=100, speeds=[], overheads=None, min_local=0, max_local=None)
+@settings(max_examples=500, deadline=None)
+def test_any_numbers_give_a_valid_vector_or_an_allocation_error(B, speeds, overheads, min_local, max_local):
+    """Malformed and extreme inputs (NaN, infinities, 1e-300 next to 1e300, negative
+    bounds) end in a valid vector or an AllocationError: never another exception,
+    an overflow into garbage, or an endless rounding loop (an extreme speed ratio used to hang)."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a numpy overflow warning would mean garbage in the vector
+        for call in (lambda: allocation.proportional(B, speeds, min_local, max_local),
+                     lambda: allocation.allocate(B, speeds, overheads, min_local, max_local)):
+            try:
+                b = call()
+            except AllocationError as e:
+                assert str(e)
+                continue
+            assert b.dtype == np.int64 and len(b) == len(speeds) and b.sum() == B
+            assert b.min() >= min_local and (not max_local or b.max() <= max_local)
 
 
 def test_affine_model_equalises_step_time():
