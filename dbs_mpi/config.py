@@ -233,6 +233,11 @@ def validate(c: Config) -> None:
     for s in c.speeds:
         if not 0 < s <= 1e6:
             _fail("speeds", f"every speed must be positive; got {s}")
+    if c.slow_factor > 1000:
+        _fail("slow_factor", f"must be at most 1000 (the slowed rank would never finish); got {c.slow_factor}")
+    if c.speeds and min(c.speeds) < 1e-3 * max(c.speeds):
+        # the emulator sleeps (1/s - 1) x the compute time: beyond 1000x a run would never end
+        _fail("speeds", f"the slowest rank must be at least 1/1000 as fast as the fastest; got {list(c.speeds)}")
     if len(c.synthetic_shape) != 3 or min(c.synthetic_shape) < 1:
         _fail("synthetic_shape", f"must be three positive integers C,H,W; got {c.synthetic_shape}")
     for name in ("slow_epochs", "sleep_seconds", "sleep_epochs"):

@@ -29,6 +29,8 @@ def test_toml_then_command_line(tmp_path):
     (["--speeds", "1,0"], "speeds"),
     (["--speeds", "1,-0.5"], "speeds"),
     (["--speeds", "1,fast"], "speeds"),
+    (["--speeds", "1e6,1e-300"], "speeds"),   # 1e306x slower: would never finish
+    (["--slow-factor", "1e9"], "slow_factor"),
     (["--strategy", "fastest"], "strategy"),
     (["--epochs", "0"], "epochs"),
     (["--lr", "nan"], "lr"),
