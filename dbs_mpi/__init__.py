@@ -1,17 +1,62 @@
 """dbs-mpi: heterogeneity-aware data-parallel training of PyTorch models over MPI.
 
+The library API (docs/api.md), for any PyTorch training script:
+
+    comm = dbs_mpi.init()                                   # COMM_WORLD, fail together, threads
+    balancer = dbs_mpi.Balancer(comm, global_batch=512, policy="dbs")
+    sampler = dbs_mpi.HeteroSampler(train_set, balancer, seed=0)
+    loader = DataLoader(train_set, batch_sampler=sampler, num_workers=2)
+    dbs_mpi.broadcast_parameters(model, comm)
+    balancer.calibrate_model(model, loss_fn, train_set)     # static, dbs: sizes b_i from speed
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.AdamW(model.parameters()), model, balancer)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step(loss=loss)
+        stats = balancer.end_epoch()                        # dbs re-plans the batch vector
+
 Where each idea of the papers lives:
   allocation.py     batch-size vectors from measured speed; the DBS controller
-  sharding.py       uneven shards with equal step counts; allocation invariance
-  strategies.py     ssgd / static / dbs, weighted or mean aggregation
-  comm.py           sample-weighted gradient allreduce, non-spinning waits, failing together
-  profiling.py      compute / communication / wait times; the start-up benchmark
+  balancer.py       the vector of a policy (ssgd, static, dbs), calibration, epoch timing
+  sharding.py       uneven shards with equal step counts; HeteroSampler; allocation invariance
+  optimizer.py      DistributedOptimizer: sample-weighted gradients, weighted or mean
+  comm.py           the bucketed allreduce, non-spinning waits, failing together, init()
+  profiling.py      compute / communication / wait times; the calibration's clock
   heterogeneity.py  emulated speeds and disturbances
-  results.py        the HDF5 result file
-  checkpoint.py     checkpoints, stop requests (SIGTERM/SIGUSR1), resume
+  results.py        the HDF5 result file (RunWriter, Recorder)
+  checkpoint.py     checkpoints (weights_only), stop requests (SIGTERM/SIGUSR1)
+  evaluation.py     test loss and accuracy over all ranks
   parameter_server.py  asgd, n-softsync, dbs-sgd on an MPI parameter server
-  data.py, models.py   datasets and models (no MPI)
-  train.py          the training loop;  cli.py  the `dbs-mpi` command;  bench.py  benchmarks
+  data.py, models.py   datasets and models (no MPI);  plugins.py  the user's model, data, loss
+  train.py          `dbs-mpi train`;  cli.py  the `dbs-mpi` command;  bench.py  benchmarks
   experiments.py    the experiment grid;  analysis.py  result files -> pandas tables
 """
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+# The public API, imported on first use (so that `import dbs_mpi.config` stays light and
+# nothing initialises MPI before it is needed).
+_API = {
+    "init": "comm", "broadcast_parameters": "comm", "AgreedError": "comm",
+    "Balancer": "balancer", "EpochStats": "balancer",
+    "HeteroSampler": "sharding",
+    "DistributedOptimizer": "optimizer",
+    "Recorder": "results",
+    "evaluate": "evaluation",
+    "StopRequest": "checkpoint", "Stopped": "checkpoint", "EXIT_STOPPED": "checkpoint",
+    "Emulator": "heterogeneity",
+    "UserError": "config",
+}
+__all__ = sorted([*_API, "save_checkpoint", "load_checkpoint"])
+
+
+def __getattr__(name):
+    if name in ("save_checkpoint", "load_checkpoint"):
+        from . import checkpoint
+        return checkpoint.save if name == "save_checkpoint" else checkpoint.load
+    if name in _API:
+        import importlib
+        return getattr(importlib.import_module(f".{_API[name]}", __name__), name)
+    raise AttributeError(f"module 'dbs_mpi' has no attribute {name!r}")

@@ -5,9 +5,9 @@ Pure functions, no MPI. A rank's step time is modelled as
     t_i(b) = a_i + c_i * b          (a_i: fixed cost per step, seconds; c_i = 1/v_i: seconds per sample)
 
 and the allocation equalises t_i over ranks subject to sum_i b_i = B and
-min_local <= b_i <= max_local (heterogeneous gradient computing, RESEARCH.md
-section 1; the affine model of section 7). With a_i = 0 this is the plain
-proportional rule b_i = B * v_i / sum_j v_j of the DBS paper (section 2).
+min_local <= b_i <= max_local (heterogeneous gradient computing; the affine model
+and why it beats the plain rule at small local batches: docs/method.md). With a_i = 0
+this is the plain proportional rule b_i = B * v_i / sum_j v_j of the DBS paper.
 Continuous solutions are rounded with largest remainders so that sum_i b_i = B exactly.
 """
 from __future__ import annotations
@@ -174,6 +174,22 @@ class SpeedModel:
         per_sample = np.where(bad, tl / bl, (tl - overhead) / bl)
         return cls(per_sample=per_sample, overhead=overhead)
 
+    @classmethod
+    def measured(cls, samples, seconds) -> "SpeedModel":
+        """The proportional model of one measurement: seconds / samples per sample, no fixed cost."""
+        samples, seconds = np.asarray(samples, float), np.asarray(seconds, float)
+        per_sample = np.where((samples > 0) & (seconds > 0), seconds / np.maximum(samples, 1), np.nan)
+        fill = np.nanmax(per_sample) if np.isfinite(per_sample).any() else 1.0
+        return cls(per_sample=np.where(np.isfinite(per_sample), per_sample, fill), overhead=np.zeros(len(samples)))
+
+    def state_dict(self) -> dict:
+        return {"per_sample": np.asarray(self.per_sample, float).copy(), "overhead": np.asarray(self.overhead, float).copy()}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "SpeedModel":
+        return cls(per_sample=np.asarray(state["per_sample"], float).copy(),
+                   overhead=np.asarray(state["overhead"], float).copy())
+
     def allocate(self, global_batch, min_local=1, max_local=None) -> np.ndarray:
         return allocate(global_batch, self.per_sample, self.overhead, min_local, max_local)
 
@@ -212,6 +228,27 @@ class DBSController:
     min_gain: float = 0.03
     last_move: np.ndarray | None = None          # vector change of the last re-allocation
     last_reversed: np.ndarray | None = None      # ranks whose last change reversed the one before
+
+    def state_dict(self) -> dict:
+        """The controller's state (plain types and arrays, for checkpoints)."""
+        arrays = {k: (None if getattr(self, k) is None else np.asarray(getattr(self, k)).copy())
+                  for k in ("last_move", "last_reversed")}
+        return {"model": self.model.state_dict(), "global_batch": int(self.global_batch),
+                "min_local": int(self.min_local), "max_local": self.max_local and int(self.max_local),
+                "smoothing": float(self.smoothing), "follow": float(self.follow), "min_gain": float(self.min_gain),
+                **arrays}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "DBSController":
+        arrays = {k: (None if state[k] is None else np.asarray(state[k]).copy()) for k in ("last_move", "last_reversed")}
+        if arrays["last_reversed"] is not None:
+            arrays["last_reversed"] = arrays["last_reversed"].astype(bool)
+        if arrays["last_move"] is not None:
+            arrays["last_move"] = arrays["last_move"].astype(np.int64)
+        return cls(model=SpeedModel.from_state(state["model"]), global_batch=int(state["global_batch"]),
+                   min_local=int(state["min_local"]), max_local=state["max_local"] and int(state["max_local"]),
+                   smoothing=float(state["smoothing"]), follow=float(state["follow"]),
+                   min_gain=float(state["min_gain"]), **arrays)
 
     def update(self, current, steps_batches, measured_time) -> tuple[np.ndarray, np.ndarray]:
         """current: the vector of the epoch; steps_batches: (steps x ranks) local batches

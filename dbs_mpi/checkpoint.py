@@ -1,12 +1,15 @@
 """Checkpoints and stop requests: lose nothing when a job is stopped or crashes.
 
-A checkpoint holds everything needed to continue a synchronous run exactly where it
-stopped: the configuration, the position (epoch and step), model and optimiser state,
-the batch vector and the allocation model (start-up benchmark / DBS controller), the
-partial epoch's losses and step times, and the RNG states of every rank (torch,
-heterogeneity emulator). Rank 0 gathers the per-rank parts and writes one file,
-atomically: a temporary file in the same folder, fsync, then rename, so a crash while
-writing leaves the previous checkpoint intact.
+A checkpoint is one file that rank 0 writes for all ranks: a dict of what every
+component's state_dict() gave (model, optimizer, balancer, sampler, parameter server,
+...) plus `per_rank`, the list of every rank's own part (RNG states, emulator, partial
+step times). It holds only tensors, numpy arrays (stored as tensors), and plain types
+(dict, list, tuple, str, int, float, bool, None): `save` refuses anything else, and `load`
+reads with torch.load(weights_only=True), so loading a checkpoint never runs code.
+Only this module reads and writes checkpoint files.
+
+Writing is atomic: a temporary file in the same folder, fsync, then rename, so a crash
+while writing leaves the previous checkpoint intact.
 
 Stop requests: SIGTERM and SIGUSR1 (what schedulers send before a time limit or a
 preemption; Slurm with `--signal=USR1@120`) set a flag. The ranks agree on it at every
@@ -18,6 +21,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +32,8 @@ from . import comm as mpi
 from .config import UserError
 
 EXIT_STOPPED = 3          # exit status after a stop request: checkpoint written, resume with --resume
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2        # 2: weights_only (tensors and plain types); 1 (pickled objects) is not read any more
+PLAIN = (str, int, float, bool, bytes, type(None), torch.Tensor)
 
 
 class Stopped(Exception):
@@ -39,15 +44,45 @@ def default_path(out) -> Path:
     return Path(str(out) + ".ckpt")
 
 
-def save(comm, path, common: dict, per_rank: dict) -> None:
-    """Collective: rank 0 writes {common, per_rank: [every rank's dict]} to path atomically."""
-    gathered = comm.gather(per_rank, root=0)
+def to_safe(obj, where: str = "state"):
+    """obj with numpy arrays as tensors and numpy scalars as Python numbers; TypeError
+    (naming where it was) for anything that torch.load(weights_only=True) would refuse."""
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind not in "biuf":
+            raise TypeError(f"{where}: cannot store a numpy array of dtype {obj.dtype}")
+        return torch.from_numpy(np.array(obj, copy=True))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, PLAIN):
+        return obj
+    if isinstance(obj, dict):
+        out = OrderedDict() if isinstance(obj, OrderedDict) else {}
+        for key, value in obj.items():
+            if not isinstance(key, (str, int)):
+                raise TypeError(f"{where}: dictionary key {key!r} is not a str or int")
+            out[key] = to_safe(value, f"{where}[{key!r}]")
+        if hasattr(obj, "_metadata"):     # a module's state_dict keeps its version metadata
+            out._metadata = obj._metadata
+        return out
+    if isinstance(obj, (list, tuple)):
+        items = [to_safe(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
+    raise TypeError(f"{where}: cannot store a {type(obj).__name__} (a checkpoint holds only tensors, arrays and "
+                    f"plain types: give the object's state_dict())")
+
+
+def save(comm, path, common: dict, per_rank: dict | None = None, timeout: float = 600.0) -> None:
+    """Collective: rank 0 writes {**common, per_rank: [every rank's dict]} to path,
+    atomically. `common` matters on rank 0 only (what every rank holds alike)."""
+    common = to_safe(common)                 # on every rank: a bad object fails everywhere alike
+    gathered = mpi.allgather_object(comm, to_safe(per_rank or {}, "per_rank"), timeout, "gathering checkpoint parts")
     if comm.Get_rank() != 0:
         return
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     buffer = io.BytesIO()
     torch.save({"format": FORMAT_VERSION, **common, "per_rank": gathered}, buffer)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(tmp, "wb") as f:
         f.write(buffer.getvalue())
         f.flush()
@@ -56,29 +91,28 @@ def save(comm, path, common: dict, per_rank: dict) -> None:
 
 
 def load(path) -> dict:
-    """Read a checkpoint; a missing, truncated or foreign file raises UserError naming it."""
+    """Read a checkpoint without running any code (weights_only); a missing, truncated or
+    foreign file raises UserError naming it."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"resume: no checkpoint {path}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # torch raises many kinds for damaged files
-        raise UserError(f"resume: {path} is not a readable checkpoint (truncated or corrupt: "
-                        f"{type(exc).__name__})") from None
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many kinds for damaged or foreign files
+        raise UserError(f"resume: {path} is not a readable checkpoint (truncated, corrupt or not written by "
+                        f"dbs-mpi {FORMAT_VERSION}: {type(exc).__name__})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
         raise UserError(f"resume: {path} is not a dbs-mpi checkpoint of format {FORMAT_VERSION}")
     return state
 
 
-def rng_state(emulator) -> dict:
-    return {"torch": torch.get_rng_state(), "emulator": emulator.rng.bit_generator.state,
-            "disturbed_until": emulator.disturbed_until}
+def rng_state() -> dict:
+    """This process's torch random state (the CPU generator)."""
+    return {"torch": torch.get_rng_state()}
 
 
-def restore_rng(state: dict, emulator) -> None:
+def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    emulator.rng.bit_generator.state = state["emulator"]
-    emulator.disturbed_until = state["disturbed_until"]
 
 
 class StopRequest:
@@ -118,7 +152,11 @@ class StopRequest:
             self._request = self.comm.Iallreduce(MPI.IN_PLACE, self._buffer, op=MPI.MAX)
 
     def agreed(self) -> int:
-        """Finish the agreement: the signal number if any rank was asked to stop, else 0."""
+        """Finish the agreement (starting it first if start() was not called): the signal
+        number if any rank was asked to stop, else 0. Collective: every rank calls it at
+        the same step and gets the same answer."""
+        if self._request is None:
+            self.start()
         if self._request is not None:
             mpi.wait(self._request, self.timeout, "stop-request agreement")
             self._request = None

@@ -46,7 +46,7 @@ def _train_parser(prog="dbs-mpi train") -> argparse.ArgumentParser:
 
 # Fields a resumed run may set differently from the checkpoint's configuration.
 RESUME_MAY_CHANGE = ("epochs", "data_dir", "comm_timeout", "wait_policy", "threads", "progress",
-                     "checkpoint_every", "out", "checkpoint")
+                     "checkpoint_every", "out", "checkpoint", "loader_workers")
 
 
 def parse_train_args(argv) -> config_mod.Config:
@@ -89,7 +89,7 @@ def cmd_train(comm, argv) -> int:
 
     cfg, state, resume = mpi.agree(comm, load_train_config, argv, comm.Get_rank())
     if resume:
-        cfg, state = comm.bcast((cfg, state), root=0)
+        cfg, state = mpi.bcast_object(comm, (cfg, state))
         mpi.agree(comm, _check_world_size, state, comm.Get_size())
     summary = train(comm, cfg, out=resume, checkpoint_state=state)
     if comm.Get_rank() == 0:
@@ -161,6 +161,10 @@ def main(argv=None) -> int:
     mpi.abort_on_uncaught(comm)
     try:
         return COMMANDS[argv[0]](comm, argv[1:])
+    except mpi.AgreedError as exc:  # a mistake every rank knows about: one line, every rank exits
+        if exc.local:
+            mpi._write_stderr(exc.report())
+        return 2
     except SystemExit as exc:  # from agree(): every rank exits together, cleanly
         return exc.code if isinstance(exc.code, int) else 2
 

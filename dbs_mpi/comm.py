@@ -15,17 +15,22 @@
   PyTorch DDP (reverse registration order, 25 MiB cap, a 1 MiB first bucket), plus one
   slot for the loss. Every rank scales its gradients by its weight b_i/B and sums them
   with an in-place allreduce: the sample-weighted gradient sum_i (b_i/B) g_i and the
-  global mean loss (RESEARCH.md section 1). With several buckets, a bucket's
+  global mean loss (docs/method.md, "Sample-weighted gradients"). With several buckets, a bucket's
   Iallreduce starts from autograd hooks as soon as backward has filled it.
-* `agree` runs a set-up function on every rank and lets all ranks fail together,
-  cleanly, when any rank fails (one message, exit status 2, nobody left waiting).
+* `collective` runs a set-up function on every rank and lets all ranks fail together,
+  cleanly, when any rank fails: every rank raises AgreedError, and the rank that failed
+  holds the message (the CLI prints it once and exits with status 2; nobody is left
+  waiting). `agree` is the same for the command line's set-up (SystemExit(2)).
 * `abort_on_uncaught` makes an unexpected exception on any rank end the whole job.
+* `init` is what a training script calls first: the communicator (COMM_WORLD unless
+  given one), the fail-together hook, and torch threads per rank.
 
 Library code takes the communicator as an argument; only entry points pick COMM_WORLD.
 """
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import sys
 import time
@@ -90,16 +95,44 @@ def allgather_array(comm: MPI.Comm, array, timeout: float = 600.0) -> np.ndarray
     return out
 
 
-def broadcast_parameters(comm: MPI.Comm, module: torch.nn.Module, root: int = 0) -> None:
-    """Make every rank's parameters and buffers equal to root's."""
+def allgather_object(comm: MPI.Comm, obj, timeout: float = 600.0, what: str = "allgather") -> list:
+    """Every rank's picklable `obj`, in rank order (a bounded, sleeping allgather)."""
+    if comm.Get_size() == 1:
+        return [obj]
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    sizes = np.zeros(comm.Get_size(), dtype=np.int64)
+    wait(comm.Iallgather(np.array([data.size], dtype=np.int64), sizes), timeout, what)
+    out = np.empty(int(sizes.sum()), dtype=np.uint8)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    wait(comm.Iallgatherv(data, [out, (sizes, offsets), MPI.BYTE]), timeout, what)
+    return [pickle.loads(out[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]
+
+
+def bcast_object(comm: MPI.Comm, obj, root: int = 0, timeout: float = 600.0, what: str = "broadcast"):
+    """root's picklable `obj` on every rank (a bounded, sleeping broadcast)."""
+    if comm.Get_size() == 1:
+        return obj
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8) \
+        if comm.Get_rank() == root else None
+    size = np.array([data.size if data is not None else 0], dtype=np.int64)
+    wait(comm.Ibcast(size, root=root), timeout, what)
+    buffer = data.copy() if data is not None else np.empty(int(size[0]), dtype=np.uint8)
+    wait(comm.Ibcast(buffer, root=root), timeout, what)
+    return obj if comm.Get_rank() == root else pickle.loads(buffer.tobytes())
+
+
+def broadcast_parameters(model: torch.nn.Module, comm: MPI.Comm, root: int = 0, timeout: float = 600.0) -> None:
+    """Make every rank's parameters and buffers equal to root's (call it once, after
+    building the model and before training; bounded like every wait here)."""
     if comm.Get_size() == 1:
         return
-    for tensor in [*module.parameters(), *module.buffers()]:
+    for tensor in [*model.parameters(), *model.buffers()]:
         data = tensor.data
-        if data.is_contiguous() and data.dtype in (torch.float32, torch.float64, torch.int64):
-            comm.Bcast(data.numpy(), root=root)
-        else:
-            data.copy_(comm.bcast(data, root=root))
+        host = data.detach().cpu().contiguous()
+        array = host.numpy() if host.dtype != torch.bfloat16 else host.view(torch.int16).numpy()
+        wait(comm.Ibcast(array, root=root), timeout, "broadcasting the parameters")
+        if host.data_ptr() != data.data_ptr():
+            data.copy_(host)
 
 
 MIB = 2 ** 20
@@ -138,8 +171,13 @@ class GradientExchange:
     loss; each parameter's .grad is a view of its place, so autograd accumulates
     straight into the buffer (no copies) and the optimizer reads the reduced values.
 
-    A step is `zero_grad(weight)`, `backward(loss)` (or loss.backward()),
-    `allreduce(weight, loss_share)`. Weighting: `backward(loss)` seeds autograd with
+    A step is `zero_grad(weight)` (or `arm(weight)` on already zeroed gradients),
+    `backward(loss)` (or loss.backward()), `allreduce(weight, loss_share)`.
+    A .grad that something replaced (optimizer.zero_grad() or model.zero_grad() with
+    set_to_none=True, the default, then a backward that made a fresh tensor) is taken
+    over: its values are copied into the buffer and the view is put back, in the
+    parameter's hook or at the latest in `allreduce`; a .grad set to None counts as
+    zero. So every form of zero_grad gives the right gradient. Weighting: `backward(loss)` seeds autograd with
     the weight, so the gradients arrive already multiplied by b_i/B and nothing is
     scaled afterwards; after a plain loss.backward() every bucket is scaled (one pass
     over its bytes) just before its allreduce starts.
@@ -186,6 +224,7 @@ class GradientExchange:
         self.bounds = []                 # (start, stop) of every bucket in flat; the final one ends at the loss slot
         self._bucket_of = [0] * len(self.params)
         self._grad_ptr = [0] * len(self.params)
+        self._grad_views = [None] * len(self.params)
         offset = 0
         for b, indices in enumerate(self.layout):
             start = offset
@@ -195,6 +234,7 @@ class GradientExchange:
                 p.grad = self.flat[offset:offset + n].view_as(p)
                 self._bucket_of[index] = b
                 self._grad_ptr[index] = p.grad.data_ptr()
+                self._grad_views[index] = p.grad
                 offset += n
             self.bounds.append((start, offset))
         self.bounds[-1] = (self.bounds[-1][0], self.numel + 1)
@@ -207,6 +247,16 @@ class GradientExchange:
             for index, p in enumerate(self.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._hook_for(index)))
         self._reset()
+
+    @property
+    def busy(self) -> bool:
+        """True while buckets started during backward are being reduced."""
+        return bool(self._requests)
+
+    @property
+    def armed_weight(self) -> float | None:
+        """The weight given to zero_grad/arm for the step under way (None: not armed)."""
+        return self._weight
 
     @property
     def num_buckets(self) -> int:
@@ -247,6 +297,14 @@ class GradientExchange:
         self.flat.zero_()
         self._weight = None if weight is None else float(weight)
 
+    def arm(self, weight: float) -> None:
+        """Begin a step on gradients that are already zero (the buffer was zeroed after
+        the last step): buckets may start during backward, weighted by `weight`."""
+        if self._requests:
+            raise RuntimeError("arm() while gradient buckets are still being reduced: call allreduce() once "
+                               "after every backward")
+        self._weight = float(weight)
+
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), seeded with this rank's weight (given to zero_grad): autograd
         then produces weight * gradient directly, so no bucket needs a scaling pass
@@ -267,8 +325,7 @@ class GradientExchange:
 
         def hook(p):
             if p.grad is None or p.grad.data_ptr() != ptr:
-                raise RuntimeError("a parameter's .grad no longer views the exchange buffer; use "
-                                   "strategy.zero_grad() (exchange.zero_grad) instead of optimizer.zero_grad()")
+                self._adopt(index)
             self._left[bucket] -= 1
             if bucket < self._next:
                 raise RuntimeError("a gradient changed after its bucket's allreduce had started: with overlap, "
@@ -278,6 +335,21 @@ class GradientExchange:
             elif self._oldest < len(self._requests):
                 self._progress()
         return hook
+
+    def _adopt(self, index: int) -> None:
+        """Put parameter `index`'s .grad back into the buffer (zero if it is None)."""
+        p, view = self.params[index], self._grad_views[index]
+        if p.grad is None:
+            view.zero_()
+        else:
+            view.copy_(p.grad.detach().reshape(view.shape))
+        p.grad = view
+
+    def adopt_grads(self) -> None:
+        """Take over every .grad that no longer views the buffer (see the class docstring)."""
+        for index, (p, ptr) in enumerate(zip(self.params, self._grad_ptr)):
+            if p.grad is None or p.grad.data_ptr() != ptr:
+                self._adopt(index)
 
     def _start(self, bucket: int, weight: float) -> None:
         view = self._views[bucket]
@@ -297,12 +369,9 @@ class GradientExchange:
         while self._oldest < len(self._requests) and self._requests[self._oldest].Test():
             self._oldest += 1
 
-    def check_views(self) -> None:
-        """Fail loudly if something replaced a .grad (e.g. zero_grad(set_to_none=True))."""
-        for p, ptr in zip(self.params, self._grad_ptr):
-            if p.grad is None or p.grad.data_ptr() != ptr:
-                raise RuntimeError("a parameter's .grad no longer views the exchange buffer; "
-                                   "use exchange.zero_grad() instead of optimizer.zero_grad()")
+    def views_intact(self) -> bool:
+        """True if every .grad views the buffer (nothing replaced them since the last step)."""
+        return all(p.grad is not None and p.grad.data_ptr() == ptr for p, ptr in zip(self.params, self._grad_ptr))
 
     def allreduce(self, weight: float, loss_share: float) -> float:
         """flat <- sum over ranks of weight_r * grad_r; returns sum_r loss_share_r.
@@ -315,6 +384,7 @@ class GradientExchange:
             raise RuntimeError(f"allreduce(weight={weight:g}) but zero_grad was given weight {self._weight:g}: "
                                f"the buckets already started were scaled by that")
         last = len(self.layout) - 1
+        self.adopt_grads()
         try:
             while self._next < last:       # not started yet (no backward, unused parameters, no weight given)
                 self._start(self._next, weight)
@@ -335,32 +405,54 @@ class GradientExchange:
 
 # --- failing together ----------------------------------------------------------
 
-def _error_line(exc: BaseException) -> str:
+class AgreedError(UserError):
+    """Raised on every rank when a collective step (`collective`) failed on some rank.
+
+    `origin` is the lowest rank that failed and `local` says whether it is this one: that
+    rank's message (str(error)) is the one to show; `details` holds its traceback when the
+    failure was not a UserError. Because every rank raises it, nobody is left waiting."""
+
+    def __init__(self, message: str, origin: int, local: bool, world_size: int, details: str | None = None):
+        super().__init__(message)
+        self.origin, self.local, self.world_size, self.details = origin, local, world_size, details
+
+    def report(self) -> str:
+        """The one line (after the traceback, if any) that the failing rank prints."""
+        where = f" (rank {self.origin} of {self.world_size})" if self.world_size > 1 else ""
+        return (self.details or "") + _error_line(self) + where + "\n"
+
+
+def _error_line(exc) -> str:
     return f"dbs-mpi: error: {exc}"
 
 
-def agree(comm: MPI.Comm, fn, *args, **kwargs):
-    """Run fn on every rank; if it raises on any rank, every rank raises SystemExit(2),
-    after the lowest failing rank printed one line (a UserError) or its traceback.
+def collective(comm: MPI.Comm, fn, *args, timeout: float = 600.0, **kwargs):
+    """Run fn on every rank; if it raises on any rank, every rank raises AgreedError
+    (bounded: one allgather of a small object).
 
-    Only for set-up phases in which every rank calls `agree` the same number of times."""
+    Only for steps that every rank of comm runs the same number of times, in the same order."""
     try:
         result, failure = fn(*args, **kwargs), None
     except UserError as exc:
-        result, failure = None, (_error_line(exc), None)
+        result, failure = None, (str(exc), None)
     except Exception as exc:  # an unexpected failure: keep its traceback
-        result, failure = None, (_error_line(f"{type(exc).__name__}: {exc}"), traceback.format_exc())
-    failures = comm.allgather(failure) if comm.Get_size() > 1 else [failure]
+        result, failure = None, (f"{type(exc).__name__}: {exc}", traceback.format_exc())
+    failures = allgather_object(comm, failure, timeout, "agreeing on the outcome of a set-up step")
     for rank, f in enumerate(failures):
         if f is not None:
-            if rank == comm.Get_rank():
-                if f[1]:
-                    sys.stderr.write(f[1])
-                where = f" (rank {rank} of {comm.Get_size()})" if comm.Get_size() > 1 else ""
-                sys.stderr.write(f[0] + where + "\n")
-                sys.stderr.flush()
-            raise SystemExit(2)
+            raise AgreedError(f[0], rank, rank == comm.Get_rank(), comm.Get_size(), f[1])
     return result
+
+
+def agree(comm: MPI.Comm, fn, *args, **kwargs):
+    """`collective` for the command line's set-up: the failing rank prints its line (or
+    traceback) and every rank raises SystemExit(2)."""
+    try:
+        return collective(comm, fn, *args, **kwargs)
+    except AgreedError as exc:
+        if exc.local:
+            _write_stderr(exc.report())
+        raise SystemExit(2) from None
 
 
 def _write_stderr(message: str) -> None:
@@ -378,12 +470,23 @@ def _write_stderr(message: str) -> None:
 
 def abort_on_uncaught(comm: MPI.Comm, cleanup=None) -> None:
     """An uncaught exception on this rank prints its traceback, runs `cleanup` (e.g. mark
-    the result file failed) and aborts the whole job, so no rank waits forever."""
+    the result file failed) and aborts the whole job, so no rank waits forever.
+
+    An AgreedError (raised on every rank together, see `collective`) is a user's mistake
+    that every rank knows about: the failing rank prints its one line, and every rank
+    exits with status 2, without an abort."""
     previous = sys.excepthook
 
     def hook(kind, value, tb):
         if issubclass(kind, (SystemExit, KeyboardInterrupt)) and comm.Get_size() == 1:
             return previous(kind, value, tb)
+        if isinstance(value, AgreedError):
+            if value.local:
+                _write_stderr(value.report())
+            if cleanup is not None:
+                cleanup()
+            sys.stderr.flush()
+            os._exit(2)
         try:
             if isinstance(value, UserError):
                 message = _error_line(value) + f" (rank {comm.Get_rank()})\n"
@@ -405,6 +508,24 @@ def abort_on_uncaught(comm: MPI.Comm, cleanup=None) -> None:
                 os._exit(1)
 
     sys.excepthook = hook
+
+
+def init(comm: MPI.Comm | None = None, threads: int | None = None) -> MPI.Comm:
+    """Start dbs-mpi in a training script: returns the communicator to train on.
+
+    comm: the ranks that train together (default MPI.COMM_WORLD: every rank mpirun
+    started; a single process without mpirun is a world of one). An uncaught exception
+    on any rank then ends the whole job (abort_on_uncaught), and each rank gets
+    `threads` torch threads (default: the node's cores divided by the ranks on it)."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    abort_on_uncaught(comm)
+    torch.set_num_threads(threads or threads_per_rank(comm))
+    return comm
+
+
+def threads_per_rank(comm: MPI.Comm) -> int:
+    """The node's cores shared out over the ranks of comm on this node (at least 1)."""
+    return max(1, available_cores() // local_size(comm))
 
 
 # --- environment ---------------------------------------------------------------
@@ -436,8 +557,9 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def hostnames(comm: MPI.Comm) -> list[str]:
-    return comm.allgather(socket.gethostname())
+def hostnames(comm: MPI.Comm, timeout: float = 600.0) -> list[str]:
+    """The host of every rank of comm, in rank order."""
+    return allgather_object(comm, socket.gethostname(), timeout, "gathering host names")
 
 
 def mpi_library() -> str:

@@ -36,6 +36,8 @@ MODELS = ("lenet5", "mlp", "resnet20", "cifar-cnn")
 NORMS = ("group", "batch")
 DBS_MODELS = ("affine", "proportional")
 WAIT_POLICIES = ("auto", "spin", "sleep")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LOADERS = ("auto", "dataloader")
 
 
 @dataclass(frozen=True)
@@ -43,15 +45,20 @@ class Config:
     # --- what to train ---------------------------------------------------------
     strategy: str = "dbs"            # ssgd (equal local batches) | static (start-up benchmark) | dbs (re-allocated every epoch) | asgd | nsoftsync | dbs-sgd (parameter server)
     aggregation: str = "weighted"    # weighted: sum_i b_i*g_i / B | mean: (1/n) sum_i g_i
-    dataset: str = "fashion-mnist"   # fashion-mnist | mnist | cifar10 | synthetic
+    dataset: str = "fashion-mnist"   # fashion-mnist | mnist | cifar10 | synthetic | MODULE:CALLABLE or file.py:CALLABLE (a factory of the split "train"/"test" returning a map-style Dataset of (tensor, int label))
     data_dir: str = ""               # folder holding <dataset>/ files; "" = $DBS_MPI_DATA_DIR, else ./data
-    model: str = "lenet5"            # lenet5 | mlp | resnet20 | cifar-cnn
+    model: str = "lenet5"            # lenet5 | mlp | resnet20 | cifar-cnn | MODULE:CALLABLE or file.py:CALLABLE (a factory taking sample_shape and/or num_classes, returning an nn.Module)
+    loss: str = ""                   # "" = cross-entropy | MODULE:CALLABLE: loss(output, target) -> mean over the batch (a class is instantiated)
+    optimizer: str = "sgd"           # sgd (lr, momentum, weight_decay) | adam | adamw (lr, weight_decay)
+    num_classes: int = 0             # plug-in datasets: number of classes; 0 = the dataset's num_classes or len(classes)
+    loader: str = "auto"             # auto: built-in datasets are indexed in memory (fast path), plug-ins go through torch's DataLoader | dataloader: always DataLoader
+    loader_workers: int = 0          # DataLoader worker processes per rank (0: load in the training process)
     norm: str = "group"              # resnet20's normalisation: group (consistent across uneven local batches) | batch
     augment: bool = False            # cifar10 training only: random crop (padding 4) and horizontal flip, seeded
     epochs: int = 3                  # passes over the training set
     global_batch: int = 512          # B: samples per step, summed over all ranks
-    lr: float = 0.05                 # SGD learning rate
-    momentum: float = 0.9            # SGD momentum
+    lr: float = 0.05                 # learning rate
+    momentum: float = 0.9            # SGD momentum (sgd only)
     weight_decay: float = 0.0        # L2 penalty
     seed: int = 0                    # seeds model init, data order, disturbances
     subset: int = 0                  # use only the first N training samples; 0 = all
@@ -206,8 +213,16 @@ def validate(c: Config) -> None:
             _fail(name, f"expected {kind.__name__}, got {value!r}")
     choice("strategy", STRATEGIES)
     choice("aggregation", AGGREGATIONS)
-    choice("dataset", DATASETS)
-    choice("model", MODELS)
+    if ":" not in c.dataset:
+        choice("dataset", DATASETS)
+    if ":" not in c.model:
+        choice("model", MODELS)
+    choice("optimizer", OPTIMIZERS)
+    choice("loader", LOADERS)
+    if c.loss and ":" not in c.loss:
+        _fail("loss", f"must be empty (cross-entropy) or MODULE:CALLABLE; got {c.loss!r}")
+    if c.augment and c.loader == "dataloader":
+        _fail("augment", "the built-in augmentation runs on the in-memory fast path; use loader = \"auto\"")
     choice("norm", NORMS)
     choice("dbs_model", DBS_MODELS)
     choice("wait_policy", WAIT_POLICIES)
@@ -216,7 +231,7 @@ def validate(c: Config) -> None:
         positive(name)
     for name in ("lr", "momentum", "weight_decay", "subset", "test_subset", "max_local_batch",
                  "benchmark_warmup", "threads", "checkpoint_every", "sleep_prob", "dbs_min_gain",
-                 "bucket_mb", "first_bucket_mb"):
+                 "bucket_mb", "first_bucket_mb", "num_classes", "loader_workers"):
         non_negative(name)
     if c.time_budget < 0:
         _fail("time_budget", f"must be zero (no limit) or positive seconds; got {c.time_budget}")

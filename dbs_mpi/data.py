@@ -1,9 +1,14 @@
 """Datasets as in-memory tensors, their augmentation, and `dbs-mpi data fetch|check`.
 No MPI here.
 
-Every dataset is loaded whole into memory as float32 tensors (N, C, H, W), normalised
-with its standard per-channel mean and std, with int64 labels; a training step only
-indexes it.
+Every built-in dataset is loaded whole into memory as float32 tensors (N, C, H, W),
+normalised with its standard per-channel mean and std, with int64 labels. It is also a
+map-style torch Dataset (dataset[i] is (image, label)), so a DataLoader takes it; but the
+training loop reads it through `InMemoryLoader`, the fast path, which indexes a whole
+local batch out of the tensors at once. Any other map-style dataset of (tensor, int
+label), a user's own, goes through torch's DataLoader; `first_samples` and
+`fetch_batch` read a few samples of either kind (calibration, the parameter server's
+workers).
 
 Where files are looked for: `<data_dir>/<name>/`, where data_dir is the `--data-dir`
 option, else the environment variable DBS_MPI_DATA_DIR, else `./data`.
@@ -72,6 +77,56 @@ class Dataset:
     @property
     def sample_shape(self) -> tuple:
         return tuple(self.x.shape[1:])
+
+    def __getitem__(self, index):
+        """(image tensor, int label): the map-style Dataset protocol (one sample)."""
+        return self.x[index], int(self.y[index])
+
+
+class InMemoryLoader:
+    """The fast path for an in-memory Dataset: the HeteroSampler's batches indexed out of
+    the tensors in one gather each (no per-sample collation); with `augment`, the CIFAR
+    augmentation of the sampler's epoch. Iterates like DataLoader(dataset,
+    batch_sampler=sampler): (x, y) per step."""
+
+    def __init__(self, dataset: Dataset, sampler, augment: bool = False, seed: int = 0):
+        self.dataset, self.sampler, self.augment, self.seed = dataset, sampler, augment, seed
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self):
+        x_all, y_all = self.dataset.x, self.dataset.y
+        for indices in self.sampler.iter_arrays():
+            x = x_all[indices]
+            if self.augment:
+                x = augment(x, indices, self.sampler.epoch, self.seed)
+            yield x, y_all[indices]
+
+
+def fetch_batch(dataset, indices) -> tuple:
+    """Samples `indices` of a map-style dataset as a batch (x, y): one gather for an
+    in-memory Dataset, else dataset[i] for each and torch's default collation."""
+    if isinstance(dataset, Dataset):
+        return dataset.x[indices], dataset.y[indices]
+    from torch.utils.data import default_collate
+    return tuple(default_collate([dataset[int(i)] for i in indices]))
+
+
+def first_samples(dataset, count: int) -> tuple:
+    """The first `count` samples of a dataset as a batch (x, y), repeating it if it is
+    shorter (what the start-up calibration computes on, the same on every rank)."""
+    return fetch_batch(dataset, torch.arange(count) % len(dataset))
+
+
+def sample_shape_and_classes(dataset, num_classes: int = 0) -> tuple[tuple, int]:
+    """(shape of one input, number of classes) of a dataset: num_classes if given, else
+    the dataset's num_classes or len(classes) attribute (as torchvision datasets have)."""
+    if isinstance(dataset, Dataset):
+        return dataset.sample_shape, dataset.num_classes
+    x, _ = dataset[0]
+    classes = num_classes or getattr(dataset, "num_classes", 0) or len(getattr(dataset, "classes", ()) or ())
+    return tuple(x.shape), int(classes)
 
 
 # Per-channel mean and std of the training images (pixel values scaled to [0, 1]).

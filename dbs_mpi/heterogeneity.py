@@ -59,6 +59,19 @@ class Emulator:
                    slow_epochs=cfg.slow_epochs, sleep_prob=cfg.sleep_prob, sleep_seconds=cfg.sleep_seconds,
                    sleep_epochs=cfg.sleep_epochs)
 
+    def state_dict(self) -> dict:
+        """The emulator's position (random stream, disturbance, this epoch's factors):
+        plain types only, for checkpoints."""
+        return {"rng": self.rng.bit_generator.state, "disturbed_until": int(self.disturbed_until),
+                "factor": float(self.factor), "epoch_sleep": float(self.epoch_sleep),
+                "step_sleep": float(self.step_sleep)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.bit_generator.state = state["rng"]
+        self.disturbed_until = int(state["disturbed_until"])
+        self.factor, self.epoch_sleep, self.step_sleep = (float(state[k]) for k in
+                                                          ("factor", "epoch_sleep", "step_sleep"))
+
     @property
     def active(self) -> bool:
         return self.factor != 1.0 or self.step_sleep > 0

@@ -1,11 +1,11 @@
 """Asynchronous strategies on a parameter server over MPI: asgd, nsoftsync, dbs-sgd.
 
-Rank 0 is the server: it holds the parameters and applies every update (SGD with
-momentum, cfg.lr). Ranks 1..n-1 are the workers (lambda = n - 1 learners): a worker
+Rank 0 is the server: it holds the parameters and applies every update (cfg.optimizer:
+SGD with momentum by default, Adam or AdamW; cfg.lr). Ranks 1..n-1 are the workers (lambda = n - 1 learners): a worker
 gets weights and a piece of work, computes the gradient on its local batch, pushes
-it and waits for the next weights. RESEARCH.md section 4 (Zhang et al., IJCAI 2016)
-for asgd / n-softsync and the staleness-dependent learning rate, section 3 (Ji et
-al.) for dbs-sgd, section 1 for the sample weighting.
+it and waits for the next weights. docs/method.md, "Asynchronous strategies", has the
+rules with their sources: Zhang et al. (IJCAI 2016) for asgd / n-softsync and the
+staleness-dependent learning rate, Ji et al. for dbs-sgd.
 
 Strategies (what the server does with arriving gradients)
   asgd       apply every gradient on arrival (c = 1).
@@ -122,12 +122,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from mpi4py import MPI
 
 from . import allocation, checkpoint, comm as mpi, sharding
+from .balancer import calibrate, calibration_batches
 from .comm import CommTimeout
 from .config import UserError
+from .data import fetch_batch, first_samples
+from .heterogeneity import Emulator
+from .optimizer import make_optimizer
+from .profiling import model_step
 
 TAG_WORK = 1    # server -> worker: header + weights (WORK), or header only (STOP)
 TAG_GRAD = 2    # worker -> server: header + gradient
@@ -270,7 +274,7 @@ class Server:
         self.acc = torch.zeros(self.numel, dtype=torch.float32)     # sum_i s_i b_i g_i, then the update's g
         bind_parameters(params, self.weights)
         bind_gradients(params, self.acc)
-        self.optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        self.optimizer = make_optimizer(cfg.optimizer, params, cfg)
         _warm_up_optimizer()
         self.c = group_size(cfg.strategy, self.workers, cfg.softsync_n)
         self.wait_mode = cfg.strategy == "nsoftsync" and cfg.softsync_wait
@@ -481,10 +485,12 @@ class Server:
              "written", "rows_written", "snapshots", "ends", "updates_at_close", "messages", "clock")
 
     def state_dict(self) -> dict:
-        """Everything needed to continue, taken between segments (nothing in flight)."""
+        """Everything needed to continue, taken between segments (nothing in flight);
+        arrays and plain types (checkpoint.to_safe stores the arrays as tensors)."""
+        state = {k: getattr(self, k) for k in self.STATE}
+        state["controller"] = self.controller.state_dict() if self.controller is not None else None
         return {"weights": self.weights.clone(), "optimizer": self.optimizer.state_dict(),
-                "cursor": {k: v for k, v in vars(self.cursor).items()},
-                **{k: getattr(self, k) for k in self.STATE}}
+                "cursor": {k: v for k, v in vars(self.cursor).items()}, **state}
 
     def load_state(self, state: dict) -> None:
         """Continue from state_dict(); cfg.epochs may have grown (a run extended on resume)."""
@@ -494,11 +500,24 @@ class Server:
         for k in self.STATE:
             value = state[k]
             if k in ("applied", "vectors", "stats"):     # per-epoch arrays: pad to the new epoch count
+                value = np.asarray(value)
                 padded = np.zeros((epochs, *value.shape[1:]), dtype=value.dtype)
                 padded[:len(value)] = value[:epochs]
                 value = padded
+            elif k == "vector":
+                value = np.asarray(value, dtype=np.int64).copy()
+            elif k == "controller":
+                value = None if value is None else allocation.DBSController.from_state(value)
+            elif k == "snapshots":
+                value = {int(e): np.asarray(w).copy() for e, w in value.items()}
+            elif k == "measure":
+                value = [[(int(c), float(t)) for c, t in m] for m in value]
             setattr(self, k, value)
-        self.cursor.__dict__.update({k: v for k, v in state["cursor"].items() if k != "epochs"})
+        cursor = {k: v for k, v in state["cursor"].items() if k != "epochs"}
+        for k in ("vector", "table"):
+            if cursor.get(k) is not None:
+                cursor[k] = np.asarray(cursor[k], dtype=np.int64).copy()
+        self.cursor.__dict__.update(cursor)
 
     def _begin_epoch(self) -> None:
         """The cursor enters a new epoch: dbs-sgd re-plans the local batches first."""
@@ -554,8 +573,9 @@ class Server:
 class Worker:
     """Ranks 1..n-1: wait for work, compute the gradient, push it, repeat until STOP."""
 
-    def __init__(self, pcomm, cfg, model, train_set, emulator, stop=None):
+    def __init__(self, pcomm, cfg, model, train_set, emulator, stop=None, loss_fn=None):
         self.comm, self.cfg, self.model, self.train_set, self.emulator = pcomm, cfg, model, train_set, emulator
+        self.loss_fn = loss_fn
         self.stop = stop
         self.timeout = cfg.comm_timeout
         params = [p for p in model.parameters()]
@@ -574,7 +594,8 @@ class Worker:
 
     def load_state(self, state: dict) -> None:
         stats = np.zeros_like(self.stats)            # cfg.epochs may have grown
-        stats[:len(state["stats"])] = state["stats"][:len(stats)]
+        saved = np.asarray(state["stats"])
+        stats[:len(saved)] = saved[:len(stats)]
         self.stats, self.perm_epoch, self.epoch = stats, state["perm_epoch"], state["epoch"]
         if self.perm_epoch >= 0:
             self.perm = torch.from_numpy(sharding.epoch_permutation(len(self.train_set), self.perm_epoch,
@@ -582,7 +603,6 @@ class Worker:
 
     def run(self) -> None:
         """One segment: compute until the server says STOP (the end, or a checkpoint)."""
-        x_all, y_all = self.train_set.x, self.train_set.y
         perm, perm_epoch, epoch = self.perm, self.perm_epoch, self.epoch
         recv = self.comm.Irecv(self.weights.whole, 0, TAG_WORK)
         header = self.weights.header
@@ -609,12 +629,13 @@ class Worker:
                 # a fast asgd worker computes more gradients per epoch).
                 self.emulator.start_epoch(epoch, self.steps_per_epoch)
             idx = perm[start:start + count]
-            x, y = x_all[idx], y_all[idx]
+            if count:
+                x, y = fetch_batch(self.train_set, idx)
             t1 = time.perf_counter()
             self.grad.body.zero_()
             loss_value = 0.0
             if count:
-                loss = F.cross_entropy(self.model(x), y)
+                loss = self.loss_fn(self.model(x), y)
                 loss.backward()
                 loss_value = loss.item()
                 self.emulator.stretch(time.perf_counter() - t1)
@@ -652,18 +673,21 @@ def _check_model(model) -> None:
         raise UserError("model: the parameter server supports float32 parameters only")
 
 
-def initial_vector(comm, cfg, model, train_set, emulator, writer):
+def initial_vector(run, emulator):
     """Local batches of the workers (sum = global_batch), and dbs-sgd's controller."""
-    from .train import startup_benchmark
+    comm, cfg = run.comm, run.cfg
     workers = comm.Get_size() - 1
     max_local = cfg.max_local_batch or None
     if cfg.strategy != "dbs-sgd":
         return allocation.equal(cfg.global_batch, workers, cfg.min_local_batch, max_local), None
-    # Every rank (the server too: the benchmark is a collective) times itself at two
+    # Every rank (the server too: the calibration is a collective) times itself at two
     # local batches; the workers' part of the fit sizes their local batches.
-    fit, bench_batches, bench_times = startup_benchmark(comm, cfg, model, train_set, emulator)
-    writer.write("startup/local_batch", bench_batches)
-    writer.write("startup/step_time", bench_times)
+    small, large = calibration_batches(cfg.global_batch, comm.Get_size(), cfg.min_local_batch, max_local)
+    step = model_step(run.model, run.loss_fn, *first_samples(run.train_set, large))
+    fit, times = calibrate(comm, step, small, large, steps=cfg.benchmark_steps, warmup=cfg.benchmark_warmup,
+                           stretch=emulator.stretch, affine=cfg.dbs_model == "affine", timeout=cfg.comm_timeout)
+    run.recorder.writer.write("startup/local_batch", np.array([small, large], dtype=np.int64))
+    run.recorder.writer.write("startup/step_time", times)
     speed_model = allocation.SpeedModel(fit.per_sample[1:].copy(), fit.overhead[1:].copy())
     controller = allocation.DBSController(
         model=speed_model, global_batch=cfg.global_batch, min_local=cfg.min_local_batch, max_local=max_local,
@@ -674,53 +698,20 @@ def initial_vector(comm, cfg, model, train_set, emulator, writer):
 class AsyncTrainer:
     """Runs cfg.strategy (asgd | nsoftsync | dbs-sgd) on comm: rank 0 serves, the others
     work, in segments between checkpoints (module docstring, "Checkpoints"). Same shape
-    as train.SyncTrainer: train.train() builds it and calls run(); rank 0 writes the
-    records. Waiting ranks always sleep between polls (sleep_wait is not needed: the
-    protocol never spins)."""
+    as train.SyncTrainer: train.train() builds it from the run and calls train(); rank 0
+    writes the records. Waiting ranks always sleep between polls (the protocol never
+    spins)."""
 
-    def __init__(self, comm, cfg, out, stop, state=None):
-        self.comm, self.cfg, self.stop, self.state = comm, cfg, stop, state
-        self.path = cfg.checkpoint or str(checkpoint.default_path(out))
+    def __init__(self, run):
+        self.run, self.comm, self.cfg, self.stop, self.state = run, run.comm, run.cfg, run.stop, run.state
+        self.path, self.log, self.summary = run.checkpoint_path, run.log, run.summary
+        self.writer = run.recorder.writer
+        self.emulator = Emulator.from_config(self.cfg, self.comm.Get_rank())
 
-    def run(self, comm, cfg, model, train_set, test_set, emulator, writer, summary, log, sleep_wait) -> None:
-        rank, world = comm.Get_rank(), comm.Get_size()
-        workers = world - 1
-        state = self.state
-        self.writer, self.log, self.summary = writer, log, summary
-        mpi.agree(comm, _check_model, model)
-        if state is None:
-            vector, controller = initial_vector(comm, cfg, model, train_set, emulator, writer)
-            writer.write("startup/batch_sizes", np.concatenate([[0], vector]).astype(np.int64))
-        else:                               # the server's state has them
-            vector, controller = allocation.equal(cfg.global_batch, workers, 1, None), None
-            summary.epochs.extend(state["summary_epochs"])
-            checkpoint.restore_rng(state["per_rank"][rank]["rng"], emulator)
-            emulator.__dict__.update(state["per_rank"][rank]["emulator"])
-        c = group_size(cfg.strategy, workers, cfg.softsync_n)
-        mode = "immediate" if not (cfg.strategy == "nsoftsync" and cfg.softsync_wait) else (
-            "rounds (hardsync)" if c == workers else "wait")
-        self.c, self.mode = c, mode
-
-        pcomm = comm.Dup()              # the protocol's own context: its tags meet no other message
-        server = worker = None
-        if rank == 0:
-            server = Server(pcomm, cfg, model, len(train_set), vector, controller, log, self.stop)
-            if state is not None:
-                server.load_state(state["server"])
-        else:
-            worker = Worker(pcomm, cfg, model, train_set, emulator, self.stop)
-            if state is not None:
-                worker.load_state(state["per_rank"][rank]["worker"])
-        if state is None:
-            log(f"{cfg.strategy}: 1 server + {workers} worker(s), {c} gradient(s) per update, replies {mode}, "
-                f"local batches {vector.tolist()}" + (", learning rate / staleness" if cfg.staleness_lr else "")
-                + (f", time budget {cfg.time_budget:g} s" if cfg.time_budget else ""))
-        else:
-            log(f"{cfg.strategy}: resumed after {state['epoch']} epoch(s) and {state['server']['version']} "
-                f"update(s), {state['server']['clock']:.1f} s of training")
-        self.written = state["epoch"] if state is not None else 0
+    def train(self) -> None:
+        comm, cfg = self.comm, self.cfg
+        server, worker, pcomm = self._set_up()
         mpi.barrier(comm, cfg.comm_timeout)    # everybody set up: the clocks start now
-
         # Bounded: every segment but the last hands out at least one epoch boundary's or
         # one stop request's worth of work, and the server's budget ends the run.
         while True:
@@ -736,20 +727,58 @@ class AsyncTrainer:
             end = int(flags[0, 0])
             if end != END_DONE and flags[:, 3].any():     # a signal that came after a worker's last push
                 end = END_STOP
-            self._write_epochs(comm, cfg, model, test_set, server, worker, int(flags[0, 1]))
+            self._write_epochs(server, worker, int(flags[0, 1]))
             if end == END_DONE:
-                self._finish(comm, cfg, model, server)
-            self._save(comm, server, worker, emulator)
+                self._finish(server)
+            self._save(server, worker)
             if end == END_STOP:
                 pcomm.Free()
-                log(f"stop requested: checkpoint after {self.written} epoch(s) written to {self.path}; continue "
-                    f"with: dbs-mpi train --resume {summary.path or '<result file>'}")
+                self.log(f"stop requested: checkpoint after {self.written} epoch(s) written to {self.path}; "
+                         f"continue with: dbs-mpi train --resume {self.summary.path or '<result file>'}")
                 raise checkpoint.Stopped()
             if end == END_DONE:
                 break
         pcomm.Free()
 
-    def _write_epochs(self, comm, cfg, model, test_set, server, worker, closed: int) -> None:
+    def _set_up(self):
+        """The server (rank 0) or this rank's worker, new or from the checkpoint, and the
+        protocol's communicator."""
+        run, comm, cfg, state = self.run, self.comm, self.cfg, self.state
+        rank, workers = comm.Get_rank(), comm.Get_size() - 1
+        mpi.collective(comm, _check_model, run.model, timeout=cfg.comm_timeout)
+        if state is None:
+            vector, controller = initial_vector(run, self.emulator)
+            self.writer.write("startup/batch_sizes", np.concatenate([[0], vector]).astype(np.int64))
+        else:                               # the server's state has them
+            vector, controller = allocation.equal(cfg.global_batch, workers, 1, None), None
+            mine = state["per_rank"][rank]
+            checkpoint.restore_rng(mine["rng"])
+            self.emulator.load_state_dict(mine["emulator"])
+        self.c = group_size(cfg.strategy, workers, cfg.softsync_n)
+        self.mode = "immediate" if not (cfg.strategy == "nsoftsync" and cfg.softsync_wait) else (
+            "rounds (hardsync)" if self.c == workers else "wait")
+        pcomm = comm.Dup()              # the protocol's own context: its tags meet no other message
+        server = worker = None
+        if rank == 0:
+            server = Server(pcomm, cfg, run.model, len(run.train_set), vector, controller, self.log, self.stop)
+            if state is not None:
+                server.load_state(state["server"])
+        else:
+            worker = Worker(pcomm, cfg, run.model, run.train_set, self.emulator, self.stop, run.loss_fn)
+            if state is not None:
+                worker.load_state(state["per_rank"][rank]["worker"])
+        if state is None:
+            self.log(f"{cfg.strategy}: 1 server + {workers} worker(s), {self.c} gradient(s) per update, replies "
+                     f"{self.mode}, local batches {vector.tolist()}"
+                     + (", learning rate / staleness" if cfg.staleness_lr else "")
+                     + (f", time budget {cfg.time_budget:g} s" if cfg.time_budget else ""))
+        else:
+            self.log(f"{cfg.strategy}: resumed after {state['epoch']} epoch(s) and {state['server']['version']} "
+                     f"update(s), {state['server']['clock']:.1f} s of training")
+        self.written = state["epoch"] if state is not None else 0
+        return server, worker, pcomm
+
+    def _write_epochs(self, server, worker, closed: int) -> None:
         """Evaluate the weights at the end of every newly closed epoch (all ranks together,
         outside the training clock) and append the epochs' records; rank 0 also appends
         the update rows applied since the last segment."""
@@ -761,6 +790,7 @@ class AsyncTrainer:
             server.rows_written = len(rows["staleness"])
         if closed == self.written:
             return
+        comm, cfg = self.comm, self.cfg
         stats = server.stats if server is not None else worker.stats
         gathered = mpi.allgather_array(comm, stats, cfg.comm_timeout)      # (world, epochs, K)
         # The model's parameters are views of the protocol buffers: evaluate in place
@@ -772,9 +802,8 @@ class AsyncTrainer:
             if server is not None:
                 flat.copy_(torch.from_numpy(server.snapshots.pop(e)))
             mpi.wait(comm.Ibcast([flat.numpy(), MPI.FLOAT], root=0), cfg.comm_timeout, "broadcasting weights")
-            t = time.perf_counter()
-            test_loss, test_acc = self._evaluate(comm, cfg, model, test_set)
-            record = epoch_record(gathered, e, workers, test_loss, test_acc, time.perf_counter() - t)
+            test_loss, test_acc, eval_time = self.run.evaluate()
+            record = epoch_record(gathered, e, workers, test_loss, test_acc, eval_time)
             self.writer.append_epoch(record, {})
             self.summary.epochs.append(record)
             self.log(f"epoch {e + 1}/{cfg.epochs}  train loss {record['train_loss']:.4f}  test loss {test_loss:.4f}  "
@@ -786,18 +815,13 @@ class AsyncTrainer:
         if server is not None:
             server.written = closed
 
-    @staticmethod
-    def _evaluate(comm, cfg, model, test_set):
-        from .train import evaluate
-        return evaluate(comm, cfg, model, test_set)
-
-    def _finish(self, comm, cfg, model, server) -> None:
+    def _finish(self, server) -> None:
         """The run is complete: every rank's model gets the final weights as plain
         parameters (no views of protocol buffers); rank 0 writes the run's staleness."""
-        params = [p for p in model.parameters()]
+        params = [p for p in self.run.model.parameters()]
         flat = torch.zeros(sum(p.numel() for p in params))
         bind_parameters(params, flat)
-        mpi.wait(comm.Ibcast([flat.numpy(), MPI.FLOAT], root=0), cfg.comm_timeout, "broadcasting weights")
+        mpi.wait(self.comm.Ibcast([flat.numpy(), MPI.FLOAT], root=0), self.cfg.comm_timeout, "broadcasting weights")
         for p in params:
             p.grad = None
         if server is None:
@@ -811,21 +835,19 @@ class AsyncTrainer:
         self.log(f"staleness over {len(rows['staleness'])} gradients in {server.version} updates: mean {mean:.2f}, "
                  f"p50 {pct[0]:g}, p90 {pct[1]:g}, p99 {pct[2]:g}, max {int(high)}")
 
-    def _save(self, comm, server, worker, emulator) -> None:
+    def _save(self, server, worker) -> None:
         """Collective: the checkpoint, between segments (nothing in flight, every applied
         gradient and every closed epoch already in the result file)."""
         common = {}
         if server is not None:
             position = [self.written, int(server.applied[self.written]) if self.written < len(server.applied) else 0]
-            common = {"config": self.cfg.to_dict(), "world_size": comm.Get_size(), "epoch": self.written,
+            common = {"config": self.cfg.to_dict(), "world_size": self.comm.Get_size(), "epoch": self.written,
                       "step": 0, "position": position, "server": server.state_dict(),
-                      "records": {"epochs": self.written, "steps": 0, "updates": server.rows_written},
-                      "summary_epochs": self.summary.epochs}
-        per_rank = {"rng": checkpoint.rng_state(emulator),
-                    "emulator": {k: getattr(emulator, k) for k in ("factor", "epoch_sleep", "step_sleep")},
+                      "records": {"epochs": self.written, "steps": 0, "updates": server.rows_written}}
+        per_rank = {"rng": checkpoint.rng_state(), "emulator": self.emulator.state_dict(),
                     "worker": worker.state_dict() if worker is not None else None}
         start = time.perf_counter()
-        checkpoint.save(comm, self.path, common, per_rank)
+        checkpoint.save(self.comm, self.path, common, per_rank, self.cfg.comm_timeout)
         if server is not None:
             self.writer.append_rows("checkpoint/seconds", [time.perf_counter() - start])
             self.writer.append_rows("checkpoint/position", [common["position"]], dtype=np.int64)

@@ -1,8 +1,10 @@
 """Profiling: what each rank spends its time on, and how fast it computes.
 
-Per step and rank we time four phases with perf_counter:
+Per step and rank we time four phases with perf_counter (DistributedOptimizer does it,
+the training loop needs no clocks of its own):
 
-  data      indexing the step's local batch out of the in-memory dataset;
+  data      from the end of the last step to the model's first forward of this one:
+            waiting for the DataLoader (or indexing the in-memory dataset), copies;
   compute   forward, backward and the emulated slow-down, measured *before* any
             collective (a collective equalises wall time and would hide the straggler),
             plus the optimiser's update after it;
@@ -15,8 +17,9 @@ is derived at the end of the epoch from everybody's pre-collective times:
 wait_i = max_j pre_j - pre_i (all ranks leave the previous step's collective at about
 the same time), capped by the collective's time; comm_i = collective_i - wait_i.
 
-`benchmark_speed` is the start-up benchmark: timed training steps on this rank at two
-local batch sizes, from which allocation.SpeedModel fits t(b) = a + c * b.
+`time_step` and `model_step` are the start-up calibration's clock: a training step at a
+given local batch, timed with warm-up and a median (balancer.calibrate fits
+t(b) = a + c * b from two local batch sizes).
 """
 from __future__ import annotations
 
@@ -31,28 +34,34 @@ PHASES = ("data", "compute", "collective", "update")
 
 
 class StepTimes:
-    """Per-step phase times of one rank over one epoch (seconds)."""
+    """Per-step phase times of one rank over one epoch (seconds), and every step's global
+    mean loss (NaN where the loop did not give it)."""
 
     def __init__(self, steps: int):
         self.table = np.zeros((len(PHASES), steps))
-        self.pre = np.zeros(steps)   # compute before the collective (forward+backward+emulation)
+        self.pre = np.zeros(steps)      # compute before the collective (forward+backward+emulation)
+        self.loss = np.full(steps, np.nan)
 
-    def record(self, step: int, data: float, pre: float, collective: float, update: float) -> None:
+    def record(self, step: int, data: float, pre: float, collective: float, update: float,
+               loss: float = float("nan")) -> None:
         self.table[:, step] = (data, pre + update, collective, update)
         self.pre[step] = pre
+        self.loss[step] = loss
 
     def snapshot(self, steps: int) -> dict:
         """The first `steps` columns, for a checkpoint taken in the middle of an epoch."""
-        return {"table": self.table[:, :steps].copy(), "pre": self.pre[:steps].copy()}
+        return {"table": self.table[:, :steps].copy(), "pre": self.pre[:steps].copy(),
+                "loss": self.loss[:steps].copy()}
 
     def restore(self, snap: dict) -> None:
-        k = snap["pre"].shape[0]
-        self.table[:, :k] = snap["table"]
-        self.pre[:k] = snap["pre"]
+        k = np.asarray(snap["pre"]).shape[0]
+        self.table[:, :k] = np.asarray(snap["table"])
+        self.pre[:k] = np.asarray(snap["pre"])
+        self.loss[:k] = np.asarray(snap["loss"])
 
     def as_array(self) -> np.ndarray:
-        """(5, steps): data, compute, collective, update, pre-collective compute."""
-        return np.vstack([self.table, self.pre[None]])
+        """(6, steps): data, compute, collective, update, pre-collective compute, loss."""
+        return np.vstack([self.table, self.pre[None], self.loss[None]])
 
 
 def split_wait(pre: np.ndarray, collective: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -62,27 +71,27 @@ def split_wait(pre: np.ndarray, collective: np.ndarray) -> tuple[np.ndarray, np.
     return wait, collective - wait
 
 
-def time_steps(model, loss_fn, x, y, steps: int, warmup: int, emulator=None) -> float:
-    """Median seconds of a forward+backward step on (x, y), emulated slow-down included."""
+def time_step(step, local_batch: int, steps: int, warmup: int, stretch=None) -> float:
+    """Median seconds of `step(local_batch)` over `steps` calls after `warmup` untimed
+    ones; `stretch(seconds)` (the emulated slow-down) is applied to every call."""
     times = []
     for i in range(warmup + steps):
         start = time.perf_counter()
-        model.zero_grad(set_to_none=False)
-        loss_fn(model(x), y).backward()
-        if emulator is not None:
-            emulator.stretch(time.perf_counter() - start)
+        step(local_batch)
+        if stretch is not None:
+            stretch(time.perf_counter() - start)
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def benchmark_speed(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, small: int, large: int,
-                    steps: int = 5, warmup: int = 2, emulator=None) -> tuple[float, float]:
-    """Step times (seconds) at local batches `small` and `large` on a copy of the model
-    (the real model is not touched). x, y must hold at least `large` samples."""
+def model_step(model: torch.nn.Module, loss_fn, inputs, targets):
+    """A calibration step for `model`: forward and backward of loss_fn on the first b
+    samples of (inputs, targets), on a copy of the model (the real one is not touched)."""
     probe = copy.deepcopy(model)
     probe.train()
-    loss_fn = torch.nn.CrossEntropyLoss()
-    t_small = time_steps(probe, loss_fn, x[:small], y[:small], steps, warmup, emulator)
-    t_large = time_steps(probe, loss_fn, x[:large], y[:large], steps, warmup, emulator)
-    return t_small, t_large
+
+    def step(local_batch: int) -> None:
+        probe.zero_grad(set_to_none=False)
+        loss_fn(probe(inputs[:local_batch]), targets[:local_batch]).backward()
+    return step

@@ -166,6 +166,15 @@ class RunWriter:
             self._append(f"step/{name}", rows, rows.dtype if rows.dtype.kind in "iu" else np.float64)
         self.file.flush()
 
+    def read_epochs(self) -> list[dict]:
+        """The epoch records already in the file (one dict per epoch), e.g. after reopen."""
+        group = self.file.get("epoch")
+        if group is None:
+            return []
+        columns = {name: group[name][()] for name in group}
+        count = min((len(v) for v in columns.values()), default=0)
+        return [{name: values[i] for name, values in columns.items()} for i in range(count)]
+
     def set_attrs(self, **attrs) -> None:
         for key, value in attrs.items():
             self.file.attrs[key] = value
@@ -184,6 +193,91 @@ class NullWriter:
 
     def __getattr__(self, name):
         return lambda *args, **kwargs: None
+
+
+def describe_config(config) -> str:
+    """JSON of a run's configuration: a config.Config, a dict or an argparse Namespace."""
+    if config is None:
+        return "{}"
+    if hasattr(config, "to_json"):
+        return config.to_json()
+    values = vars(config) if not isinstance(config, dict) else config
+    return json.dumps(values, sort_keys=True, default=str)
+
+
+class Recorder:
+    """A run's HDF5 result file, written from a training loop: every rank calls, rank 0
+    writes (the same schema as `dbs-mpi train`, so dbs_mpi.analysis and the notebooks read
+    user runs too).
+
+        with Recorder(comm, "results/my-run.h5", config=vars(args)) as recorder:
+            recorder.startup(balancer)                  # after balancer.calibrate()
+            for epoch in range(epochs):
+                ...                                     # the epoch's steps
+                stats = balancer.end_epoch()
+                loss, accuracy = dbs_mpi.evaluate(comm, model, test_set, loss_fn)
+                recorder.epoch(stats, test_loss=loss, test_accuracy=accuracy)
+
+    Leaving the `with` block marks the file complete, interrupted (checkpoint.Stopped or
+    exit status 3) or failed (any other exception). The constructor is collective: if the
+    file cannot be created (it exists, the folder is not writable) every rank raises
+    comm.AgreedError. resume: the `state_dict()` of a recorder saved in a checkpoint;
+    the file is then continued (rows past that state are dropped), not created."""
+
+    def __init__(self, comm, path, *, config=None, attrs: dict | None = None, resume: dict | None = None,
+                 timeout: float = 600.0):
+        from . import comm as mpi
+        self.comm, self.path, self.timeout = comm, str(path), timeout
+        attrs = {"config": describe_config(config), "world_size": comm.Get_size(),
+                 "hostnames": mpi.hostnames(comm, timeout), "versions": json.dumps(versions(mpi.mpi_library())),
+                 **(attrs or {})}
+        rank, world = comm.Get_rank(), comm.Get_size()
+        self.records = dict(resume) if resume else {"epochs": 0, "steps": 0}
+
+        def open_file():
+            if rank != 0:
+                return NullWriter()
+            if resume:
+                return RunWriter.reopen(path, attrs, world, resume["epochs"], resume["steps"], resume.get("updates"))
+            return RunWriter(path, attrs, world)
+        self.writer = mpi.collective(comm, open_file, timeout=timeout)
+
+    def startup(self, balancer) -> None:
+        """The start-up calibration (startup/*), if the balancer was calibrated."""
+        if balancer.startup:
+            for name in ("local_batch", "step_time", "batch_sizes"):
+                self.writer.write(f"startup/{name}", balancer.startup[name])
+
+    def epoch(self, stats, *, test_loss: float = float("nan"), test_accuracy: float = float("nan"),
+              eval_time: float = 0.0, **extra) -> dict:
+        """Append an epoch (balancer.end_epoch()'s EpochStats) and its steps; returns the
+        epoch's record (the same on every rank)."""
+        record = {**stats.record(), "test_loss": float(test_loss), "test_accuracy": float(test_accuracy),
+                  "eval_time": float(eval_time), **extra}
+        self.writer.append_epoch(record, stats.step_rows(self.records["epochs"]))
+        self.records = {**self.records, "epochs": self.records["epochs"] + 1,
+                        "steps": self.records["steps"] + stats.steps}
+        return record
+
+    def state_dict(self) -> dict:
+        """Rows written so far, for a checkpoint (resume= continues from there)."""
+        return dict(self.records)
+
+    def close(self, status: str = STATUS_COMPLETE) -> None:
+        self.writer.close(status)
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, kind, value, tb) -> bool:
+        from .checkpoint import EXIT_STOPPED, Stopped
+        if kind is None:
+            self.close(STATUS_COMPLETE)
+        elif issubclass(kind, Stopped) or (issubclass(kind, SystemExit) and value.code == EXIT_STOPPED):
+            self.close(STATUS_INTERRUPTED)
+        else:
+            self.close(STATUS_FAILED)
+        return False
 
 
 def read_run(path) -> dict:

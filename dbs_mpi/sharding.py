@@ -1,6 +1,7 @@
 """Sharding: which training samples each rank reads at each step of an epoch.
 
 A pure function of (dataset size, epoch, seed, global batch, batch vector, rank); no MPI.
+`HeteroSampler` serves these shards to a torch DataLoader (as its batch_sampler).
 
 Every epoch the training set is permuted with a generator seeded by (seed, epoch).
 Step s of the epoch consumes the next global batch of that permutation,
@@ -20,6 +21,7 @@ The last, partial global batch (N mod B samples) is split in proportion to the v
 from __future__ import annotations
 
 import numpy as np
+from torch.utils.data import Sampler
 
 from .allocation import split_partial
 
@@ -63,3 +65,74 @@ def eval_shard(num_samples: int, rank: int, world_size: int) -> slice:
     """Contiguous, near-equal slice of the test set for evaluation on `rank`."""
     bounds = np.linspace(0, num_samples, world_size + 1).round().astype(int)
     return slice(int(bounds[rank]), int(bounds[rank + 1]))
+
+
+class HeteroSampler(Sampler):
+    """A batch sampler that gives this rank its uneven shard, step by step:
+
+        sampler = HeteroSampler(dataset, balancer, seed=0)
+        loader = DataLoader(dataset, batch_sampler=sampler, num_workers=2, pin_memory=True)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            for x, y in loader: ...
+
+    Step s of epoch e is the next global batch of the (seed, e) permutation and this rank
+    reads its b_i samples of it (epoch_shard), so the union of the ranks' batches does not
+    depend on the vector: allocation invariance holds for any map-style Dataset. Every
+    rank yields the same number of batches, ceil(N / B) (N // B with drop_last), whatever
+    the vector. Iterating opens the epoch at the balancer, which fixes the epoch's vector;
+    iterating again while that epoch is open (the loop broke out of it) goes on from the
+    next step not yet taken.
+
+    A rank whose share of the last, partial step is 0 gets one placeholder sample (the
+    step's first), so that no batch is empty and the loop body is the same on every rank;
+    its weight in that step is 0 (DistributedOptimizer), so it changes neither gradient
+    nor loss. (Only BatchNorm running statistics see it.)
+
+    state_dict() is the position reached by the training loop (the balancer counts the
+    steps taken, however far a DataLoader has prefetched); load_state_dict() continues
+    there, in the middle of an epoch if need be."""
+
+    def __init__(self, dataset, balancer, *, seed: int = 0, drop_last: bool = False):
+        self.num_samples = dataset if isinstance(dataset, int) else len(dataset)
+        self.balancer, self.seed, self.drop_last = balancer, int(seed), bool(drop_last)
+        self.epoch, self._first_step = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self._first_step = int(epoch), 0
+
+    def __len__(self) -> int:
+        return steps_per_epoch(self.num_samples, self.balancer.global_batch, self.drop_last) - self._first_step
+
+    def iter_arrays(self):
+        """The batches as numpy index arrays (the in-memory fast path indexes tensors with them)."""
+        epoch, first, b = self.epoch, self._first_step, self.balancer
+        if b.open_epoch == epoch:           # the loop broke out of this epoch: go on where it stopped
+            table, first = b.epoch_table, b.step
+        else:
+            table = b.begin_epoch(epoch, self.num_samples, self.drop_last, first)
+        self._first_step = 0
+        perm = epoch_permutation(self.num_samples, epoch, self.seed)
+        rank, global_batch = self.balancer.rank, self.balancer.global_batch
+        for s in range(first, len(table)):
+            row = table[s]
+            start = s * global_batch + int(row[:rank].sum())
+            count = int(row[rank])
+            yield perm[start:start + count] if count else perm[s * global_batch:s * global_batch + 1]
+
+    def __iter__(self):
+        for indices in self.iter_arrays():
+            yield indices.tolist()
+
+    def state_dict(self) -> dict:
+        b = self.balancer
+        if b.open_epoch is not None:
+            return {"epoch": b.open_epoch, "step": b.step, "seed": self.seed}
+        return {"epoch": b.next_epoch, "step": 0, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state["seed"]) != self.seed:
+            raise ValueError(f"HeteroSampler: the state was saved with seed {state['seed']}, this sampler has "
+                             f"seed {self.seed}")
+        self.epoch, self._first_step = int(state["epoch"]), int(state["step"])

@@ -1,30 +1,35 @@
-"""The synchronous training loop. It reads like single-process training: the strategy
-decides the local batch and combines gradients, the emulator stretches compute, the
-profiler's clocks bracket each phase.
+"""`dbs-mpi train`: a configuration in, a trained model and a result file out.
 
-`train(comm, cfg)` is library code (any communicator); the `dbs-mpi train` entry
-point passes COMM_WORLD.
+`train(comm, cfg)` is library code (any communicator; the CLI passes COMM_WORLD). It
+builds the run from the configuration (built-in or plug-in dataset, model and loss,
+plugins.py), then trains with the synchronous loop below or, for asgd, nsoftsync and
+dbs-sgd, the parameter server (parameter_server.py).
+
+The synchronous loop is a user of the public API, the same as examples/train_api.py:
+a Balancer owns the batch vector, a HeteroSampler serves this rank's shard of every
+step (through torch's DataLoader, or the in-memory fast path for built-in datasets), a
+DistributedOptimizer owns the sample-weighted gradient exchange and the clocks, and a
+Recorder writes the result file. What it adds is the operator's side: checkpoints every
+few epochs and on SIGTERM/SIGUSR1 (checkpoint.py), resume, and the printed summary.
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
-from . import allocation, checkpoint, comm as mpi, sharding
+from . import checkpoint, comm as mpi, plugins
+from .balancer import Balancer
 from .checkpoint import EXIT_STOPPED, StopRequest, Stopped
 from .config import ASYNC_STRATEGIES, Config, UserError, check_world
-from .data import Dataset, augment, load_dataset
-from .heterogeneity import Emulator
-from .models import build_model, num_parameters
-from .profiling import StepTimes, benchmark_speed, split_wait
-from .results import STATUS_COMPLETE, STATUS_FAILED, STATUS_INTERRUPTED, NullWriter, RunWriter, default_path, versions
-from .strategies import make_strategy
+from .data import InMemoryLoader, first_samples, load_dataset, sample_shape_and_classes
+from .evaluation import evaluate
+from .models import num_parameters
+from .optimizer import DistributedOptimizer, make_optimizer
+from .results import Recorder, default_path
+from .sharding import HeteroSampler, steps_per_epoch
 
 
 @dataclass
@@ -35,61 +40,63 @@ class RunSummary:
     oversubscribed: bool = False                  # some node ran more ranks than it has cores
 
 
-def configure_threads(comm, cfg: Config) -> int:
-    threads = cfg.threads or max(1, mpi.available_cores() // mpi.local_size(comm))
-    torch.set_num_threads(threads)
-    return threads
+@dataclass
+class Run:
+    """Everything a trainer needs, built by train() from the configuration."""
+    comm: object
+    cfg: Config
+    train_set: object
+    test_set: object
+    model: torch.nn.Module
+    loss_fn: object
+    recorder: Recorder | None = None
+    stop: StopRequest | None = None
+    log: object = print
+    summary: RunSummary | None = None
+    checkpoint_path: str = ""
+    state: dict | None = None                     # a checkpoint to continue from (resume)
+    sleep_wait: bool = False
+
+    def evaluate(self) -> tuple[float, float, float]:
+        """(test loss, test accuracy, seconds) of the model on the test set, all ranks together."""
+        start = time.perf_counter()
+        loss, accuracy = evaluate(self.comm, self.model, self.test_set, self.loss_fn,
+                                  num_workers=self.cfg.loader_workers, timeout=self.cfg.comm_timeout)
+        return loss, accuracy, time.perf_counter() - start
 
 
-def setup(comm, cfg: Config, out: str | None):
+def load_data(cfg: Config):
+    """(training set, test set): a built-in dataset in memory, or a plug-in's."""
+    if plugins.is_spec(cfg.dataset):
+        return plugins.load_dataset(cfg.dataset, "train"), plugins.load_dataset(cfg.dataset, "test")
+    common = dict(seed=cfg.seed, synthetic_samples=cfg.synthetic_samples, synthetic_shape=cfg.synthetic_shape,
+                  synthetic_classes=cfg.synthetic_classes)
+    return (load_dataset(cfg.dataset, "train", cfg.data_dir, subset=cfg.subset, **common),
+            load_dataset(cfg.dataset, "test", cfg.data_dir, subset=cfg.test_subset, **common))
+
+
+def setup(comm, cfg: Config) -> Run:
     """Everything that can fail because of the user's input; run under comm.agree."""
     check_world(cfg, comm.Get_size())
-    common = dict(seed=cfg.seed, synthetic_samples=cfg.synthetic_samples,
-                  synthetic_shape=cfg.synthetic_shape, synthetic_classes=cfg.synthetic_classes)
-    train_set = load_dataset(cfg.dataset, "train", cfg.data_dir, subset=cfg.subset, **common)
-    test_set = load_dataset(cfg.dataset, "test", cfg.data_dir, subset=cfg.test_subset, **common)
-    if sharding.steps_per_epoch(len(train_set), cfg.global_batch, cfg.drop_last) == 0:
+    train_set, test_set = load_data(cfg)
+    if steps_per_epoch(len(train_set), cfg.global_batch, cfg.drop_last) == 0:
         raise UserError(f"global_batch: {cfg.global_batch} is larger than the {len(train_set)} training samples "
                         f"(with drop_last nothing is left)")
-    try:
-        model = build_model(cfg.model, train_set.sample_shape, train_set.num_classes, norm=cfg.norm)
-    except ValueError as exc:
-        raise UserError(f"model: {exc}") from None
-    return train_set, test_set, model
+    shape, classes = sample_shape_and_classes(train_set, cfg.num_classes)
+    if classes < 2:
+        raise UserError(f"num_classes: {cfg.dataset} has no num_classes or classes attribute; set num_classes")
+    model = plugins.build_model(cfg.model, shape, classes, cfg.norm)
+    loss_fn = plugins.build_loss(cfg.loss)
+    plugins.check_loss(loss_fn, model, *first_samples(train_set, 1), cfg.loss)
+    return Run(comm, cfg, train_set, test_set, model, loss_fn)
 
 
-def evaluate(comm, cfg, model, test_set: Dataset, chunk: int = 2048) -> tuple[float, float]:
-    """(mean loss, accuracy) over the whole test set, each rank taking a slice."""
-    part = sharding.eval_shard(len(test_set), comm.Get_rank(), comm.Get_size())
-    sums = np.zeros(3)
-    model.eval()
-    with torch.no_grad():
-        for start in range(part.start, part.stop, chunk):
-            x = test_set.x[start:min(start + chunk, part.stop)]
-            y = test_set.y[start:min(start + chunk, part.stop)]
-            out = model(x)
-            sums += (F.cross_entropy(out, y, reduction="sum").item(), (out.argmax(1) == y).sum().item(), len(y))
-    model.train()
-    mpi.allreduce_sum(comm, sums, cfg.comm_timeout)
-    return sums[0] / max(sums[2], 1), sums[1] / max(sums[2], 1)
-
-
-def startup_benchmark(comm, cfg, model, train_set, emulator) -> tuple[allocation.SpeedModel, np.ndarray, np.ndarray]:
-    """Every rank times itself at two local batch sizes; all-gather; fit the speed model."""
-    n = comm.Get_size()
-    small = max(cfg.min_local_batch, cfg.global_batch // (2 * n))
-    large = max(small + 1, min(cfg.global_batch, 2 * cfg.global_batch // n))
-    if cfg.max_local_batch:
-        large = min(large, cfg.max_local_batch)
-        small = min(small, max(1, large - 1))
-    idx = torch.arange(large) % len(train_set)
-    x, y = train_set.x[idx], train_set.y[idx]
-    t_small, t_large = benchmark_speed(model, x, y, small, large, cfg.benchmark_steps, cfg.benchmark_warmup,
-                                       emulator)
-    times = mpi.allgather_array(comm, [t_small, t_large], cfg.comm_timeout)
-    fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1],
-                                    affine=cfg.dbs_model == "affine")
-    return fit, np.array([small, large]), times
+def result_attrs(cfg: Config, run: Run, threads: int, oversubscribed: bool) -> dict:
+    model = run.model
+    return dict(strategy=cfg.strategy, aggregation=cfg.aggregation, dataset=cfg.dataset, model=cfg.model,
+                model_class=f"{type(model).__module__}.{type(model).__qualname__}", loss=cfg.loss or "cross-entropy",
+                optimizer=cfg.optimizer, num_parameters=num_parameters(model), torch_threads=threads,
+                oversubscribed=oversubscribed, sleep_while_waiting=run.sleep_wait)
 
 
 def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state: dict | None = None) -> RunSummary:
@@ -97,203 +104,147 @@ def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state:
 
     checkpoint_state (from checkpoint.load, on every rank) continues a stopped run:
     the result file `out` is continued, not rewritten. Raises SystemExit(EXIT_STOPPED)
-    on every rank after a stop request (SIGTERM/SIGUSR1) was checkpointed."""
-    rank, world = comm.Get_rank(), comm.Get_size()
+    on every rank after a stop request (SIGTERM/SIGUSR1) was checkpointed, and
+    comm.AgreedError on every rank for a mistake in the configuration or the plug-ins."""
+    rank = comm.Get_rank()
     log = log or (lambda msg: print(msg, flush=True) if rank == 0 else None)
     out = out or cfg.out or str(default_path(cfg.strategy))
 
     torch.manual_seed(cfg.seed)
-    train_set, test_set, model = mpi.agree(comm, setup, comm, cfg, out)
-    threads = configure_threads(comm, cfg)
-    mpi.broadcast_parameters(comm, model)
-    emulator = Emulator.from_config(cfg, rank)
-    hosts = mpi.hostnames(comm)
+    run = mpi.collective(comm, setup, comm, cfg, timeout=cfg.comm_timeout)
+    threads = cfg.threads or mpi.threads_per_rank(comm)
+    torch.set_num_threads(threads)
+    mpi.broadcast_parameters(run.model, comm, timeout=cfg.comm_timeout)
+    hosts = mpi.hostnames(comm, cfg.comm_timeout)
     oversubscribed = mpi.oversubscribed(hosts)
-    sleep_wait = mpi.sleep_while_waiting(cfg.wait_policy, hosts)
-
-    attrs = dict(config=cfg.to_json(), strategy=cfg.strategy, aggregation=cfg.aggregation, dataset=cfg.dataset,
-                 model=cfg.model, world_size=world, num_parameters=num_parameters(model), hostnames=hosts,
-                 versions=json.dumps(versions(mpi.mpi_library())), torch_threads=threads,
-                 oversubscribed=oversubscribed, sleep_while_waiting=sleep_wait)
+    run.sleep_wait = mpi.sleep_while_waiting(cfg.wait_policy, hosts)
+    run.log, run.state = log, checkpoint_state
+    run.checkpoint_path = cfg.checkpoint or str(checkpoint.default_path(out))
+    run.summary = RunSummary(path=out if rank == 0 else None, model=run.model, oversubscribed=oversubscribed)
     # Stop requests are honoured from here on: before the result file exists on rank 0,
     # every rank has its handlers (the file is created inside a collective).
     with StopRequest(comm, cfg.comm_timeout) as stop:
-        if checkpoint_state is None:
-            writer = mpi.agree(comm, lambda: RunWriter(out, attrs, world) if rank == 0 else NullWriter())
-        else:
-            done = checkpoint_state["records"]
-            writer = mpi.agree(comm, lambda: RunWriter.reopen(out, attrs, world, done["epochs"], done["steps"],
-                                                              done.get("updates")) if rank == 0 else NullWriter())
-        summary = RunSummary(path=out if rank == 0 else None, model=model, oversubscribed=oversubscribed)
-        if cfg.strategy in ASYNC_STRATEGIES:
-            from .parameter_server import AsyncTrainer as Trainer
-        else:
-            Trainer = SyncTrainer
-        run = Trainer(comm, cfg, out, stop, checkpoint_state).run
-        status = STATUS_FAILED
-        try:
-            run(comm, cfg, model, train_set, test_set, emulator, writer, summary, log, sleep_wait)
-            status = STATUS_COMPLETE
-        except Stopped:
-            status = STATUS_INTERRUPTED
-            raise SystemExit(EXIT_STOPPED)
-        finally:
-            writer.close(status)
-    return summary
+        run.stop = stop
+        records = checkpoint_state["records"] if checkpoint_state else None
+        with Recorder(comm, out, config=cfg, attrs=result_attrs(cfg, run, threads, oversubscribed),
+                      resume=records, timeout=cfg.comm_timeout) as recorder:
+            run.recorder = recorder
+            if checkpoint_state is not None:
+                run.summary.epochs.extend(mpi.bcast_object(comm, recorder.writer.read_epochs() if rank == 0 else None,
+                                                           timeout=cfg.comm_timeout))
+            if cfg.strategy in ASYNC_STRATEGIES:
+                from .parameter_server import AsyncTrainer as Trainer
+            else:
+                Trainer = SyncTrainer
+            try:
+                Trainer(run).train()
+            except Stopped:
+                raise SystemExit(EXIT_STOPPED) from None
+    return run.summary
+
+
+def make_loader(run: Run, sampler: HeteroSampler):
+    """The fast path for built-in datasets, torch's DataLoader for the others (or when
+    cfg.loader asks for it)."""
+    cfg = run.cfg
+    if cfg.loader == "auto" and not plugins.is_spec(cfg.dataset):
+        return InMemoryLoader(run.train_set, sampler, augment=cfg.augment, seed=cfg.seed)
+    from torch.utils.data import DataLoader
+    return DataLoader(run.train_set, batch_sampler=sampler, num_workers=cfg.loader_workers,
+                      persistent_workers=cfg.loader_workers > 0)
 
 
 class SyncTrainer:
-    """The synchronous strategies' loop, with checkpoints at epoch ends and on request."""
+    """ssgd, static and dbs: the synchronous loop, with checkpoints and stop requests."""
 
-    def __init__(self, comm, cfg, out, stop: StopRequest, state=None):
-        self.comm, self.cfg, self.stop, self.state = comm, cfg, stop, state
-        self.path = cfg.checkpoint or str(checkpoint.default_path(out))
+    def __init__(self, run: Run):
+        self.run, self.cfg, self.comm = run, run.cfg, run.comm
 
-    def run(self, comm, cfg, model, train_set, test_set, emulator, writer, summary, log, sleep_wait):
-        rank = comm.Get_rank()
-        state = self.state
-        self.writer = writer
-        if state is None:
-            speed_model, bench_batches, bench_times = startup_benchmark(comm, cfg, model, train_set, emulator)
-            writer.write("startup/local_batch", bench_batches)
-            writer.write("startup/step_time", bench_times)
-        else:
-            model.load_state_dict(state["model"])
-            speed_model = state["speed_model"]
-        strategy = make_strategy(comm, model.parameters(), cfg, speed_model, sleep_wait)
-        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                                    weight_decay=cfg.weight_decay)
-        first_epoch, first_step, partial = 0, 0, None
-        if state is None:
-            writer.write("startup/batch_sizes", strategy.batch_sizes)
-        else:
-            optimizer.load_state_dict(state["optimizer"])
-            strategy.load_state(state["strategy"])
-            checkpoint.restore_rng(state["per_rank"][rank]["rng"], emulator)
-            first_epoch, first_step = state["epoch"], state["step"]
-            partial = state.get("partial")
-            summary.epochs.extend(state["summary_epochs"])
-        self.records = dict(state["records"]) if state else {"epochs": 0, "steps": 0}
-        n = len(train_set)
-        progress = _progress_bar(rank, cfg)
-        stop = self.stop
-        for epoch in range(first_epoch, cfg.epochs):
-            vector = strategy.batch_sizes.copy()
-            table = sharding.step_batch_sizes(n, cfg.global_batch, vector, cfg.drop_last)
-            shard = sharding.epoch_shard(n, epoch, cfg.seed, cfg.global_batch, vector, rank, cfg.drop_last)
-            steps = len(shard)
-            times = StepTimes(steps)
-            losses = np.zeros(steps)
-            begin, elapsed_before = 0, 0.0
-            if epoch == first_epoch and first_step > 0:      # continue a stopped epoch
-                begin, elapsed_before = first_step, partial["elapsed"]
-                losses[:begin] = partial["losses"]
-                times.restore(state["per_rank"][rank]["times"])
-                emulator.__dict__.update(state["per_rank"][rank]["emulator"])
-            else:
-                emulator.start_epoch(epoch, steps)
-            bar = progress(steps, epoch)
-            if bar is not None:
-                bar.update(begin)
-            epoch_start = time.perf_counter()
-            stopped_at, stop_after_epoch = None, False
-            for s in range(begin, steps):
-                idx = shard[s]
-                stop.start()
-                t0 = time.perf_counter()
-                x, y = train_set.x[idx], train_set.y[idx]
-                if cfg.augment:
-                    x = augment(x, idx, epoch, cfg.seed)
-                t1 = time.perf_counter()
-                strategy.zero_grad(len(idx), table[s])
-                local_loss = 0.0
-                if len(idx):
-                    loss = F.cross_entropy(model(x), y)
-                    strategy.backward(loss)
-                    local_loss = loss.item()
-                emulator.stretch(time.perf_counter() - t1)
-                t2 = time.perf_counter()
-                losses[s] = strategy.reduce(local_loss, len(idx), table[s])
-                t3 = time.perf_counter()
-                optimizer.step()
-                t4 = time.perf_counter()
-                times.record(s, t1 - t0, t2 - t1, t3 - t2, t4 - t3)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{losses[s]:.3f}", refresh=False)
-                if stop.agreed():          # some rank got SIGTERM/SIGUSR1: all stop after this step
-                    if s + 1 < steps:
-                        stopped_at = s + 1
-                        break
-                    stop_after_epoch = True
-            duration = elapsed_before + time.perf_counter() - epoch_start
-            if bar is not None:
-                bar.close()
-            if stopped_at is not None:
-                partial = {"losses": losses[:stopped_at].copy(), "elapsed": duration}
-                self.save(comm, model, optimizer, strategy, emulator, summary, epoch, stopped_at, partial,
-                          times.snapshot(stopped_at))
-                log(f"stop requested (signal {stop.requested or 'on another rank'}): checkpoint at epoch {epoch + 1}, "
-                    f"step {stopped_at}/{steps} written to {self.path}; continue with: dbs-mpi train --resume "
-                    f"{summary.path or '<result file>'}")
+    def train(self) -> None:
+        run, cfg = self.run, self.cfg
+        balancer = Balancer.from_config(self.comm, cfg)
+        sampler = HeteroSampler(run.train_set, balancer, seed=cfg.seed, drop_last=cfg.drop_last)
+        loader = make_loader(run, sampler)
+        if run.state is None:
+            balancer.calibrate_model(run.model, run.loss_fn, run.train_set, cfg.benchmark_steps, cfg.benchmark_warmup)
+            run.recorder.startup(balancer)
+        optimizer = DistributedOptimizer(make_optimizer(cfg.optimizer, run.model.parameters(), cfg), run.model,
+                                         balancer, aggregation=cfg.aggregation, wait_policy=cfg.wait_policy,
+                                         bucket_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb,
+                                         timeout=cfg.comm_timeout)
+        self.parts = dict(model=run.model, optimizer=optimizer, balancer=balancer, sampler=sampler)
+        if run.state is not None:
+            self.restore(run.state)
+        for epoch in range(sampler.epoch, cfg.epochs):
+            sampler.set_epoch(epoch)
+            stopped = self.train_epoch(loader, optimizer, epoch)
+            if stopped and balancer.step_pending:                 # stopped in the middle of the epoch
+                self.save(f"epoch {epoch + 1}, step {balancer.step}", stopped)
                 raise Stopped()
-            record, step_rows = self.end_epoch(comm, cfg, model, test_set, strategy, table, times, losses,
-                                               vector, duration)
-            writer.append_epoch(record, step_rows)
-            self.records = {"epochs": epoch + 1, "steps": self.records["steps"] + steps}
-            summary.epochs.append(record)
-            log(f"epoch {epoch + 1}/{cfg.epochs}  train loss {record['train_loss']:.4f}  test loss "
-                f"{record['test_loss']:.4f}  accuracy {100 * record['test_accuracy']:.2f}%  time {duration:.2f} s  "
-                f"batch sizes {vector.tolist()}")
-            stop_now = stop_after_epoch
-            if stop_now or (cfg.checkpoint_every and (epoch + 1) % cfg.checkpoint_every == 0) \
+            self.end_epoch(balancer.end_epoch())
+            if stopped or (cfg.checkpoint_every and (epoch + 1) % cfg.checkpoint_every == 0) \
                     or epoch + 1 == cfg.epochs:
-                self.save(comm, model, optimizer, strategy, emulator, summary, epoch + 1, 0, None, None)
-            if stop_now and epoch + 1 < cfg.epochs:
-                log(f"stop requested: checkpoint after epoch {epoch + 1} written to {self.path}; continue with: "
-                    f"dbs-mpi train --resume {summary.path or '<result file>'}")
+                self.save(f"after epoch {epoch + 1}", stopped)
+            if stopped and epoch + 1 < cfg.epochs:
                 raise Stopped()
 
-    def end_epoch(self, comm, cfg, model, test_set, strategy, table, times, losses, vector, duration):
-        # Everybody's step times, once per epoch: (ranks, 5, steps).
-        gathered = mpi.allgather_array(comm, times.as_array(), cfg.comm_timeout)
-        data_t, compute_t, collective_t, _, pre_t = (gathered[:, i, :] for i in range(5))
-        wait_t, comm_t = split_wait(pre_t, collective_t)
-        diagnostics = strategy.end_epoch(table, pre_t.sum(axis=1))
-        eval_start = time.perf_counter()
-        test_loss, test_acc = evaluate(comm, cfg, model, test_set)
-        eval_time = time.perf_counter() - eval_start
-        samples = table.sum(axis=1)
-        steps = len(losses)
-        record = dict(
-            train_loss=float((losses * samples).sum() / samples.sum()), test_loss=test_loss,
-            test_accuracy=test_acc, duration=duration, eval_time=eval_time, batch_sizes=vector,
-            compute_time=compute_t.sum(axis=1), comm_time=comm_t.sum(axis=1), wait_time=wait_t.sum(axis=1),
-            data_time=data_t.sum(axis=1), speed=table.sum(axis=0) / np.maximum(pre_t.sum(axis=1), 1e-12),
-            steps=np.int64(steps), **diagnostics)
-        epoch_index = np.full(steps, self.records["epochs"], dtype=np.int64)
-        return record, dict(loss=losses, epoch=epoch_index, compute_time=compute_t.T, comm_time=comm_t.T,
-                            wait_time=wait_t.T)
+    def train_epoch(self, loader, optimizer, epoch: int) -> int:
+        """One epoch's steps; returns the stop signal if all ranks agreed to stop after a step."""
+        model, loss_fn, stop = self.run.model, self.run.loss_fn, self.run.stop
+        for x, y in _progress(loader, self.cfg, epoch, self.comm.Get_rank()):
+            stop.start()                  # the stop agreement overlaps the step
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step(loss=loss)
+            signal = stop.agreed()
+            if signal:
+                return signal
+        return 0
 
-    def save(self, comm, model, optimizer, strategy, emulator, summary, epoch, step, partial, times):
-        common = {"config": self.cfg.to_dict(), "world_size": comm.Get_size(), "epoch": epoch, "step": step,
-                  "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                  "strategy": strategy.state_dict(), "speed_model": strategy.speed_model,
-                  "partial": partial, "records": self.records, "summary_epochs": summary.epochs}
-        per_rank = {"rng": checkpoint.rng_state(emulator), "times": times,
-                    "emulator": {k: getattr(emulator, k) for k in ("factor", "epoch_sleep", "step_sleep")}}
+    def end_epoch(self, stats) -> None:
+        run, cfg = self.run, self.cfg
+        test_loss, test_accuracy, eval_time = run.evaluate()
+        record = run.recorder.epoch(stats, test_loss=test_loss, test_accuracy=test_accuracy, eval_time=eval_time)
+        run.summary.epochs.append(record)
+        run.log(f"epoch {stats.epoch + 1}/{cfg.epochs}  train loss {record['train_loss']:.4f}  test loss "
+                f"{test_loss:.4f}  accuracy {100 * test_accuracy:.2f}%  time {stats.duration:.2f} s  "
+                f"batch sizes {stats.batch_sizes.tolist()}")
+
+    def save(self, where: str, stopped: int = 0) -> None:
+        """Collective: a checkpoint of the model, the optimizer and the position; every rank's
+        balancer (vector, step times) and RNG in its own part."""
+        p, run = self.parts, self.run
+        position = p["sampler"].state_dict()
+        common = {"config": self.cfg.to_dict(), "world_size": self.comm.Get_size(), "epoch": position["epoch"],
+                  "step": position["step"], "model": p["model"].state_dict(), "optimizer": p["optimizer"].state_dict(),
+                  "records": run.recorder.state_dict()}
+        per_rank = {"rng": checkpoint.rng_state(), "balancer": p["balancer"].state_dict()}
         start = time.perf_counter()
-        checkpoint.save(comm, self.path, common, per_rank)
-        self.writer.append_rows("checkpoint/seconds", [time.perf_counter() - start])
-        self.writer.append_rows("checkpoint/position", [[epoch, step]], dtype=np.int64)
+        checkpoint.save(self.comm, run.checkpoint_path, common, per_rank, self.cfg.comm_timeout)
+        run.recorder.writer.append_rows("checkpoint/seconds", [time.perf_counter() - start])
+        run.recorder.writer.append_rows("checkpoint/position", [[position["epoch"], position["step"]]], dtype="int64")
+        if stopped:
+            run.log(f"stop requested (signal {stopped}): checkpoint at {where} written to {run.checkpoint_path}; "
+                    f"continue with: dbs-mpi train --resume {run.summary.path or '<result file>'}")
+
+    def restore(self, state: dict) -> None:
+        p = self.parts
+        p["model"].load_state_dict(state["model"])
+        p["optimizer"].load_state_dict(state["optimizer"])
+        mine = state["per_rank"][self.comm.Get_rank()]
+        p["balancer"].load_state_dict(mine["balancer"])
+        p["sampler"].load_state_dict({"epoch": state["epoch"], "step": state["step"], "seed": self.cfg.seed})
+        checkpoint.restore_rng(mine["rng"])
 
 
-def _progress_bar(rank, cfg):
+def _progress(loader, cfg: Config, epoch: int, rank: int):
+    """The loader, with a progress bar on rank 0 when stderr is a terminal."""
     if rank != 0 or not cfg.progress or not sys.stderr.isatty():
-        return lambda steps, epoch: None
+        return loader
     from tqdm import tqdm
-    return lambda steps, epoch: tqdm(total=steps, desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,
-                                     unit="step", file=sys.stderr)
+    return tqdm(loader, total=len(loader), desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False, unit="step",
+                file=sys.stderr)
 
 
 def format_summary(summary: RunSummary, cfg: Config, world: int) -> str:

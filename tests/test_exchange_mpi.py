@@ -223,13 +223,37 @@ def test_misuse_is_reported(comm):
     with pytest.raises(RuntimeError, match="weight"):
         ex.allreduce(0.25, 0.0)
     ex.allreduce(0.5, 0.0)
-    model.zero_grad(set_to_none=True)                              # .grad no longer views the buffer
-    with pytest.raises(RuntimeError, match="no longer views"):
-        ex.check_views()
-    ex.zero_grad(0.5)
-    with pytest.raises(RuntimeError, match="no longer views"):
-        F.cross_entropy(model(x), y).backward()
-    ex.allreduce(0.5, 0.0)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("caps", ["one", "small"])
+def test_grads_replaced_by_zero_grad_set_to_none_are_taken_over(comm, caps):
+    """optimizer.zero_grad() / model.zero_grad() set .grad to None; the next backward makes
+    fresh tensors. The exchange copies them into its buffer (in the hooks, or in
+    allreduce) and puts its views back: the reduced gradient is still the union batch's."""
+    n = comm.Get_size()
+    data = load_synthetic("train", 64, (1, 28, 28), 10, seed=5)
+    vector = vectors_for(n)[0]
+    torch.manual_seed(0)
+    model = MLP()
+    ex = GradientExchange(comm, model.parameters(), timeout=60, bucket_bytes=CAPS[caps][0],
+                          first_bucket_bytes=CAPS[caps][1])
+    total = float(np.sum(vector))
+    rows = local_rows(comm, vector)
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        assert not ex.views_intact()
+        ex.zero_grad(vector[comm.Get_rank()] / total)
+        model.zero_grad(set_to_none=True)                        # after ours, too: still right
+        F.cross_entropy(model(data.x[rows]), data.y[rows]).backward()
+        ex.allreduce(vector[comm.Get_rank()] / total, 0.0)
+        assert ex.views_intact()
+        got = ex.gradient()
+    reference = MLP()
+    reference.load_state_dict(model.state_dict())
+    F.cross_entropy(reference(data.x[:int(total)]), data.y[:int(total)]).backward()
+    torch.testing.assert_close(got, torch.cat([p.grad.reshape(-1) for p in reference.parameters()]),
+                               rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.mpi(min_size=1)

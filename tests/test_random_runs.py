@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from dbs_mpi import config
 from dbs_mpi.config import UserError
+from dbs_mpi.comm import AgreedError
 from dbs_mpi.results import read_run
 from dbs_mpi.train import train
 
@@ -77,12 +78,13 @@ def test_random_configs_are_refused_clearly_or_train_to_a_complete_file(tmp_path
     capsys.readouterr()
     try:
         summary = train(MPI.COMM_SELF, cfg, out=str(out), log=lambda msg: None)
-    except SystemExit as exc:      # refused in set-up (e.g. a model that does not fit the samples)
-        err = capsys.readouterr().err
-        lines = err.splitlines()
-        assert exc.code == 2 and "Traceback" not in err
-        assert len(lines) == 1 and lines[0].startswith("dbs-mpi: error: "), err
-        event(f"refused in set-up: {lines[0].split(':')[2].strip()}")
+    except AgreedError as exc:     # refused in set-up (e.g. a model that does not fit the samples)
+        line = exc.report()
+        assert exc.local and exc.details is None, line      # a user's mistake: one line, no traceback
+        assert line.count("\n") == 1 and line.startswith("dbs-mpi: error: "), line
+        assert not out.exists()
+        event(f"refused in set-up: {str(exc).split(':')[0]}")
+        assert str(exc).split(":")[0] in config.FIELDS, f"the error names no field: {exc}"
         return
     assert bad is None, f"{bad} was not refused"
     event(f"trained {cfg.strategy}")

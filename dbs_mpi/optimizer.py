@@ -1,0 +1,290 @@
+"""DistributedOptimizer: any torch optimizer, with the sample-weighted gradient exchange.
+
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.AdamW(model.parameters()), model, balancer)
+    for x, y in loader:                    # DataLoader(dataset, batch_sampler=HeteroSampler(...))
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()                    # full gradient buckets start reducing already
+        optimizer.step(loss=loss)          # exchange, then the wrapped optimizer's update
+
+All communication lives behind this one object (as in Horovod's DistributedOptimizer):
+the model's .grad tensors are views of comm.GradientExchange's flat buffer, cut into
+DDP-style buckets that start reducing from autograd hooks during backward. step()
+completes the exchange, so that every .grad holds
+
+    g = sum_i (b_i / B) g_i            (aggregation "weighted": the gradient of the mean
+                                        loss over the whole global batch)
+    g = (1 / n') sum_i g_i             ("mean": plain averaging over the n' ranks with samples)
+
+and then runs the wrapped optimizer, identically on every rank. b_i is this rank's local
+batch in this step, read from the balancer's table of the epoch (so the last, partial
+step is weighted right, and a rank with no samples contributes 0). The loss given to
+step() travels in the same buffer and comes back as the global mean loss.
+
+It also keeps the clocks (profiling.py): a forward pre-hook on the model marks the
+start of a step's compute (the time before it is data loading), step() marks its end;
+emulated slow-downs are applied there, before the collective. The balancer records them.
+
+What users expect, and what fails loudly:
+* zero_grad() in any form works: this object's (gradients zeroed, views kept), the
+  wrapped optimizer's or the model's with set_to_none=True (the fresh .grad tensors are
+  taken over by the exchange), or none at all: after step() the gradients have been
+  applied and are zero.
+* The forward pre-hook counts the samples the model sees in training mode; if they are
+  not this rank's local batch of the step (a plain sampler, a second step per batch), the
+  gradient would be weighted wrongly, so step() raises, saying what to do.
+  check_batch=False turns the count off (models whose first input is not batch-first).
+* To read or clip the global gradient: synchronize(), then step() (no second exchange).
+* Parameters must be float32 and equal on every rank at construction (checked).
+"""
+from __future__ import annotations
+
+import time
+import weakref
+import zlib
+
+import numpy as np
+import torch
+
+from . import comm as mpi
+from .comm import GradientExchange
+
+AGGREGATIONS = ("weighted", "mean")
+MIB = 2 ** 20
+
+
+def step_weight(row, rank: int, aggregation: str = "weighted") -> float:
+    """This rank's share of a step's global gradient, from the step's local batches."""
+    local = int(row[rank])
+    if local == 0:
+        return 0.0
+    if aggregation == "mean":
+        return 1.0 / int(np.count_nonzero(row))
+    return local / float(np.sum(row))
+
+
+def _number(loss) -> float:
+    return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+
+
+def batch_length(args, kwargs) -> int | None:
+    """The leading dimension of a forward call's first tensor input (None if there is none)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, dict):
+            value = next(iter(value.values()), None)
+        elif isinstance(value, (list, tuple)) and value:
+            value = value[0]
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    return None
+
+
+class _ForwardHook:
+    """The model's forward pre-hook, holding the optimizer weakly. A deepcopy of the model
+    (an EMA copy, the calibration's probe) shares it, and it ignores modules other than
+    the wrapped model; a pickled model gets a hook that does nothing."""
+
+    def __init__(self, optimizer):
+        self.optimizer = weakref.ref(optimizer)
+
+    def __call__(self, module, args, kwargs):
+        optimizer = self.optimizer()
+        if optimizer is not None:
+            optimizer._on_forward(module, args, kwargs)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (_NoHook, ())
+
+
+class _NoHook:
+    """What a pickled model's forward hook becomes: nothing."""
+
+    def __call__(self, module, args, kwargs):
+        return None
+
+
+def check_same_parameters(comm, params, timeout: float) -> None:
+    """Collective: fail on every rank together if the parameters differ between ranks."""
+    crc = 0
+    for p in params:
+        crc = zlib.crc32(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    sums = mpi.allgather_array(comm, [float(crc)], timeout)[:, 0]
+    if np.any(sums != sums[0]):
+        differ = np.flatnonzero(sums != sums[0]).tolist()
+        raise mpi.AgreedError(f"DistributedOptimizer: the parameters of rank(s) {differ} differ from rank 0's; call "
+                              f"dbs_mpi.broadcast_parameters(model, comm) before wrapping the optimizer",
+                              0, comm.Get_rank() == 0, comm.Get_size())
+
+
+def make_optimizer(name: str, params, cfg) -> torch.optim.Optimizer:
+    """The command line's optimizers: sgd (lr, momentum, weight_decay), adam and adamw
+    (lr, weight_decay; torch's default betas and eps)."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    raise ValueError(f"optimizer: must be sgd, adam or adamw; got {name!r}")
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps `optimizer` (any torch.optim.Optimizer over `model`'s parameters) so that
+    step() applies the sample-weighted gradient of all ranks of `balancer.comm`.
+
+    aggregation: "weighted" (default) or "mean". wait_policy: how a rank waits for slower
+    ones, "auto" | "spin" | "sleep" (comm.py). bucket_mb / first_bucket_mb: gradient
+    bucket caps in MiB (DDP's). timeout: seconds a collective may wait (default: the
+    balancer's). check_batch: count the model's training samples per step (see above)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, balancer, *,
+                 aggregation: str = "weighted", wait_policy: str = "auto", bucket_mb: float = 25.0,
+                 first_bucket_mb: float = 1.0, timeout: float | None = None, check_batch: bool = True):
+        if isinstance(optimizer, DistributedOptimizer) or not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer; got {type(optimizer).__name__}")
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation: must be one of {', '.join(AGGREGATIONS)}; got {aggregation!r}")
+        self.optimizer, self.model, self.balancer = optimizer, model, balancer
+        self.comm, self.aggregation, self.check_batch = balancer.comm, aggregation, check_batch
+        self.timeout = balancer.timeout if timeout is None else float(timeout)
+        params = [p for p in model.parameters() if p.requires_grad]
+        mine = {id(p) for p in params}
+        if any(id(p) not in mine for group in optimizer.param_groups for p in group["params"]):
+            raise ValueError("DistributedOptimizer: the optimizer holds a parameter that is not one of the model's "
+                             "trainable parameters")
+        check_same_parameters(self.comm, params, self.timeout)
+        hosts = mpi.hostnames(self.comm, self.timeout)
+        self.oversubscribed = mpi.oversubscribed(hosts)
+        self.exchange = GradientExchange(self.comm, params, self.timeout,
+                                         mpi.sleep_while_waiting(wait_policy, hosts),
+                                         bucket_bytes=int(bucket_mb * MIB), first_bucket_bytes=int(first_bucket_mb * MIB))
+        self.sleep_while_waiting = self.exchange.sleep_while_waiting
+        self._hook = model.register_forward_pre_hook(_ForwardHook(self), with_kwargs=True)
+        self._forward_seen = False          # the hook fires for this model (counts can be checked)
+        self._new_step(time.perf_counter())
+
+    # --- what torch.optim code reads ------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise RuntimeError("DistributedOptimizer: the gradient buckets are fixed at construction; add parameter "
+                           "groups to the wrapped optimizer before wrapping it")
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r}, aggregation={self.aggregation!r})"
+
+    # --- a step ---------------------------------------------------------------------
+    def _new_step(self, now: float) -> None:
+        self._last_end = now               # end of the last step: data time runs from here
+        self._compute_start = None         # the model's first training forward of this step
+        self._samples = 0                  # samples the model saw in training mode (None: unknown)
+        self._forwards = 0
+        self._synced = False
+        self._row = None                   # the step's local batches, once known
+        self._loss = float("nan")
+
+    def _on_forward(self, module, args, kwargs):
+        if module is not self.model or not module.training or not torch.is_grad_enabled():
+            return
+        if self._compute_start is None:
+            self._compute_start = time.perf_counter()
+            if self.balancer.step_pending:
+                self._row = self.balancer.step_batch_sizes()
+                self.exchange.arm(step_weight(self._row, self.comm.Get_rank(), self.aggregation))
+        self._forward_seen = True
+        self._forwards += 1
+        n = batch_length(args, kwargs)
+        self._samples = None if n is None or self._samples is None else self._samples + n
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients (set_to_none is ignored: the .grad tensors stay views of the
+        exchange buffer, which is what lets the buckets reduce during backward)."""
+        if self.exchange.busy:
+            raise RuntimeError("zero_grad() after backward() and before step() would drop gradients already being "
+                               "reduced; call it before the forward pass (or after step())")
+        self.exchange.adopt_grads()
+        self.exchange.zero_grad(self.exchange.armed_weight)
+
+    def synchronize(self, loss=None) -> float:
+        """Exchange the gradients now (e.g. to clip the global gradient before step()).
+        Returns the global mean loss if `loss` is given (else NaN)."""
+        if self._synced:
+            raise RuntimeError("synchronize() twice in one step")
+        start = time.perf_counter()
+        rank = self.comm.Get_rank()
+        try:
+            row = self.balancer.step_batch_sizes()
+            if self._row is not None and not np.array_equal(row, self._row):
+                raise RuntimeError("the balancer's step changed during this step")
+            self._check_samples(int(row[rank]), row)
+        except Exception:
+            self._new_step(self._last_end)      # a refused step leaves nothing behind for the next one
+            raise
+        began = self._compute_start if self._compute_start is not None else self._last_end
+        self.balancer.stretch(start - began)
+        pre_end = time.perf_counter()
+        local = int(row[rank])
+        share = _number(loss) * local / float(np.sum(row)) if loss is not None and local else 0.0
+        global_loss = self.exchange.allreduce(step_weight(row, rank, self.aggregation), share)
+        self._loss = global_loss if loss is not None else float("nan")
+        self._times = (began - self._last_end, pre_end - began, time.perf_counter() - pre_end)
+        self._synced = True
+        return self._loss
+
+    def step(self, closure=None, *, loss=None) -> float:
+        """Complete the gradient exchange (unless synchronize() did), then the wrapped
+        optimizer's step. loss: this rank's mean loss of the step (a tensor or number), to
+        get the global mean loss back and into the records. Returns it (NaN if not given)."""
+        if closure is not None:
+            raise ValueError("DistributedOptimizer.step(closure): closures are not supported (every rank must "
+                             "take exactly one exchange per step)")
+        if not self._synced:
+            self.synchronize(loss)
+        start = time.perf_counter()
+        self.optimizer.step()
+        end = time.perf_counter()
+        self.exchange.flat.zero_()          # the gradients are applied: the next step starts from zero
+        data, pre, collective = self._times
+        self.balancer.record_step(data, pre, collective, end - start, self._loss)
+        global_loss = self._loss
+        self._new_step(end)
+        return global_loss
+
+    def _check_samples(self, local: int, row) -> None:
+        """Fail loudly if the model did not see this rank's local batch since the last step."""
+        if not self.check_batch or not self._forward_seen or self._samples is None:
+            return
+        seen, expected = self._samples, (local or 1)      # an empty share gets one placeholder sample
+        if seen == expected or (local == 0 and seen == 0):
+            return
+        b = self.balancer
+        raise RuntimeError(
+            f"rank {self.comm.Get_rank()}, step {b.step + 1} of epoch {b.open_epoch + 1}: the model saw {seen} "
+            f"training sample(s) since the last step, but this rank's local batch is {local} (step's local batches "
+            f"{np.asarray(row).tolist()}), so the gradient would be weighted wrongly. Feed the model the batches "
+            f"of dbs_mpi.HeteroSampler (DataLoader(dataset, batch_sampler=sampler)), one optimizer.step() per "
+            f"batch; pass check_batch=False if the model's first input is not batch-first")
+
+    def close(self) -> None:
+        """Remove the hooks (the .grad tensors stay views of the exchange buffer)."""
+        self._hook.remove()
+        self.exchange.close()

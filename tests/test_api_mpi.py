@@ -1,0 +1,375 @@
+"""The public library API under MPI (pytest-mpi): a user's own model, dataset, optimizer
+and loop. Every test holds for any number of ranks (run at 1, 2 and 4):
+
+* the combined gradient (and Adam's step) equals one process's on the union batch,
+  step after step, the last partial step (a rank with no samples) included;
+* allocation invariance through DataLoader + HeteroSampler with worker processes, on a
+  dataset read lazily from files (ImageFolder-like), under dbs re-planning;
+* every form of zero_grad works; misuses that would weight the gradient wrongly raise;
+* a checkpoint of every component loads with torch.load(weights_only=True) and continues
+  the run bit for bit.
+"""
+import copy
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import dbs_mpi
+from dbs_mpi import allocation
+from dbs_mpi.sharding import epoch_permutation
+
+SPEEDS = [1.0, 0.5, 0.2, 0.07, 0.3, 0.6, 0.9, 0.15]
+CAPS = {"one bucket": (25.0, 1.0), "many buckets": (0.0005, 0.0002)}   # MiB: hooks start buckets in backward
+
+
+def speeds_for(n):
+    return [SPEEDS[i % len(SPEEDS)] for i in range(n)]
+
+
+class UserNet(nn.Module):
+    """Not one of dbs-mpi's models: a convolution, a linear head and a scale parameter."""
+
+    def __init__(self, classes=5):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.head = nn.Linear(4 * 6 * 6, classes)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x)).flatten(1)) * self.scale
+
+
+class Pairs(Dataset):
+    """A user's map-style dataset over tensors: items are (image, int label)."""
+
+    def __init__(self, n=150, seed=1, classes=5):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 1, 8, 8, generator=g)
+        self.y = torch.randint(classes, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], int(self.y[i])
+
+
+class LazyFolder(Dataset):
+    """ImageFolder-like: root/<class>/<sample>.npy, each file read when it is asked for."""
+
+    def __init__(self, root):
+        self.classes = sorted(p.name for p in Path(root).iterdir())
+        self.files = sorted((f, k) for k, c in enumerate(self.classes) for f in (Path(root) / c).glob("*.npy"))
+
+    def __len__(self):
+        return len(self.files)
+
+    def __getitem__(self, i):
+        path, label = self.files[i]
+        return torch.from_numpy(np.load(path)), label
+
+
+def write_folder(root, samples=120, classes=4):
+    rng = np.random.default_rng(7)
+    for i in range(samples):
+        folder = Path(root) / f"class{i % classes}"
+        folder.mkdir(parents=True, exist_ok=True)
+        image = rng.normal(size=(1, 8, 8)).astype(np.float32) + (i % classes)
+        np.save(folder / f"{i:04d}.npy", image)
+
+
+def flat_grads(model):
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
+
+
+def flat_params(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def uneven_balancer(comm, global_batch, policy="ssgd", **kw):
+    """A balancer with a fixed, uneven vector (deterministic, unlike a calibration)."""
+    balancer = dbs_mpi.Balancer(comm, global_batch, policy, **kw)
+    balancer.batch_sizes = allocation.proportional(global_batch, speeds_for(comm.Get_size()))
+    return balancer
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("caps", list(CAPS))
+def test_combined_gradient_and_adam_step_equal_one_process_on_the_union_batch(comm, caps):
+    data, global_batch = Pairs(150), 48          # 4 steps; the last has 6 samples (some ranks none at 4 ranks)
+    balancer = uneven_balancer(comm, global_batch)
+    sampler = dbs_mpi.HeteroSampler(data, balancer, seed=1)
+    torch.manual_seed(0)
+    model, reference = UserNet(), UserNet()
+    reference.load_state_dict(model.state_dict())
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model, balancer,
+                                             bucket_mb=CAPS[caps][0], first_bucket_mb=CAPS[caps][1])
+    assert (optimizer.exchange.num_buckets == 1) == (caps == "one bucket")
+    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
+    perm = torch.from_numpy(epoch_permutation(len(data), 0, 1))
+    sampler.set_epoch(0)
+    steps = 0
+    for s, (x, y) in enumerate(DataLoader(data, batch_sampler=sampler)):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        global_loss = optimizer.synchronize(loss)
+        union = perm[s * global_batch:(s + 1) * global_batch]
+        ref_optimizer.zero_grad()
+        ref_loss = F.cross_entropy(reference(data.x[union]), data.y[union])
+        ref_loss.backward()
+        torch.testing.assert_close(flat_grads(model), flat_grads(reference), rtol=1e-4, atol=1e-6)
+        assert global_loss == pytest.approx(ref_loss.item(), rel=1e-5)
+        optimizer.step()
+        ref_optimizer.step()
+        torch.testing.assert_close(flat_params(model), flat_params(reference), rtol=1e-4, atol=1e-6)
+        steps += 1
+    stats = balancer.end_epoch()
+    assert steps == stats.steps == 4
+    assert stats.table.sum(axis=1).tolist() == [48, 48, 48, 6]
+    if comm.Get_size() == 4:
+        assert 0 in stats.table[-1], "the last step should leave a rank without samples"
+    assert np.isfinite(stats.step_loss).all() and stats.train_loss > 0
+
+
+def train_folder(comm, dataset, epochs, workers, speeds=None):
+    """A few dbs epochs of the user's loop over a lazy dataset; the final parameters."""
+    torch.manual_seed(0)
+    model = UserNet(classes=len(dataset.classes))
+    dbs_mpi.broadcast_parameters(model, comm)
+    balancer = dbs_mpi.Balancer(comm, 32, "dbs", speeds=speeds, min_gain=0.0)
+    balancer.calibrate_model(model, F.cross_entropy, dataset, steps=1, warmup=0)
+    sampler = dbs_mpi.HeteroSampler(dataset, balancer, seed=3)
+    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=workers, persistent_workers=workers > 0)
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                                             balancer)
+    vectors = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        vectors.append(balancer.end_epoch().batch_sizes.tolist())
+    return flat_params(model), vectors
+
+
+@pytest.mark.mpi(min_size=1)
+def test_allocation_invariance_through_a_dataloader_with_workers(comm, shared_tmp):
+    root = shared_tmp / "folder"
+    if comm.Get_rank() == 0:
+        write_folder(root)
+    comm.Barrier()
+    dataset = LazyFolder(root)
+    assert len(dataset) == 120 and dataset.classes == ["class0", "class1", "class2", "class3"]
+    many, vectors = train_folder(comm, dataset, epochs=2, workers=2, speeds=speeds_for(comm.Get_size()))
+    single, _ = train_folder(MPI.COMM_SELF, dataset, epochs=2, workers=0)
+    if comm.Get_size() > 1:
+        assert len(set(vectors[0])) > 1, f"the vector should be uneven: {vectors}"
+    torch.testing.assert_close(many, single, rtol=1e-4, atol=2e-5)
+
+
+ZERO_GRAD_FORMS = {
+    "ours": lambda opt, model: opt.zero_grad(),
+    "ours, set_to_none=False": lambda opt, model: opt.zero_grad(set_to_none=False),
+    "wrapped optimizer": lambda opt, model: opt.optimizer.zero_grad(),
+    "wrapped optimizer, set_to_none=False": lambda opt, model: opt.optimizer.zero_grad(set_to_none=False),
+    "model": lambda opt, model: model.zero_grad(),
+    "model, set_to_none=False": lambda opt, model: model.zero_grad(set_to_none=False),
+    "by hand, None": lambda opt, model: [setattr(p, "grad", None) for p in model.parameters()],
+    "none at all": lambda opt, model: None,
+}
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("caps", list(CAPS))
+@pytest.mark.parametrize("form", list(ZERO_GRAD_FORMS))
+def test_every_form_of_zero_grad_gives_the_union_gradient(comm, form, caps):
+    data, global_batch = Pairs(96), 32
+    balancer = uneven_balancer(comm, global_batch)
+    sampler = dbs_mpi.HeteroSampler(data, balancer, seed=2)
+    torch.manual_seed(0)
+    model, reference = UserNet(), UserNet()
+    reference.load_state_dict(model.state_dict())
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, balancer,
+                                             bucket_mb=CAPS[caps][0], first_bucket_mb=CAPS[caps][1])
+    perm = torch.from_numpy(epoch_permutation(len(data), 0, 2))
+    for s, (x, y) in enumerate(DataLoader(data, batch_sampler=sampler)):
+        ZERO_GRAD_FORMS[form](optimizer, model)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.synchronize()
+        union = perm[s * global_batch:(s + 1) * global_batch]
+        reference.zero_grad()
+        F.cross_entropy(reference(data.x[union]), data.y[union]).backward()
+        torch.testing.assert_close(flat_grads(model), flat_grads(reference), rtol=1e-4, atol=1e-6)
+        assert optimizer.exchange.views_intact()
+        optimizer.step()
+        with torch.no_grad():
+            for p, q in zip(reference.parameters(), model.parameters()):
+                p.copy_(q)
+    balancer.end_epoch()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_misuses_that_would_weight_the_gradient_wrongly_raise(comm):
+    """Every rank makes the same mistake, so every rank raises before any collective."""
+    data = Pairs(64)
+    balancer = uneven_balancer(comm, 16)
+    model = UserNet()
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, balancer)
+    x, y = data.x[:16], data.y[:16]
+    with pytest.raises(RuntimeError, match="no epoch is open"):        # no HeteroSampler: no step table
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    sampler = dbs_mpi.HeteroSampler(data, balancer)
+    batches = iter(DataLoader(data, batch_sampler=sampler))
+    xb, yb = next(batches)
+    optimizer.zero_grad()
+    F.cross_entropy(model(torch.cat([xb, xb[:1]])), torch.cat([yb, yb[:1]])).backward()   # one sample too many
+    with pytest.raises(RuntimeError, match="HeteroSampler"):
+        optimizer.step()
+    optimizer.zero_grad()
+    F.cross_entropy(model(xb), yb).backward()
+    optimizer.step()                                                    # the right batch goes through
+    with pytest.raises(ValueError, match="closures are not supported"):
+        optimizer.step(lambda: 0.0)
+    with pytest.raises(RuntimeError, match="every rank takes every step"):
+        balancer.end_epoch()                                           # 1 of 4 steps taken
+    with pytest.raises(RuntimeError, match="still open"):
+        balancer.begin_epoch(1, len(data))
+    for xb, yb in batches:
+        optimizer.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        optimizer.step()
+    balancer.end_epoch()
+    with pytest.raises(RuntimeError, match="no epoch is open"):       # a step past the end of the epoch
+        optimizer.step()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_parameters_that_differ_between_ranks_are_refused_on_every_rank(comm):
+    if comm.Get_size() == 1:
+        pytest.skip("needs 2 ranks")
+    torch.manual_seed(comm.Get_rank())                                  # forgot broadcast_parameters
+    model = UserNet()
+    with pytest.raises(dbs_mpi.AgreedError, match="broadcast_parameters") as exc:
+        dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                     dbs_mpi.Balancer(comm, 16, "ssgd"))
+    assert exc.value.local == (comm.Get_rank() == 0)                    # rank 0 prints, every rank raises
+
+
+def run_steps(comm, parts, data, loader_steps=None):
+    """Train with parts (model, optimizer, balancer, sampler) until the epoch ends or
+    loader_steps steps were taken; returns the steps taken."""
+    model, optimizer, balancer, sampler = parts
+    taken = 0
+    for x, y in DataLoader(data, batch_sampler=sampler):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step(loss=loss)
+        taken += 1
+        if taken == loader_steps:
+            return taken
+    balancer.end_epoch()
+    return taken
+
+
+def make_parts(comm, data):
+    torch.manual_seed(0)
+    model = UserNet()
+    # dbs with its controller, but a dead band that no measurement can pass: the vector stays,
+    # so the continued run is bit for bit the original (a re-planned vector would be equal
+    # only up to float rounding: allocation invariance).
+    balancer = dbs_mpi.Balancer(comm, 24, "dbs", speeds=speeds_for(comm.Get_size()), min_gain=0.99)
+    balancer.batch_sizes = allocation.proportional(24, speeds_for(comm.Get_size()))
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, balancer)
+    return model, optimizer, balancer, dbs_mpi.HeteroSampler(data, balancer, seed=5)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_weights_only_checkpoint_continues_the_run_bit_for_bit(comm, shared_tmp):
+    data = Pairs(150)
+    parts = make_parts(comm, data)
+    model, optimizer, balancer, sampler = parts
+    run_steps(comm, parts, data)                       # epoch 1 (dbs re-plans after it)
+    sampler.set_epoch(1)
+    assert run_steps(comm, parts, data, loader_steps=3) == 3
+    path = shared_tmp / "user.ckpt"
+    dbs_mpi.save_checkpoint(comm, path, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                         "sampler": sampler.state_dict()},
+                            {"balancer": balancer.state_dict(), "rng": torch.get_rng_state()})
+    comm.Barrier()
+    raw = torch.load(path, weights_only=True)          # no code runs while loading
+    assert raw["sampler"]["epoch"] == 1 and raw["sampler"]["step"] == 3
+    assert len(raw["per_rank"]) == comm.Get_size()
+    run_steps(comm, parts, data)                       # the original finishes epoch 2
+    sampler.set_epoch(2)
+    run_steps(comm, parts, data)                       # and epoch 3
+
+    state = dbs_mpi.load_checkpoint(path)
+    again = make_parts(comm, data)
+    again[0].load_state_dict(state["model"])
+    again[1].load_state_dict(state["optimizer"])
+    again[2].load_state_dict(state["per_rank"][comm.Get_rank()]["balancer"])
+    again[3].load_state_dict(state["sampler"])
+    torch.set_rng_state(state["per_rank"][comm.Get_rank()]["rng"])
+    assert run_steps(comm, again, data) == 7 - 3       # the rest of epoch 2
+    again[3].set_epoch(2)
+    run_steps(comm, again, data)
+    assert torch.equal(flat_params(again[0]), flat_params(model))
+    assert again[2].controller is not None and again[2].batch_sizes.tolist() == balancer.batch_sizes.tolist()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_checkpoint_refuses_objects_that_would_need_code_to_load(comm, shared_tmp):
+    with pytest.raises(TypeError, match=r"state\['controller'\]: cannot store a SpeedModel"):
+        dbs_mpi.save_checkpoint(comm, shared_tmp / "bad.ckpt",
+                                {"controller": allocation.SpeedModel(np.ones(1), np.zeros(1))})
+    assert not (shared_tmp / "bad.ckpt").exists()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_learning_rate_scheduler_drives_the_wrapped_optimizer(comm):
+    data = Pairs(64)
+    balancer = uneven_balancer(comm, 32)
+    model = UserNet()
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model, balancer)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # torch warns if it saw no optimizer.step() before
+        for x, y in DataLoader(data, batch_sampler=dbs_mpi.HeteroSampler(data, balancer)):
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            scheduler.step()
+    balancer.end_epoch()
+    assert optimizer.optimizer.param_groups[0]["lr"] == 0.25                # two steps, halved twice
+
+
+@pytest.mark.mpi(min_size=1)
+def test_copies_of_the_model_do_not_count_as_training_steps(comm, shared_tmp):
+    """An EMA copy, or a calibration after the optimizer exists, runs the model's copy:
+    it neither carries the optimizer along nor feeds the step's sample count; a pickled
+    model carries no optimizer either."""
+    data = Pairs(64)
+    balancer = uneven_balancer(comm, 16)
+    model = UserNet()
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, balancer)
+    ema = copy.deepcopy(model)
+    assert not hasattr(ema, "optimizer")
+    balancer.calibrate_model(model, F.cross_entropy, data, steps=1, warmup=0)   # a deepcopy inside
+    path = shared_tmp / f"model-{comm.Get_rank()}.pt"
+    torch.save(model, path)
+    assert torch.load(path, weights_only=False)(data.x[:2]).shape == (2, 5)
+    for x, y in DataLoader(data, batch_sampler=dbs_mpi.HeteroSampler(data, balancer)):
+        ema(x[:1])                                  # another module: not counted
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    balancer.end_epoch()
