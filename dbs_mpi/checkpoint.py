@@ -115,8 +115,33 @@ def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
+_ACTIVE = [0]       # StopRequests entered and not yet left in this process
+
+
+def _shield_forked_child() -> None:
+    """In a process forked while a StopRequest is active (a DataLoader worker): block
+    SIGTERM and SIGUSR1. mpirun and schedulers send them to every process of the job, and
+    torch's workers die of SIGTERM, which would kill the rank (its DataLoader raises)
+    before it could agree on the stop and checkpoint. The rank shuts its workers down as
+    usual afterwards (and a worker whose rank is gone exits by itself)."""
+    if _ACTIVE[0]:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+
+
+os.register_at_fork(after_in_child=_shield_forked_child)
+
+
 class StopRequest:
-    """Turns SIGTERM / SIGUSR1 into a flag that all ranks agree on at step boundaries."""
+    """Turns SIGTERM / SIGUSR1 into a flag that all ranks agree on at step boundaries.
+
+        with StopRequest(comm) as stop:
+            for x, y in loader:
+                ...                              # the step
+                if stop.agreed():                # collective, the same answer on every rank
+                    save the checkpoint; raise SystemExit(EXIT_STOPPED)
+
+    While it is active, processes forked by this rank (DataLoader workers) ignore both
+    signals, so that only the rank decides when to stop."""
 
     SIGNALS = ("SIGTERM", "SIGUSR1")
 
@@ -132,9 +157,11 @@ class StopRequest:
         for name in self.SIGNALS:
             sig = getattr(signal, name)
             self._previous[sig] = signal.signal(sig, self._handle)
+        _ACTIVE[0] += 1
         return self
 
     def __exit__(self, *exc):
+        _ACTIVE[0] -= 1
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         return False

