@@ -24,7 +24,7 @@ is the server's clock when the gradient was applied (`update/time`).
 Speeds: `speeds` is the configuration's tuple (relative, () = all equal);
 `heterogeneity` = mean(v)/min(v) over the ranks that compute (every rank for the
 synchronous strategies, ranks 1.. for the parameter server's), the best possible
-speed-up of a proportional split over an equal one (RESEARCH.md section 2).
+speed-up of a proportional split over an equal one (docs/method.md, section 2).
 """
 from __future__ import annotations
 

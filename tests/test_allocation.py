@@ -81,7 +81,7 @@ def test_any_numbers_give_a_valid_vector_or_an_allocation_error(B, speeds, overh
 
 
 def test_affine_model_equalises_step_time():
-    # rank 1 is 4x slower in everything, fixed cost 0.7 ms, 0.11 ms per sample (RESEARCH.md s.7)
+    # rank 1 is 4x slower in everything, fixed cost 0.7 ms, 0.11 ms per sample (the affine model of docs/method.md, section 1)
     c = np.array([0.11e-3, 0.44e-3])
     a = np.array([0.7e-3, 2.8e-3])
     b = allocation.allocate(128, c, a)
