@@ -20,7 +20,7 @@ DATA_DIR ?= data
 # Bound on each MPI test session, so that a hang fails instead of blocking CI.
 TEST_TIMEOUT ?= 2400
 
-.PHONY: install venv deps data test test-serial test-mpi test-np% run bench bench-hetero info clean experiments figures test-notebooks
+.PHONY: install venv deps data test test-serial test-mpi test-np% run bench bench-hetero bench-ab info clean experiments figures test-notebooks
 
 install: deps data
 
@@ -71,6 +71,12 @@ bench:
 
 bench-hetero:
 	$(MPIEXEC) -n 2 $(VENV)/bin/dbs-mpi bench hetero --data-dir $(DATA_DIR)
+
+# The main job at another revision (BASE, default the last commit) and at the working
+# tree, side by side, 3 repeats: median epoch times and their ratio (scripts/ab-runs.py).
+BASE ?= HEAD
+bench-ab:
+	$(PY) scripts/ab-runs.py --variant before=$(BASE) --variant after=. --repeats 3 --np $(NP) --mpiexec $(MPIEXEC)
 
 info:
 	$(MPIEXEC) -n $(NP) $(VENV)/bin/dbs-mpi info

@@ -107,6 +107,17 @@ def read_file(path) -> dict:
     return out
 
 
+def _speeds(value, world: int) -> tuple:
+    """The configured relative speeds, or all 1 (a user's loop may store anything there)."""
+    if isinstance(value, str):
+        value = [v for v in value.split(",") if v.strip()]
+    try:
+        speeds = tuple(float(v) for v in value)
+    except (TypeError, ValueError):
+        speeds = ()
+    return speeds if len(speeds) == world else (1.0,) * world
+
+
 def _run_row(name: str, path: Path, run: dict) -> dict:
     attrs, cfg, data = run["attrs"], run["config"], run["data"]
     row = {"run": name, "path": str(path)}
@@ -121,8 +132,7 @@ def _run_row(name: str, path: Path, run: dict) -> dict:
     row["world_size"] = world
     row["hostnames"] = tuple(attrs.get("hostnames", ()))
     row["resumed"] = len(attrs.get("resumed", ()) or ())
-    speeds = tuple(cfg.get("speeds", ())) or (1.0,) * world
-    row["speeds"] = tuple(float(s) for s in speeds)
+    row["speeds"] = _speeds(cfg.get("speeds", ()), world)
     asynchronous = row.get("strategy") in ASYNC_STRATEGIES
     row["asynchronous"] = asynchronous
     row["heterogeneity"] = ideal_speedup(row["speeds"], skip_server=asynchronous and len(row["speeds"]) > 1)

@@ -232,6 +232,7 @@ class Recorder:
                  "hostnames": mpi.hostnames(comm, timeout), "versions": json.dumps(versions(mpi.mpi_library())),
                  **(attrs or {})}
         rank, world = comm.Get_rank(), comm.Get_size()
+        self.attrs = attrs
         self.records = dict(resume) if resume else {"epochs": 0, "steps": 0}
 
         def open_file():
@@ -243,7 +244,11 @@ class Recorder:
         self.writer = mpi.collective(comm, open_file, timeout=timeout)
 
     def startup(self, balancer) -> None:
-        """The start-up calibration (startup/*), if the balancer was calibrated."""
+        """The balancer's policy and global batch (as the attributes strategy and
+        global_batch, unless given), and its start-up calibration (startup/*) if any."""
+        self.writer.set_attrs(**{k: v for k, v in (("strategy", balancer.policy),
+                                                   ("global_batch", balancer.global_batch))
+                                 if k not in self.attrs})
         if balancer.startup:
             for name in ("local_batch", "step_time", "batch_sizes"):
                 self.writer.write(f"startup/{name}", balancer.startup[name])

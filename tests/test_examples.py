@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import ROOT, mpiexec
-from dbs_mpi import checkpoint
+from dbs_mpi import analysis, checkpoint
 from dbs_mpi.results import read_run
 
 EXAMPLES = ROOT / "examples"
@@ -47,6 +47,21 @@ def test_api_example_trains_a_user_model_at_two_ranks(tmp_path):
     assert (b.sum(axis=1) == 256).all() and (b[:, 0] > b[:, 1]).all(), "rank 1 is emulated at half speed"
     assert data["startup/step_time"].shape == (2, 2)
     assert (data["epoch/data_time"] > 0).all() and (data["epoch/compute_time"] > 0).all()
+    assert run["attrs"]["strategy"] == "dbs" and run["attrs"]["global_batch"] == 256
+    tables = analysis.load(tmp_path)                   # the notebooks' reader takes a user's run too
+    row = tables.runs.iloc[0]
+    assert (row["strategy"], row["world_size"], row["epochs_done"]) == ("dbs", 2, 2)
+    assert row["final_test_accuracy"] == pytest.approx(data["epoch/test_accuracy"][-1])
+    assert len(tables.steps) == data["step/loss"].shape[0] and len(tables.epochs) == 2
+
+
+def test_api_example_runs_as_one_process_without_mpirun(tmp_path):
+    out = tmp_path / "one.h5"
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "train_api.py"), "--epochs", "1", "--workers", "0",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    run = read_run(out)
+    assert run["attrs"]["world_size"] == 1 and run["data"]["epoch/batch_sizes"].tolist() == [[256]]
 
 
 def test_cli_plugin_example_trains_the_same_model(tmp_path):
