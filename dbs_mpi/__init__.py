@@ -36,6 +36,15 @@ Where each idea of the papers lives:
 """
 __version__ = "0.2.0"
 
+import os as _os
+
+# The cores this process was given, read before torch is imported: with OMP_PROC_BIND
+# set, OpenMP pins the main thread to its first core when torch loads (comm.affinity).
+try:
+    _AFFINITY_AT_IMPORT = frozenset(_os.sched_getaffinity(0))
+except AttributeError:  # pragma: no cover - not Linux
+    _AFFINITY_AT_IMPORT = frozenset()
+
 # The public API, imported on first use (so that `import dbs_mpi.config` stays light and
 # nothing initialises MPI before it is needed).
 _API = {

@@ -155,7 +155,7 @@ def _timed(fn, barrier) -> float:
 
 
 def _oversubscribed(comm) -> bool:
-    return mpi.oversubscribed(mpi.hostnames(comm))
+    return mpi.oversubscribed(mpi.placement(comm))
 
 
 # --- exchange -----------------------------------------------------------------------

@@ -116,8 +116,9 @@ def cmd_info(comm, argv) -> int:
     from .results import versions
 
     _Parser(prog="dbs-mpi info", description="Print the MPI and PyTorch environment of every rank.").parse_args(argv)
-    threads = mpi.available_cores() // mpi.local_size(comm) or 1
-    rows = comm.gather((comm.Get_rank(), socket.gethostname(), os.getpid(), mpi.available_cores(), threads), root=0)
+    threads = mpi.threads_per_rank(comm)
+    rows = mpi.allgather_object(comm, (comm.Get_rank(), socket.gethostname(), os.getpid(), mpi.available_cores(),
+                                       threads))
     if comm.Get_rank() == 0:
         v = versions(mpi.mpi_library())
         print(f"MPI library:   {v['mpi_library']}")
@@ -157,8 +158,7 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     from . import comm as mpi
-    comm = MPI.COMM_WORLD
-    mpi.abort_on_uncaught(comm)
+    comm = mpi.init(MPI.COMM_WORLD)          # fail together; the watchdog; threads per rank
     try:
         return COMMANDS[argv[0]](comm, argv[1:])
     except mpi.AgreedError as exc:  # a mistake every rank knows about: one line, every rank exits

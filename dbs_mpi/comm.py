@@ -24,17 +24,24 @@
 * `abort_on_uncaught` makes an unexpected exception on any rank end the whole job.
 * `init` is what a training script calls first: the communicator (COMM_WORLD unless
   given one), the fail-together hook, and torch threads per rank.
+* `SUPERVISOR` bounds what cannot be bounded from inside (a blocking MPI call: the spin
+  policy's Allreduce, Dup) with a watchdog thread, and lets rank 0 record a failure
+  that another rank found (see Supervisor). Every wait, in every mode, ends within its
+  timeout: the job is aborted, and the result file says failed if rank 0 is alive.
 
 Library code takes the communicator as an argument; only entry points pick COMM_WORLD.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import socket
 import sys
+import threading
 import time
 import traceback
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -46,11 +53,20 @@ POLL_SPIN = 20e-6       # seconds of plain polling before the first sleep
 POLL_SLEEP_MIN = 20e-6  # first sleep between polls, seconds
 POLL_SLEEP_MAX = 1e-4   # longest sleep between polls, seconds (bounds the added latency)
 ABORT_GRACE = 0.2       # seconds between printing a failure and aborting the job
+NOTICE_GRACE = 2.0      # seconds a failing rank gives rank 0 to record the failure and abort the job first
+COLLECT_GRACE = 1.0     # seconds a timed-out rank 0 waits for the other ranks' notices (who arrived)
+WATCH_INTERVAL = 0.05   # seconds between the watchdog thread's checks
+NOTICE_TAG = 7431       # tag of failure notices, on the supervisor's own communicator
 WAIT_POLICIES = ("auto", "spin", "sleep")
 
 
 class CommTimeout(RuntimeError):
     pass
+
+
+def timeout_message(timeout: float, what: str) -> str:
+    return (f"waited more than {timeout:g} s in {what}: another rank is stuck or dead (raise comm_timeout if a "
+            f"step can legitimately take that long)")
 
 
 def wait(request: MPI.Request, timeout: float = 600.0, what: str = "collective",
@@ -64,12 +80,15 @@ def wait(request: MPI.Request, timeout: float = 600.0, what: str = "collective",
         if request.Test():
             return
     pause = POLL_SLEEP_MIN
-    while not request.Test():
-        if time.perf_counter() - start > timeout:
-            raise CommTimeout(f"waited more than {timeout:g} s in {what}: another rank is stuck or dead "
-                              f"(raise comm_timeout if a step can legitimately take that long)")
-        time.sleep(pause)
-        pause = min(2 * pause, max_pause)
+    SUPERVISOR.waiting = what
+    try:
+        while not request.Test():
+            if time.perf_counter() - start > timeout:
+                raise CommTimeout(timeout_message(timeout, what))
+            time.sleep(pause)
+            pause = min(2 * pause, max_pause)
+    finally:
+        SUPERVISOR.waiting = None
 
 
 def barrier(comm: MPI.Comm, timeout: float = 600.0, max_pause: float = POLL_SLEEP_MAX) -> None:
@@ -216,7 +235,8 @@ class GradientExchange:
                 raise TypeError("GradientExchange supports float32 parameters only")
         self.numel = sum(p.numel() for p in self.params)
         # Every rank must take the same waiting path (the Ibarrier is a collective).
-        self.sleep_while_waiting = bool(comm.allreduce(bool(sleep_while_waiting), op=MPI.LOR)) \
+        self.sleep_while_waiting = bool(any(allgather_object(comm, bool(sleep_while_waiting), timeout,
+                                                             "agreeing on the wait policy"))) \
             if self.world_size > 1 else False
         self.layout = bucket_layout([p.numel() for p in self.params], bucket_bytes, first_bucket_bytes)
         self.flat = torch.zeros(self.numel + 1, dtype=torch.float32)
@@ -393,14 +413,161 @@ class GradientExchange:
             self._array[self.numel] = loss_share
             if self.world_size > 1:
                 if self.sleep_while_waiting:
-                    wait(self.comm.Ibarrier(), self.timeout, "gradient allreduce (waiting for the other ranks)")
-                self.comm.Allreduce(MPI.IN_PLACE, self._views[last], op=MPI.SUM)
-                if self._requests:
-                    MPI.Request.Waitall(self._requests)
+                    wait(self.comm.Ibarrier(), self.timeout, "the gradient allreduce (waiting for the other ranks)")
+                with SUPERVISOR.deadline(self.comm, self.timeout, "the gradient allreduce"):
+                    self.comm.Allreduce(MPI.IN_PLACE, self._views[last], op=MPI.SUM)
+                    if self._requests:
+                        MPI.Request.Waitall(self._requests)
         finally:
             self._requests = []
             self._reset()
         return float(self._array[self.numel])
+
+
+# --- supervision ----------------------------------------------------------------------
+
+class Supervisor:
+    """One per process. Bounds blocking MPI calls, and lets rank 0 record a failure that
+    another rank found, before the job is aborted.
+
+    * `deadline(comm, seconds, what)`: around a blocking call (the spin policy's Allreduce,
+      a Dup). A watchdog thread checks it every WATCH_INTERVAL; past it, it fails the job
+      from outside the call (MPI is initialised THREAD_MULTIPLE). The call itself pays two
+      attribute writes: the spin path keeps its latency. `wait` (the sleeping waits) marks
+      itself too, so that rank 0 knows whether it is waiting.
+    * `on_failure(fn)`: fn runs on this rank when the job fails here (rank 0: the result
+      file is marked failed). `fail(comm, message)` is that: print the message in one
+      write, run the callbacks, abort the job.
+    * `attach(comm)` (collective; dbs_mpi.init does it) opens a channel to rank 0: a
+      failing rank other than 0 sends rank 0 a notice (its rank, and whether it timed out)
+      and gives it NOTICE_GRACE seconds; rank 0's watchdog sees the notice, runs rank 0's
+      callbacks (the file says failed) and aborts the job. When the failure is a timeout,
+      rank 0 first waits COLLECT_GRACE for the notices of the ranks that time out in the
+      same wait, and names the ranks that did not arrive (stuck or dead)."""
+
+    def __init__(self):
+        self._deadline = None            # (perf_counter time, comm, seconds, what) of the blocking call under way
+        self.waiting = None              # what a sleeping wait of this rank waits in, or None
+        self._callbacks: list = []
+        self._channel = None             # (communicator, rank 0's receive request, its buffer [rank, timed out])
+        self._thread = None
+        self._lock = threading.Lock()
+        self._failing = False
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._watch, name="dbs-mpi watchdog", daemon=True)
+            self._thread.start()
+
+    @contextmanager
+    def deadline(self, comm: MPI.Comm, seconds: float, what: str):
+        self._ensure_thread()
+        self._deadline = (time.perf_counter() + seconds, comm, seconds, what)
+        try:
+            yield
+        finally:
+            self._deadline = None
+
+    def on_failure(self, fn):
+        """Run fn when the job fails on this rank; returns a function that unregisters it."""
+        self._callbacks.append(fn)
+        return lambda: self._callbacks.remove(fn) if fn in self._callbacks else None
+
+    def attach(self, comm: MPI.Comm) -> None:
+        """Collective: the failure channel of comm (rank 0 listens for notices)."""
+        if comm.Get_size() == 1 or self._channel is not None:
+            return
+        with self.deadline(comm, 600.0, "opening the failure channel (MPI_Comm_dup)"):
+            channel = comm.Dup()
+        buffer = np.zeros(2, dtype=np.int64)
+        self._channel = (channel, self._listen(channel, buffer) if comm.Get_rank() == 0 else None, buffer)
+        self._ensure_thread()
+
+    @staticmethod
+    def _listen(channel: MPI.Comm, buffer: np.ndarray) -> MPI.Request:
+        return channel.Irecv(buffer, source=MPI.ANY_SOURCE, tag=NOTICE_TAG)
+
+    def detach(self) -> None:
+        """Cancel rank 0's pending receive (before MPI is finalised)."""
+        channel, self._channel = self._channel, None
+        if channel is not None and channel[1] is not None:
+            channel[1].Cancel()
+            channel[1].Wait()
+
+    def _notice(self) -> tuple[int, bool] | None:
+        """Rank 0: (rank, timed out) of a failure notice that arrived, if one did."""
+        channel = self._channel
+        if channel is None or channel[1] is None or not channel[1].Test():
+            return None
+        notice = int(channel[2][0]), bool(channel[2][1])
+        self._channel = (channel[0], self._listen(channel[0], channel[2]), channel[2])
+        return notice
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(WATCH_INTERVAL)
+            d = self._deadline
+            if d is not None and time.perf_counter() > d[0]:
+                self.fail(d[1], f"dbs-mpi: rank {d[1].Get_rank()} of {d[1].Get_size()}: "
+                                f"{timeout_message(d[2], d[3])}\n", timed_out=True)
+            notice = None if self._failing else self._notice()
+            if notice is not None:
+                self.fail(self._channel[0], f"dbs-mpi: rank 0: rank {notice[0]} failed"
+                          + (" (timed out)" if notice[1] else "") + "; recording it and ending the job\n",
+                          timed_out=notice[1], notified=notice[0])
+
+    def fail(self, comm: MPI.Comm, message: str, timed_out: bool = False, notified: int | None = None) -> None:
+        """End the whole job because of this rank (from any thread): print, record, abort."""
+        with self._lock:
+            if self._failing:              # already failing (another thread): the abort is under way
+                while True:
+                    time.sleep(1)
+            self._failing = True
+        _write_stderr(message)
+        for fn in list(self._callbacks):
+            try:
+                fn()
+            except Exception:              # recording is best effort; the abort must happen
+                pass
+        channel = self._channel
+        if comm.Get_size() == 1 and channel is None:
+            os._exit(1)
+        if channel is not None and channel[0].Get_rank() != 0:
+            self._send_notice(channel, timed_out)
+        elif channel is not None and timed_out:
+            self._report_arrivals(channel, notified)
+        else:
+            time.sleep(ABORT_GRACE)        # mpirun forwards the message before the abort tears it down
+        comm.Abort(1)
+
+    @staticmethod
+    def _send_notice(channel, timed_out: bool) -> None:
+        """Tell rank 0, then give it NOTICE_GRACE to record the failure and abort the job."""
+        request = channel[0].Isend(np.array([channel[0].Get_rank(), int(timed_out)], dtype=np.int64), dest=0,
+                                   tag=NOTICE_TAG)
+        end = time.perf_counter() + NOTICE_GRACE
+        while time.perf_counter() < end:
+            request.Test()                 # progress the send; rank 0's abort ends this process meanwhile
+            time.sleep(0.01)
+
+    def _report_arrivals(self, channel, notified: int | None) -> None:
+        """A timeout: the ranks that time out in the same wait had arrived; the others did not."""
+        arrived = {notified} if notified is not None else set()
+        if self._deadline is not None or self.waiting is not None or notified is None:
+            arrived.add(0)
+        end = time.perf_counter() + COLLECT_GRACE
+        while time.perf_counter() < end:
+            notice = self._notice()
+            if notice is not None:
+                arrived.add(notice[0])
+            time.sleep(0.01)
+        missing = sorted(set(range(channel[0].Get_size())) - arrived)
+        if missing:
+            _write_stderr(f"dbs-mpi: rank 0: rank(s) {missing} did not arrive (stuck, dead or slower than the "
+                          f"timeout); rank(s) {sorted(arrived)} waited for them\n")
+
+
+SUPERVISOR = Supervisor()
 
 
 # --- failing together ----------------------------------------------------------
@@ -487,25 +654,16 @@ def abort_on_uncaught(comm: MPI.Comm, cleanup=None) -> None:
                 cleanup()
             sys.stderr.flush()
             os._exit(2)
-        try:
-            if isinstance(value, UserError):
-                message = _error_line(value) + f" (rank {comm.Get_rank()})\n"
-            else:
-                message = (f"dbs-mpi: rank {comm.Get_rank()} of {comm.Get_size()} failed:\n"
-                           + "".join(traceback.format_exception(kind, value, tb)))
-            # One write, then a moment for mpirun's I/O forwarding to pass it on: the
-            # abort tears down the forwarding, and a traceback written in pieces was seen
-            # cut after its first line.
-            _write_stderr(message)
-            if comm.Get_size() > 1:
-                time.sleep(ABORT_GRACE)
-            if cleanup is not None:
-                cleanup()
-        finally:
-            if comm.Get_size() > 1:
-                comm.Abort(1)
-            else:
-                os._exit(1)
+        if isinstance(value, UserError):
+            message = _error_line(value) + f" (rank {comm.Get_rank()})\n"
+        else:
+            message = (f"dbs-mpi: rank {comm.Get_rank()} of {comm.Get_size()} failed:\n"
+                       + "".join(traceback.format_exception(kind, value, tb)))
+        # One write (a traceback written in pieces was seen cut after its first line by the
+        # abort), then the supervisor: rank 0 records the failure, the job is aborted.
+        if cleanup is not None:
+            SUPERVISOR.on_failure(cleanup)
+        SUPERVISOR.fail(comm, message, timed_out=isinstance(value, CommTimeout))
 
     sys.excepthook = hook
 
@@ -515,46 +673,81 @@ def init(comm: MPI.Comm | None = None, threads: int | None = None) -> MPI.Comm:
 
     comm: the ranks that train together (default MPI.COMM_WORLD: every rank mpirun
     started; a single process without mpirun is a world of one). An uncaught exception
-    on any rank then ends the whole job (abort_on_uncaught), and each rank gets
-    `threads` torch threads (default: the node's cores divided by the ranks on it)."""
+    on any rank then ends the whole job (abort_on_uncaught), after rank 0 recorded it
+    (Supervisor: its result file says failed), and each rank gets `threads` torch
+    threads (default: the node's cores divided by the ranks on it). Collective."""
     comm = MPI.COMM_WORLD if comm is None else comm
     abort_on_uncaught(comm)
-    torch.set_num_threads(threads or threads_per_rank(comm))
+    SUPERVISOR.attach(comm)
+    atexit.register(SUPERVISOR.detach)
+    set_torch_threads(threads or threads_per_rank(comm))
     return comm
 
 
-def threads_per_rank(comm: MPI.Comm) -> int:
-    """The node's cores shared out over the ranks of comm on this node (at least 1)."""
-    return max(1, available_cores() // local_size(comm))
+def thread_limit() -> int | None:
+    """OMP_THREAD_LIMIT from the environment (torch hangs if asked for more threads)."""
+    value = os.environ.get("OMP_THREAD_LIMIT", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def set_torch_threads(threads: int) -> int:
+    """torch's intra-op threads of this rank, no more than OMP_THREAD_LIMIT allows; returns them."""
+    limit = thread_limit()
+    threads = min(threads, limit) if limit else threads
+    torch.set_num_threads(threads)
+    return threads
+
+
+def threads_per_rank(comm: MPI.Comm, places=None) -> int:
+    """The cores of this rank's node (its ranks' together) shared out over the ranks of
+    comm on the node, and no more than this rank may use itself (at least 1)."""
+    places = places or placement(comm)
+    host = places[comm.Get_rank()][0]
+    share = node_cores(places)[host] // sum(1 for h, _ in places if h == host)
+    return max(1, min(share, available_cores(), thread_limit() or share))
 
 
 # --- environment ---------------------------------------------------------------
 
-def local_size(comm: MPI.Comm) -> int:
-    """Number of ranks of comm on this node."""
-    if comm.Get_size() == 1:
-        return 1
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+def placement(comm: MPI.Comm, timeout: float = 600.0) -> list[tuple[str, tuple[int, ...]]]:
+    """(host, the cores this rank may run on) of every rank of comm, in rank order."""
+    return allgather_object(comm, (socket.gethostname(), tuple(sorted(affinity()))), timeout,
+                            "gathering every rank's host and cores")
+
+
+def node_cores(places) -> dict[str, int]:
+    """The cores each node's ranks can use together: the union of their affinity sets (a
+    rank pinned to one core, as cluster launchers do, still shares the node's others)."""
+    cores: dict[str, set] = {}
+    for host, cpus in places:
+        cores.setdefault(host, set()).update(cpus)
+    return {host: len(c) for host, c in cores.items()}
+
+
+def oversubscribed(places) -> bool:
+    """True if some node runs more ranks than its ranks have cores together (places: one
+    (host, cores) per rank, from `placement`)."""
+    hosts = [host for host, _ in places]
+    return any(hosts.count(h) > n for h, n in node_cores(places).items())
+
+
+def sleep_while_waiting(policy: str, places) -> bool:
+    return policy == "sleep" or (policy == "auto" and oversubscribed(places))
+
+
+def affinity() -> set[int]:
+    """The cores this process may run on: its affinity set, and the one it had when
+    dbs_mpi was imported (OMP_PROC_BIND makes OpenMP pin the main thread to one of them
+    when torch loads; a script that imports torch first sees only that core)."""
+    from . import _AFFINITY_AT_IMPORT
     try:
-        return node.Get_size()
-    finally:
-        node.Free()
-
-
-def oversubscribed(hosts: list[str]) -> bool:
-    """True if some node runs more ranks than this node has cores (hosts: one per rank)."""
-    return any(hosts.count(h) > available_cores() for h in set(hosts))
-
-
-def sleep_while_waiting(policy: str, hosts: list[str]) -> bool:
-    return policy == "sleep" or (policy == "auto" and oversubscribed(hosts))
+        return set(os.sched_getaffinity(0)) | set(_AFFINITY_AT_IMPORT)
+    except AttributeError:  # pragma: no cover - not Linux
+        return set(range(os.cpu_count() or 1))
 
 
 def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+    return len(affinity())
 
 
 def hostnames(comm: MPI.Comm, timeout: float = 600.0) -> list[str]:

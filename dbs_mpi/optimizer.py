@@ -156,10 +156,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("DistributedOptimizer: the optimizer holds a parameter that is not one of the model's "
                              "trainable parameters")
         check_same_parameters(self.comm, params, self.timeout)
-        hosts = mpi.hostnames(self.comm, self.timeout)
-        self.oversubscribed = mpi.oversubscribed(hosts)
+        places = mpi.placement(self.comm, self.timeout)
+        self.oversubscribed = mpi.oversubscribed(places)
         self.exchange = GradientExchange(self.comm, params, self.timeout,
-                                         mpi.sleep_while_waiting(wait_policy, hosts),
+                                         mpi.sleep_while_waiting(wait_policy, places),
                                          bucket_bytes=int(bucket_mb * MIB), first_bucket_bytes=int(first_bucket_mb * MIB))
         self.sleep_while_waiting = self.exchange.sleep_while_waiting
         self._hook = model.register_forward_pre_hook(_ForwardHook(self), with_kwargs=True)

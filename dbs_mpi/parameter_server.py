@@ -289,6 +289,7 @@ class Server:
         self.recvs = [MPI.REQUEST_NULL] * self.workers
         self.sends = [MPI.REQUEST_NULL] * self.workers
         self.outstanding: list[Assignment | None] = [None] * self.workers
+        self.sent_at = [0.0] * self.workers         # when each worker's outstanding work was sent
         self.arrived = [0.0] * self.workers          # when each worker's last gradient was taken in
         self.stopped = [False] * self.workers
         self.deferred: list[int] = []                # wait mode: workers whose gradient is in the open group
@@ -333,11 +334,14 @@ class Server:
         self.arrived = [0.0] * self.workers
         for w in range(self.workers):              # everybody's first work, in worker order
             self.reply(w)
-        pause, idle_since = mpi.POLL_SLEEP_MIN, time.perf_counter()
+        pause = mpi.POLL_SLEEP_MIN
         # Bounded: every pass either takes in at least one gradient (at most max_messages
-        # in all) or sleeps; comm_timeout seconds without any gradient raise CommTimeout.
+        # in all) or sleeps; a worker that holds its work longer than comm_timeout raises
+        # CommTimeout (_check_workers).
+        mpi.SUPERVISOR.waiting = "the parameter server's loop"
         while not all(self.stopped):
             t = time.perf_counter()
+            self._check_workers(t)
             if not self.signal and self.stop is not None and self.stop.requested:
                 self._stop_requested(self.stop.requested, "the server")
             done = MPI.Request.Testsome(self.recvs)
@@ -345,10 +349,6 @@ class Server:
                 if all(r == MPI.REQUEST_NULL for r in self.recvs):   # would wait forever: a bug, say so
                     raise RuntimeError("parameter server: no receive posted but workers "
                                        f"{[w + 1 for w in range(self.workers) if not self.stopped[w]]} not stopped")
-                if t - idle_since > self.timeout:
-                    raise CommTimeout(f"parameter server: no gradient for {self.timeout:g} s (workers "
-                                      f"{[w + 1 for w in range(self.workers) if self.outstanding[w]]} "
-                                      f"are computing); raise comm_timeout if a step can take that long")
                 time.sleep(pause)
                 pause = min(2 * pause, mpi.POLL_SLEEP_MAX)
                 self._charge(C_WAIT, time.perf_counter() - t)
@@ -357,7 +357,8 @@ class Server:
             for w in sorted(done):
                 self.recvs[w] = MPI.REQUEST_NULL
                 self.receive(w)
-            pause, idle_since = mpi.POLL_SLEEP_MIN, time.perf_counter()
+            pause = mpi.POLL_SLEEP_MIN
+        mpi.SUPERVISOR.waiting = None
         t = time.perf_counter()
         for w in range(self.workers):
             mpi.wait(self.sends[w], self.timeout, "parameter server: last reply")
@@ -370,6 +371,16 @@ class Server:
             self._close_epochs(final=True)
         self.clock = self._elapsed()
         return end
+
+    def _check_workers(self, now: float) -> None:
+        """A worker that holds work longer than comm_timeout is stuck or dead, even while the
+        others keep the server busy: fail (CommTimeout) naming it."""
+        late = [w + 1 for w in range(self.workers) if self.outstanding[w] is not None
+                and now - self.sent_at[w] > self.timeout]
+        if late:
+            raise CommTimeout(f"parameter server: worker(s) {late} sent no gradient for more than {self.timeout:g} s "
+                              f"after being given work: stuck or dead (raise comm_timeout if a step can take "
+                              f"that long)")
 
     def _stop_requested(self, signum: int, where: str) -> None:
         """From now on every worker gets STOP at its next push (drain), then all checkpoint."""
@@ -470,6 +481,7 @@ class Server:
                 self._begin_epoch()
             epoch, start, count = self.cursor.take(w)
             self.outstanding[w] = Assignment(epoch, start, count, self.version)
+            self.sent_at[w] = t
             msg.header[W_COMMAND] = CMD_WORK
             msg.header[W_VERSION], msg.header[W_EPOCH] = self.version, epoch
             msg.header[W_START], msg.header[W_COUNT] = start, count
@@ -757,7 +769,8 @@ class AsyncTrainer:
         self.c = group_size(cfg.strategy, workers, cfg.softsync_n)
         self.mode = "immediate" if not (cfg.strategy == "nsoftsync" and cfg.softsync_wait) else (
             "rounds (hardsync)" if self.c == workers else "wait")
-        pcomm = comm.Dup()              # the protocol's own context: its tags meet no other message
+        with mpi.SUPERVISOR.deadline(comm, cfg.comm_timeout, "creating the protocol's communicator"):
+            pcomm = comm.Dup()          # the protocol's own context: its tags meet no other message
         server = worker = None
         if rank == 0:
             server = Server(pcomm, cfg, run.model, len(run.train_set), vector, controller, self.log, self.stop)

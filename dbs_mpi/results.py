@@ -242,6 +242,9 @@ class Recorder:
                 return RunWriter.reopen(path, attrs, world, resume["epochs"], resume["steps"], resume.get("updates"))
             return RunWriter(path, attrs, world)
         self.writer = mpi.collective(comm, open_file, timeout=timeout)
+        # If the job fails on any rank while rank 0 is alive, rank 0 marks the file failed
+        # before the abort (comm.Supervisor).
+        self._unregister = mpi.SUPERVISOR.on_failure(lambda: self.writer.close(STATUS_FAILED))
 
     def startup(self, balancer) -> None:
         """The balancer's policy and global batch (as the attributes strategy and
@@ -269,6 +272,7 @@ class Recorder:
         return dict(self.records)
 
     def close(self, status: str = STATUS_COMPLETE) -> None:
+        self._unregister()
         self.writer.close(status)
 
     def __enter__(self) -> "Recorder":

@@ -78,6 +78,9 @@ def load_data(cfg: Config):
 def setup(comm, cfg: Config) -> Run:
     """Everything that can fail because of the user's input; run under comm.agree."""
     check_world(cfg, comm.Get_size())
+    if cfg.threads and mpi.thread_limit() and cfg.threads > mpi.thread_limit():
+        raise UserError(f"threads: {cfg.threads} is more than OMP_THREAD_LIMIT={mpi.thread_limit()} in the "
+                        f"environment allows (torch would hang)")
     train_set, test_set = load_data(cfg)
     if steps_per_epoch(len(train_set), cfg.global_batch, cfg.drop_last) == 0:
         raise UserError(f"global_batch: {cfg.global_batch} is larger than the {len(train_set)} training samples "
@@ -112,12 +115,11 @@ def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state:
 
     torch.manual_seed(cfg.seed)
     run = mpi.collective(comm, setup, comm, cfg, timeout=cfg.comm_timeout)
-    threads = cfg.threads or mpi.threads_per_rank(comm)
-    torch.set_num_threads(threads)
+    places = mpi.placement(comm, cfg.comm_timeout)
+    threads = mpi.set_torch_threads(cfg.threads or mpi.threads_per_rank(comm, places))
     mpi.broadcast_parameters(run.model, comm, timeout=cfg.comm_timeout)
-    hosts = mpi.hostnames(comm, cfg.comm_timeout)
-    oversubscribed = mpi.oversubscribed(hosts)
-    run.sleep_wait = mpi.sleep_while_waiting(cfg.wait_policy, hosts)
+    oversubscribed = mpi.oversubscribed(places)
+    run.sleep_wait = mpi.sleep_while_waiting(cfg.wait_policy, places)
     run.log, run.state = log, checkpoint_state
     run.checkpoint_path = cfg.checkpoint or str(checkpoint.default_path(out))
     run.summary = RunSummary(path=out if rank == 0 else None, model=run.model, oversubscribed=oversubscribed)

@@ -15,7 +15,8 @@
 # The slurmctld state is kept across stop/start so that job IDs keep increasing (result
 # files carry the job ID); remove the directory for a fresh cluster.
 #
-# The node "localhost" (127.0.0.1) offers $DBS_MPI_SLURM_CPUS CPUs (default: nproc).
+# The node "localhost" (127.0.0.1) offers $DBS_MPI_SLURM_CPUS CPUs (default: the cores
+# this shell may use; OMP_NUM_THREADS, which nproc would honour, does not count).
 # A job may ask for more tasks than that with `sbatch --overcommit` (e.g. 4 ranks on 2
 # cores). Ports: $DBS_MPI_SLURM_PORT (slurmctld, default 6817) and the next one (slurmd).
 #
@@ -31,7 +32,8 @@
 set -euo pipefail
 
 DIR=${DBS_MPI_SLURM_DIR:-/tmp/dbs-mpi-slurm}
-CPUS=${DBS_MPI_SLURM_CPUS:-$(nproc)}
+# nproc honours OMP_NUM_THREADS / OMP_THREAD_LIMIT (1 in many cluster users' shells): not here.
+CPUS=${DBS_MPI_SLURM_CPUS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}
 PORT=${DBS_MPI_SLURM_PORT:-6817}
 START_TIMEOUT=${DBS_MPI_SLURM_START_TIMEOUT:-60}   # seconds for the node to become idle
 CONF=$DIR/slurm.conf
@@ -283,5 +285,6 @@ case ${1:-} in
     status) status ;;
     restart) stop; start ;;
     env) echo "export SLURM_CONF=$CONF" ;;
-    *) echo "usage: $0 start|stop|status|restart|env" >&2; exit 2 ;;
+    cpus) echo "$CPUS" ;;
+    *) echo "usage: $0 start|stop|status|restart|env|cpus" >&2; exit 2 ;;
 esac

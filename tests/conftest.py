@@ -34,6 +34,32 @@ def run_cli(args, ranks=1, timeout=120, cwd=None, env=None):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT, env=full_env)
 
 
+def rank_pids(mpirun_pid) -> dict:
+    """{rank: pid} of the Python ranks below an mpirun (mpiexec -> hydra_pmi_proxy -> python),
+    read from each process's PMI_RANK (their own children, e.g. DataLoader workers, are not ranks)."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid=,comm="], capture_output=True, text=True).stdout
+    children, names = {}, {}
+    for line in out.splitlines():
+        pid, ppid, name = line.split(None, 2)
+        children.setdefault(int(ppid), []).append(int(pid))
+        names[int(pid)] = name
+    found, todo = {}, [mpirun_pid]
+    while todo:
+        parent = todo.pop()
+        for pid in children.get(parent, []):
+            if names[pid].startswith("python") and not names.get(parent, "").startswith("python"):
+                try:
+                    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                ranks = [e.split(b"=", 1)[1] for e in environ if e.startswith(b"PMI_RANK=")]
+                if ranks:
+                    found[int(ranks[0])] = pid
+            else:
+                todo.append(pid)
+    return found
+
+
 @pytest.fixture
 def comm():
     from mpi4py import MPI

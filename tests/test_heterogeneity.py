@@ -52,4 +52,5 @@ def test_random_sleep_disturbance_is_seeded_and_bounded():
         elif current:
             runs.append(current)
             current = 0
-    assert runs and min(runs) >= 4 or a[-1] > 0
+    complete = runs[:-1] if a[-1] > 0 else runs   # a stretch cut off by the end of the trace may be shorter
+    assert len(complete) >= 2 and min(complete) >= 4, (runs, a[-1])

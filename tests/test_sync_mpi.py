@@ -85,8 +85,12 @@ def test_allocation_invariance(comm, shared_tmp, strategy):
 @pytest.mark.mpi(min_size=2)
 def test_mean_aggregation_differs_with_uneven_batches(comm, shared_tmp):
     n = comm.Get_size()
-    cfg = small_config(n, strategy="static", speeds=speeds_for(n), aggregation="mean")
+    # Steps long enough that the calibration sees the emulated speeds through any load.
+    cfg = small_config(n, strategy="static", speeds=speeds_for(n), aggregation="mean", global_batch=240,
+                       synthetic_samples=480, benchmark_steps=3)
     many, summary = _final_parameters(comm, cfg, shared_tmp / f"mean-{n}.h5")
+    vector = summary.epochs[0]["batch_sizes"]
+    assert vector[0] > vector[1], f"rank 1 is emulated at half speed: {vector.tolist()}"
     single, _ = _final_parameters(MPI.COMM_SELF, cfg.replace(speeds=(), aggregation="weighted"),
                                   shared_tmp / f"mean-1-{comm.Get_rank()}.h5")
     assert (many - single).abs().max() > 1e-4

@@ -1,0 +1,89 @@
+"""A rank that stops answering (SIGSTOP: alive, holding its resources, silent) ends the
+whole job within comm_timeout plus a few seconds, with a non-zero status, in the
+spinning and the sleeping wait policy, in the synchronous and the asynchronous
+strategies; the message says which wait timed out and which ranks did not arrive, and
+the result file says failed when rank 0 is alive to write it. Every launch is bounded."""
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import ROOT, dbs_mpi_cmd, mpiexec, rank_pids
+from dbs_mpi.results import read_run
+
+TIMEOUT = 5          # --comm-timeout of these runs, seconds
+SLACK = 6            # seconds the job may take beyond it to end
+RUN = ["train", "--dataset", "synthetic", "--synthetic-samples", "3000", "--test-subset", "100", "--epochs", "500",
+       "--global-batch", "60", "--benchmark-steps", "1", "--benchmark-warmup", "0", "--comm-timeout", str(TIMEOUT),
+       "--progress", "false"]
+
+
+def read_released(path, deadline):
+    """read_run(path) once no process holds its HDF5 lock any more (by time.time() deadline)."""
+    while True:
+        try:
+            return read_run(path)
+        except BlockingIOError:
+            assert time.time() < deadline, f"{path} is still locked by a rank that should be gone"
+            time.sleep(0.05)
+
+
+def stop_one_rank(tmp_path, args, ranks, victim):
+    """Train, SIGSTOP rank `victim` once epoch 1 is done; (seconds to the end, status, stderr, file)."""
+    out = tmp_path / "stuck.h5"
+    proc = subprocess.Popen([mpiexec(), "-n", str(ranks), *dbs_mpi_cmd(), *RUN, *args, "--out", str(out)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = {}
+    try:
+        deadline = time.monotonic() + 120
+        while "epoch 1/500" not in proc.stdout.readline():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        pids = rank_pids(proc.pid)
+        assert sorted(pids) == list(range(ranks)), pids
+        os.kill(pids[victim], signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err = proc.communicate(timeout=TIMEOUT + 60)
+        return time.monotonic() - stopped, proc.returncode, err, out
+    finally:
+        proc.kill()
+        for pid in pids.values():             # the stopped rank, if the job left it behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.parametrize("strategy, policy, ranks, waited_in", [
+    # sleep: in the barrier before the allreduce, or in the allreduce (if the rank stopped between)
+    ("ssgd", "spin", 2, "waited more than 5 s in the gradient allreduce"),
+    ("ssgd", "sleep", 2, "waited more than 5 s in the gradient allreduce"),
+    ("dbs", "sleep", 4, "waited more than 5 s in the gradient allreduce"),
+    ("asgd", "auto", 3, "sent no gradient for more than 5 s"),      # the server notices, while it serves others
+])
+def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path, strategy, policy, ranks, waited_in):
+    victim = ranks - 1
+    # asgd: no checkpoint between epochs, so that the run stays inside the protocol
+    # (the server logs "epoch 1/500 trained" as soon as the epoch's samples are applied).
+    extra = ["--checkpoint-every", "0"] if strategy == "asgd" else []
+    elapsed, code, err, out = stop_one_rank(tmp_path, ["--strategy", strategy, "--wait-policy", policy, *extra],
+                                            ranks, victim)
+    assert code != 0, err
+    assert elapsed < TIMEOUT + SLACK, f"the job outlived the stopped rank by {elapsed:.1f} s"
+    assert waited_in in err, err
+    if strategy != "asgd":
+        assert f"rank(s) [{victim}] did not arrive" in err, err
+    else:
+        assert f"worker(s) [{victim}] sent no gradient" in err, err
+    run = read_released(out, time.time() + 10)
+    assert run["attrs"]["status"] == "failed", "rank 0 was alive: it must have recorded the failure"
+    if strategy != "asgd":     # (asgd without checkpoints writes its epochs at the end of the run)
+        assert run["data"]["epoch/train_loss"].shape[0] >= 1              # finished epochs kept
+
+
+def test_a_stopped_rank_0_ends_the_job_too(tmp_path):
+    elapsed, code, err, out = stop_one_rank(tmp_path, ["--strategy", "ssgd", "--wait-policy", "spin"], 2, victim=0)
+    assert code != 0
+    assert elapsed < TIMEOUT + SLACK, f"the job outlived the stopped rank by {elapsed:.1f} s"
+    assert "waited more than 5 s in the gradient allreduce" in err, err
