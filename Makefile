@@ -22,13 +22,23 @@ TEST_TIMEOUT ?= 2400
 
 .PHONY: install venv deps data test test-serial test-mpi test-np% run bench bench-hetero bench-ab info clean experiments figures test-notebooks
 
-install: deps data
+# `make install` is idempotent: a stamp in the venv records a finished install (per MPI
+# choice), redone only when setup.cfg or pyproject.toml change; the data script skips
+# files that are there. `make test`, `make run` and the benchmarks depend on it, so each
+# works alone on a fresh clone.
+STAMP    := $(VENV)/.installed-$(MPI)
+install: $(STAMP) data
 
 venv: $(PY)
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 
+$(STAMP): setup.cfg pyproject.toml | $(PY)
+	$(MAKE) --no-print-directory deps
+	touch $@
+
+# The packages, unconditionally (the stamp's recipe; `make deps` to redo them by hand).
 deps: $(PY)
 ifeq ($(MPI),system)
 	env MPICC=mpicc $(PY) -m pip install -q --no-binary=mpi4py --no-cache-dir mpi4py
@@ -38,11 +48,13 @@ endif
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[test,analysis]"
 
-# Fashion-MNIST from Debian's package, unpacked without root (scripts/get-data.sh).
+# Fashion-MNIST from Debian's package, unpacked without root (scripts/get-data.sh;
+# it does nothing if the files are there).
 data:
-	bash scripts/get-data.sh $(DATA_DIR)
+	@bash scripts/get-data.sh $(DATA_DIR)
 
-test: test-serial test-np1 test-np2 test-np4 test-notebooks
+test: install
+	$(MAKE) --no-print-directory test-serial test-np1 test-np2 test-np4 test-notebooks
 
 # Unit tests, and tests that launch mpirun themselves (error propagation, CLI).
 test-serial:
@@ -59,26 +71,26 @@ test-np%:
 test-mpi: test-np2 test-np4
 
 # The main job: NP ranks with emulated heterogeneous speeds, Fashion-MNIST, LeNet-5.
-run:
+run: install
 	$(MPIEXEC) -n $(NP) $(VENV)/bin/dbs-mpi train --config jobs/main.toml --data-dir $(DATA_DIR)
 
 # Every benchmark case in one job (cases needing fewer ranks run on the first ranks; the
 # 4-rank runs are oversubscribed on a 2-core machine and marked so); one table at the end,
 # HDF5 under results/bench/. 10 to 13 minutes on 2 cores (busy machine). Bounded by BENCH_TIMEOUT.
 BENCH_TIMEOUT ?= 1800
-bench:
+bench: install
 	timeout $(BENCH_TIMEOUT) $(MPIEXEC) -n 4 $(VENV)/bin/dbs-mpi bench all --data-dir $(DATA_DIR)
 
-bench-hetero:
+bench-hetero: install
 	$(MPIEXEC) -n 2 $(VENV)/bin/dbs-mpi bench hetero --data-dir $(DATA_DIR)
 
 # The main job at another revision (BASE, default the last commit) and at the working
 # tree, side by side, 3 repeats: median epoch times and their ratio (scripts/ab-runs.py).
 BASE ?= HEAD
-bench-ab:
+bench-ab: install
 	$(PY) scripts/ab-runs.py --variant before=$(BASE) --variant after=. --repeats 3 --np $(NP) --mpiexec $(MPIEXEC)
 
-info:
+info: install
 	$(MPIEXEC) -n $(NP) $(VENV)/bin/dbs-mpi info
 
 clean:
@@ -91,7 +103,7 @@ clean:
 SCALE    ?= small
 GRID_OUT ?= results/grid
 ONLY     ?=
-experiments:
+experiments: install
 	$(PY) -m dbs_mpi.experiments --scale $(SCALE) --out $(GRID_OUT) --mpiexec "$(MPIEXEC)" \
 		--data-dir $(DATA_DIR) $(if $(ONLY),--only $(ONLY))
 
@@ -100,7 +112,7 @@ experiments:
 # then README.md's "Figures" section and analysis/figures/README.md from the captions.
 NOTEBOOKS       := $(sort $(wildcard analysis/*.ipynb))
 NOTEBOOK_TIMEOUT ?= 600
-figures:
+figures: install
 	DBS_MPI_GRID=$(abspath $(GRID_OUT)) timeout $(NOTEBOOK_TIMEOUT) $(VENV)/bin/jupyter nbconvert --to notebook \
 		--execute --ExecutePreprocessor.timeout=300 --output-dir analysis/executed $(NOTEBOOKS)
 	$(PY) analysis/readme.py
