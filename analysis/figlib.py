@@ -59,8 +59,10 @@ def save(fig, name: str, caption: str):
     """Write <name>.png, <name>.pdf and <name>.md (the caption); return the caption as
     Markdown for the notebook to display."""
     FIGURES.mkdir(parents=True, exist_ok=True)
-    fig.savefig(FIGURES / f"{name}.png")
-    fig.savefig(FIGURES / f"{name}.pdf")
+    # No creation date or software version in the files: the same figure gives the same
+    # bytes, so re-drawing unchanged figures leaves the tree clean.
+    fig.savefig(FIGURES / f"{name}.png", metadata={"Software": None})
+    fig.savefig(FIGURES / f"{name}.pdf", metadata={"CreationDate": None, "Producer": None, "Creator": None})
     (FIGURES / f"{name}.md").write_text(caption.strip() + "\n")
     try:
         from IPython.display import Markdown

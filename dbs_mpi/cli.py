@@ -26,22 +26,27 @@ class _Parser(argparse.ArgumentParser):
 
 def _train_parser(prog="dbs-mpi train") -> argparse.ArgumentParser:
     p = _Parser(prog=prog, description="Train on all MPI ranks; every option may also be given "
-                                       "in the --config TOML file (same name, underscores).",
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+                                       "in the --config TOML file (same name, underscores).", allow_abbrev=False)
     p.add_argument("--config", metavar="FILE", help="TOML configuration file (command-line options override it)")
     p.add_argument("--resume", metavar="RESULT.h5", help="continue the stopped run whose result file this is, "
                    "from its checkpoint (RESULT.h5.ckpt), with its configuration; options given here "
                    f"may change only: {', '.join(RESUME_MAY_CHANGE)}")
     for name, default, comment in config_mod.describe():
         flag = "--" + name.replace("_", "-")
-        meta = name.upper()
-        if isinstance(default, tuple):
-            p.add_argument(flag, metavar="A,B,...", help=comment, default=None)
-        elif isinstance(default, bool):
-            p.add_argument(flag, metavar="true|false", help=comment, default=None)
-        else:
-            p.add_argument(flag, metavar=meta, help=f"{comment} (default: {default!r})", default=None)
+        meta = "A,B,..." if isinstance(default, tuple) else "true|false" if isinstance(default, bool) else name.upper()
+        # default=None: only the options given override the --config file (one default shown)
+        p.add_argument(flag, metavar=meta, default=None,
+                       help=f"{comment} (default: {format_default(default)})".replace("%", "%%"))
     return p
+
+
+def format_default(value) -> str:
+    """A configuration default as one writes it on the command line."""
+    if isinstance(value, tuple):
+        return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value) or "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value) if isinstance(value, str) else str(value)
 
 
 # Fields a resumed run may set differently from the checkpoint's configuration.
@@ -55,6 +60,11 @@ def parse_train_args(argv) -> config_mod.Config:
         raise UserError("--resume: use load_train_config, which reads the checkpoint")
     config_file = args.pop("config")
     return config_mod.load(config_file, args)
+
+
+def nothing_left(cfg, state) -> bool:
+    """A resumed run whose checkpoint is already at its last epoch."""
+    return state is not None and state["epoch"] >= cfg.epochs and not state.get("step")
 
 
 def load_train_config(argv, rank: int):
@@ -91,6 +101,11 @@ def cmd_train(comm, argv) -> int:
     if resume:
         cfg, state = mpi.bcast_object(comm, (cfg, state))
         mpi.agree(comm, _check_world_size, state, comm.Get_size())
+        if nothing_left(cfg, state):
+            if comm.Get_rank() == 0:
+                print(f"dbs-mpi: nothing to do: {resume} has all its {cfg.epochs} epochs; to train longer, resume "
+                      f"with --epochs N (N > {cfg.epochs})", flush=True)
+            return 0
     summary = train(comm, cfg, out=resume, checkpoint_state=state)
     if comm.Get_rank() == 0:
         print(format_summary(summary, cfg, comm.Get_size()), flush=True)
@@ -147,8 +162,13 @@ COMMANDS = {"train": cmd_train, "info": cmd_info, "bench": cmd_bench, "data": cm
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-V", "--version"):
+        from . import __version__
+        print(f"dbs-mpi {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        usage = "usage: dbs-mpi {train,info,bench,data} [options]   (dbs-mpi COMMAND --help for details)"
+        usage = ("usage: dbs-mpi {train,info,bench,data} [options]   (dbs-mpi COMMAND --help for details; "
+                 "dbs-mpi --version)")
         if argv and argv[0] not in ("-h", "--help"):
             print(f"dbs-mpi: error: unknown command {argv[0]!r}; {usage}", file=sys.stderr)
             return 2

@@ -13,9 +13,9 @@ workers).
 Where files are looked for: `<data_dir>/<name>/`, where data_dir is the `--data-dir`
 option, else the environment variable DBS_MPI_DATA_DIR, else `./data`.
 
-* mnist, fashion-mnist: the four IDX files (gzip or raw) in `<data_dir>/<name>/`.
-  Fashion-MNIST is also found in /usr/share/datasets/fashion-mnist (Debian's
-  dataset-fashion-mnist).
+* mnist, fashion-mnist: the four IDX files (gzip or raw) in `<data_dir>/<name>/` or
+  directly in `<data_dir>/`. Fashion-MNIST is also found in
+  /usr/share/datasets/fashion-mnist (Debian's dataset-fashion-mnist).
 * cifar10: the python version (`cifar-10-batches-py/`: data_batch_1..5, test_batch)
   or the binary version (`cifar-10-batches-bin/`: data_batch_1..5.bin,
   test_batch.bin), in `<data_dir>/cifar10/` or directly in `<data_dir>/`.
@@ -216,8 +216,11 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
 
 
 def idx_folders(name: str, data_dir) -> list[Path]:
+    """Where an IDX dataset's files are looked for: <data_dir>/<name>/, data_dir itself
+    (the folder of the files, as for CIFAR-10), then the system's copy."""
     folder, fallbacks = IDX_DATASETS[name]
-    return [resolve_data_dir(data_dir) / folder, *map(Path, fallbacks)]
+    root = resolve_data_dir(data_dir)
+    return [root / folder, root, *map(Path, fallbacks)]
 
 
 def find_file(folders, stem: str, name: str) -> Path:

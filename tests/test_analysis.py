@@ -1,4 +1,7 @@
 """dbs_mpi.analysis on small result files written here with RunWriter. No MPI."""
+import time
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -195,3 +198,28 @@ def test_disturbances_replay_the_emulator():
     assert (d.extra_sleep > 0).any() and ((d.extra_sleep == 0) | (d.extra_sleep >= 1.0)).all()
     quiet = analysis.disturbances(dict(seed=0, world_size=2, epochs=3))
     assert (quiet.slow_factor == 1).all() and (quiet.extra_sleep == 0).all()
+
+
+def test_figure_files_are_reproducible(tmp_path, monkeypatch):
+    """The same figure saved twice gives the same bytes (no creation date, no software
+    version), so `make figures` on unchanged results leaves the tree clean."""
+    import importlib
+    import sys
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "analysis"))
+    import matplotlib.pyplot as plt
+    digests = []
+    for run in range(2):
+        monkeypatch.setenv("DBS_MPI_FIGURES", str(tmp_path / f"run{run}"))
+        sys.modules.pop("figlib", None)
+        figlib = importlib.import_module("figlib")
+        fig, ax = plt.subplots()
+        ax.plot([0, 1, 2], [1, 0.5, 0.2], label="loss")
+        ax.legend()
+        figlib.save(fig, "probe", "A caption.")
+        plt.close(fig)
+        digests.append({ext: (tmp_path / f"run{run}" / f"probe.{ext}").read_bytes() for ext in ("png", "pdf", "md")})
+        time.sleep(1.1)                 # a timestamp, if any, would differ
+    for ext in ("png", "pdf", "md"):
+        assert digests[0][ext] == digests[1][ext], ext
+    assert b"CreationDate" not in digests[0]["pdf"]
+    sys.modules.pop("figlib", None)

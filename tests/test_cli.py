@@ -1,6 +1,7 @@
 """The `dbs-mpi` command end to end: launched as users launch it (mpirun or not), with
 good and bad input. Each launch is bounded in time, so a hang fails the test."""
 import gzip
+import re
 import shutil
 import subprocess
 import sys
@@ -9,6 +10,8 @@ import time
 
 import h5py
 import pytest
+
+import dbs_mpi
 
 from conftest import ROOT, mpiexec, run_cli
 from dbs_mpi.results import read_run
@@ -144,3 +147,31 @@ def test_info_and_usage():
     assert "MPI library:" in proc.stdout and "ranks:         2" in proc.stdout
     proc = run_cli(["frobnicate"], timeout=30)
     assert proc.returncode == 2 and "unknown command" in proc.stderr
+
+
+def test_version_and_one_default_per_option():
+    proc = run_cli(["--version"])
+    assert proc.returncode == 0 and proc.stdout.strip() == f"dbs-mpi {dbs_mpi.__version__}"
+    help_text = run_cli(["train", "--help"]).stdout
+    blocks = re.split(r"\n  (?=--)", help_text)[1:]          # one block per option
+    options = {b.split()[0] for b in blocks}
+    assert {"--strategy", "--speeds", "--progress", "--config", "--resume"} <= options
+    for block in blocks:
+        if block.startswith(("--config", "--resume", "-h")):
+            continue
+        assert " ".join(block.split()).count("(default:") == 1, block   # argparse's own "(default: None)" gone
+    flat = " ".join(help_text.split())                        # argparse wraps lines
+    assert "(default: None)" not in flat and "(default: 'dbs')" in flat and "(default: true)" in flat
+
+
+def test_resuming_a_complete_run_says_there_is_nothing_to_do(tmp_path):
+    out = tmp_path / "done.h5"
+    assert run_cli(["train", *TINY, "--out", str(out)]).returncode == 0
+    before = read_run(out)
+    proc = run_cli(["train", "--resume", str(out)])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == (f"dbs-mpi: nothing to do: {out} has all its 1 epochs; to train longer, resume "
+                                   f"with --epochs N (N > 1)")
+    after = read_run(out)
+    assert after["attrs"]["status"] == "complete" and "resumed" not in after["attrs"]
+    assert after["data"]["epoch/train_loss"].tolist() == before["data"]["epoch/train_loss"].tolist()

@@ -126,6 +126,16 @@ def test_data_dir_from_environment_and_subset(tmp_path, monkeypatch):
     assert len(ds) == 5 and ds.y.tolist() == arrays["train"][1][:5].tolist()
 
 
+@pytest.mark.parametrize("name", ["mnist", "fashion-mnist"])
+def test_data_dir_may_be_the_root_or_the_folder_of_the_files(tmp_path, name):
+    """--data-dir data (files in data/<name>/) and --data-dir data/<name> both work, as for CIFAR-10."""
+    arrays = write_idx_dataset(tmp_path / "files")
+    ds = load_dataset(name, "train", tmp_path / "files")
+    assert ds.y.tolist() == arrays["train"][1].tolist()
+    with pytest.raises(MissingData):               # a folder with neither is still refused
+        load_dataset(name, "train", tmp_path / "elsewhere")
+
+
 def test_idx_header_sizes_must_match_the_data(tmp_path):
     p = tmp_path / "x-idx1-ubyte"
     p.write_bytes(idx_bytes(np.arange(5, dtype=np.uint8)))
