@@ -313,6 +313,21 @@ def load(config_file: str | None = None, overrides: dict | None = None) -> Confi
     return from_dict(values)
 
 
+def options_markdown() -> str:
+    """Every option of `dbs-mpi train` (= every field of Config) as docs/options.md shows it."""
+    def default(value) -> str:
+        if isinstance(value, tuple):
+            return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value) or "(none)"
+        if isinstance(value, bool):
+            return str(value).lower()
+        return f'"{value}"' if isinstance(value, str) else str(value)
+
+    lines = ["| option | TOML key | default | meaning |", "|---|---|---|---|"]
+    for name, value, comment in describe():
+        lines.append(f"| `--{name.replace('_', '-')}` | `{name}` | `{default(value)}` | {comment.replace('|', '&#124;')} |")
+    return "\n".join(lines) + "\n"
+
+
 def describe() -> list[tuple[str, object, str]]:
     """(name, default, comment) for every field, for the CLI's help and the docs."""
     import inspect
@@ -323,3 +338,10 @@ def describe() -> list[tuple[str, object, str]]:
         if m:
             comments[m.group(1)] = m.group(2)
     return [(f.name, f.default, comments.get(f.name, "")) for f in fields(Config)]
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:] != ["--markdown"]:
+        raise SystemExit("usage: python -m dbs_mpi.config --markdown   (the options table of docs/options.md)")
+    sys.stdout.write(options_markdown())

@@ -1,40 +1,9 @@
 """Results: one HDF5 file per run, written by rank 0 only, flushed after every epoch.
 
-Schema (see also README.md, "Result files"):
-
-root attributes
-  status           "running" while training, then "complete" or "failed", or
-                   "interrupted" (stopped by SIGTERM/SIGUSR1 with a checkpoint; resumable)
-  resumed          ISO times at which the run was resumed (absent if never)
-  config           JSON of the whole configuration
-  strategy, aggregation, dataset, model (str); world_size, num_parameters (int)
-  hostnames        host of every rank (list of str, rank order)
-  versions         JSON: python, torch, mpi4py, numpy, h5py, dbs_mpi, mpi_library
-  git_revision     commit of the code that ran ("unknown" outside a git checkout)
-  command          the command line;  created  ISO time the run started
-  oversubscribed   true if some node ran more ranks than it has cores
-groups / datasets (float64 unless said; E epochs, R ranks, S steps in all)
-  startup/local_batch      (2,) int    local batches of the start-up benchmark
-  startup/step_time        (R, 2)      seconds per step at those local batches
-  startup/batch_sizes      (R,) int    vector chosen from the benchmark
-  epoch/train_loss         (E,)        mean training loss over the epoch's samples
-  epoch/test_loss          (E,)        mean test loss;  epoch/test_accuracy (E,) in [0, 1]
-  epoch/duration           (E,)        wall seconds of the epoch's training (no evaluation)
-  epoch/eval_time          (E,)        wall seconds of the evaluation after it
-  epoch/batch_sizes        (E, R) int  local batch of every rank (full steps)
-  epoch/compute_time       (E, R)      seconds of forward, backward, emulation and update
-  epoch/comm_time          (E, R)      seconds moving gradients
-  epoch/wait_time          (E, R)      seconds idle in collectives, waiting for other ranks
-  epoch/data_time          (E, R)      seconds indexing local batches
-  epoch/speed              (E, R)      samples per second of pre-collective compute
-  epoch/steps              (E,) int    steps of the epoch (the same on every rank)
-  step/loss                (S,)        global mean loss of each step
-  step/epoch               (S,) int    epoch of each step
-  step/compute_time, step/comm_time, step/wait_time   (S, R)
-  checkpoint/seconds       (K,)        wall seconds rank 0 spent writing each checkpoint
-  checkpoint/position      (K, 2) int  (epoch, step) each checkpoint continues from; asynchronous
-                                       runs: (epoch, samples of that epoch already applied)
-  update/*, epoch/staleness_* ...      asynchronous strategies: see parameter_server.py
+The schema is SCHEMA_ATTRIBUTES and SCHEMA_DATASETS below: every dataset is written with
+its `unit` and `description` as HDF5 attributes, and docs/results.md's tables are
+generated from them (`python -m dbs_mpi.results --markdown`; tests/test_docs.py fails
+when the two drift apart). E epochs, R ranks, S steps, U applied gradients, K checkpoints.
 """
 from __future__ import annotations
 
@@ -49,6 +18,106 @@ from pathlib import Path
 import numpy as np
 
 from .config import UserError
+
+# Root attributes: name -> meaning.
+SCHEMA_ATTRIBUTES = {
+    "status": "`running` while training, then `complete`, `failed` (an exception or a timeout; written by rank 0 "
+              "if it is alive) or `interrupted` (stopped on SIGTERM/SIGUSR1 with a checkpoint: resume with "
+              "`dbs-mpi train --resume FILE`). A `running` file whose job is gone is a crashed run",
+    "resumed": "ISO times at which the run was resumed (absent if never)",
+    "config": "JSON of the whole configuration (`dbs-mpi train`: every field of `config.Config`; a Recorder: what "
+              "the loop gave)",
+    "strategy": "`ssgd`, `static`, `dbs`, `asgd`, `nsoftsync` or `dbs-sgd` (a Recorder: the balancer's policy)",
+    "aggregation": "`weighted` or `mean`",
+    "dataset": "built-in name or plug-in spec (`mypkg.data:load`)",
+    "model": "built-in name or plug-in spec (`mypkg.nets:ResNet`)",
+    "model_class": "the model's class, `module.QualifiedName`",
+    "loss": "`cross-entropy` or the loss spec",
+    "optimizer": "`sgd`, `adam` or `adamw`",
+    "global_batch": "a Recorder's run: B, samples per step over all ranks",
+    "world_size": "ranks",
+    "num_parameters": "trainable values of the model",
+    "hostnames": "host of every rank, rank order",
+    "versions": "JSON: python, torch, mpi4py, numpy, h5py, dbs_mpi, MPI library",
+    "git_revision": "commit of the code that ran (`-dirty` if modified; `unknown` outside git)",
+    "command": "the command line",
+    "created": "ISO time the run started",
+    "torch_threads": "torch threads per rank",
+    "oversubscribed": "true if some node ran more ranks than its ranks have cores together: times are shared-core "
+                      "times",
+    "sleep_while_waiting": "true if waiting ranks slept between polls (wait policy) instead of spinning",
+    "staleness_mean": "asynchronous: mean staleness of all applied gradients (server updates between computing "
+                      "and applying)",
+    "staleness_max": "asynchronous: largest staleness",
+    "staleness_percentiles": "asynchronous: staleness percentiles at `staleness_percentile_levels` (50, 90, 99)",
+    "staleness_percentile_levels": "asynchronous: the levels of `staleness_percentiles`",
+    "updates": "asynchronous: server updates (versions) in all",
+    "gradients": "asynchronous: gradients applied in all",
+    "gradients_per_update": "asynchronous: c, gradients per update",
+    "reply_mode": "asynchronous: `immediate`, `wait` or `rounds (hardsync)`",
+    "training_time": "asynchronous: seconds of training (checkpoints and evaluation excluded)",
+    "grid_experiment": "experiment grid (`make experiments`): the experiment of jobs/experiments.toml",
+    "grid_case": "experiment grid: the case (setting) within the experiment",
+    "grid_scale": "experiment grid: `small` or `paper`",
+    "grid_figures": "experiment grid: the figures the run is drawn in (comma-separated)",
+    "grid_loadavg": "experiment grid: the 1-minute load average before and after the run",
+    "grid_elapsed": "experiment grid: seconds of the launch, start-up included",
+}
+
+# Datasets: name -> (shape, unit, meaning). Float64 unless the shape says int.
+SCHEMA_DATASETS = {
+    "startup/local_batch": ("(2,) int", "samples", "the two local batches of the start-up calibration"),
+    "startup/step_time": ("(R, 2)", "s", "median seconds per step of every rank at those local batches"),
+    "startup/batch_sizes": ("(R,) int", "samples", "the vector chosen from it (asynchronous: 0 for the server, "
+                                                   "rank 0)"),
+    "epoch/train_loss": ("(E,)", "loss", "mean training loss over the epoch's samples"),
+    "epoch/test_loss": ("(E,)", "loss", "mean loss over the test set"),
+    "epoch/test_accuracy": ("(E,)", "fraction", "share of the test set classified right, in [0, 1]"),
+    "epoch/duration": ("(E,)", "s", "wall seconds of the epoch's training, evaluation and checkpoints excluded"),
+    "epoch/eval_time": ("(E,)", "s", "wall seconds of the evaluation after the epoch"),
+    "epoch/batch_sizes": ("(E, R) int", "samples", "local batch of every rank in the epoch's full steps"),
+    "epoch/compute_time": ("(E, R)", "s", "seconds of forward, backward, emulated slow-down and update"),
+    "epoch/comm_time": ("(E, R)", "s", "seconds moving gradients (the collectives less waiting)"),
+    "epoch/wait_time": ("(E, R)", "s", "seconds idle in collectives, waiting for slower ranks"),
+    "epoch/data_time": ("(E, R)", "s", "seconds waiting for batches (DataLoader, indexing)"),
+    "epoch/speed": ("(E, R)", "samples/s", "samples per second of pre-collective compute"),
+    "epoch/steps": ("(E,) int", "steps", "steps of the epoch (the same on every rank)"),
+    "epoch/speed_ratio": ("(E, R)", "ratio", "`dbs`: measured / predicted compute time (docs/method.md, section 5)"),
+    "epoch/samples": ("(E,) int", "samples", "asynchronous: samples applied in the epoch"),
+    "epoch/updates": ("(E,) int", "updates", "asynchronous: server updates in the epoch"),
+    "epoch/gradients": ("(E, R) int", "gradients", "asynchronous: gradients applied (rank 0: all of them), per rank"),
+    "epoch/staleness_mean": ("(E,)", "updates", "asynchronous: mean staleness of the epoch's gradients"),
+    "epoch/staleness_max": ("(E,)", "updates", "asynchronous: largest staleness of the epoch's gradients"),
+    "epoch/staleness_p50": ("(E,)", "updates", "asynchronous: median staleness"),
+    "epoch/staleness_p90": ("(E,)", "updates", "asynchronous: 90th percentile of staleness"),
+    "epoch/staleness_p99": ("(E,)", "updates", "asynchronous: 99th percentile of staleness"),
+    "step/loss": ("(S,)", "loss", "global mean loss of every step"),
+    "step/epoch": ("(S,) int", "epoch", "epoch (from 0) of every step"),
+    "step/compute_time": ("(S, R)", "s", "compute seconds per step and rank"),
+    "step/comm_time": ("(S, R)", "s", "communication seconds per step and rank"),
+    "step/wait_time": ("(S, R)", "s", "waiting seconds per step and rank"),
+    "checkpoint/seconds": ("(K,)", "s", "seconds rank 0 spent writing each checkpoint"),
+    "checkpoint/position": ("(K, 2) int", "(epoch, step)", "where each checkpoint continues; asynchronous runs: "
+                                                           "(epoch, samples of it already applied)"),
+    "update/staleness": ("(U,) int", "updates", "asynchronous: staleness of every applied gradient"),
+    "update/worker": ("(U,) int", "rank", "asynchronous: the worker that computed it"),
+    "update/time": ("(U,)", "s", "asynchronous: seconds since the start of training when it was applied"),
+    "update/local_batch": ("(U,) int", "samples", "asynchronous: samples it was computed on"),
+    "update/loss": ("(U,)", "loss", "asynchronous: the worker's mean loss on its local batch"),
+    "update/epoch": ("(U,) int", "epoch", "asynchronous: epoch of its samples"),
+    "update/version": ("(U,) int", "update", "asynchronous: server version it was applied at"),
+    "update/timestamp": ("(U,) int", "update", "asynchronous: server version it was computed on"),
+}
+
+
+def schema_markdown() -> str:
+    """The schema's two tables, as docs/results.md shows them."""
+    lines = ["| attribute | meaning |", "|---|---|"]
+    lines += [f"| `{name}` | {meaning} |" for name, meaning in SCHEMA_ATTRIBUTES.items()]
+    lines += ["", "| dataset | shape, type | unit | meaning |", "|---|---|---|---|"]
+    lines += [f"| `{name}` | {shape} | {unit} | {meaning} |" for name, (shape, unit, meaning) in SCHEMA_DATASETS.items()]
+    return "\n".join(lines) + "\n"
+
 
 STATUS_RUNNING, STATUS_COMPLETE, STATUS_FAILED = "running", "complete", "failed"
 STATUS_INTERRUPTED = "interrupted"   # stopped on request with a checkpoint: `dbs-mpi train --resume FILE`
@@ -138,11 +207,19 @@ class RunWriter:
         f.flush()
         return self
 
+    def _describe(self, name: str) -> None:
+        """The dataset's unit and meaning as attributes (SCHEMA_DATASETS; a loop's own extras
+        have none)."""
+        if name in SCHEMA_DATASETS:
+            _, unit, meaning = SCHEMA_DATASETS[name]
+            self.file[name].attrs["unit"], self.file[name].attrs["description"] = unit, meaning
+
     def _append(self, name: str, rows, dtype=np.float64) -> None:
         rows = np.asarray(rows, dtype=dtype)
         if name not in self.file:
             chunks = True if rows.size else (1024, *rows.shape[1:])   # h5py cannot guess for 0 rows
             self.file.create_dataset(name, data=rows, maxshape=(None, *rows.shape[1:]), chunks=chunks)
+            self._describe(name)
             return
         ds = self.file[name]
         n = ds.shape[0]
@@ -155,6 +232,7 @@ class RunWriter:
 
     def write(self, name: str, data) -> None:
         self.file.create_dataset(name, data=np.asarray(data))
+        self._describe(name)
 
     def append_epoch(self, epoch: dict, steps: dict) -> None:
         """epoch: name -> value or per-rank vector for one epoch; steps: name -> per-step rows."""
@@ -300,3 +378,9 @@ def read_run(path) -> dict:
     if "config" in out["attrs"]:
         out["config"] = json.loads(out["attrs"]["config"])
     return out
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--markdown"]:
+        raise SystemExit("usage: python -m dbs_mpi.results --markdown   (the schema's tables for docs/results.md)")
+    sys.stdout.write(schema_markdown())

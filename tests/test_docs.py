@@ -1,6 +1,6 @@
-"""The repository is self-contained: every relative link in its Markdown resolves to a
-file inside it (and, for a link to a heading, to a heading of that file), and nothing
-refers to files outside the repository."""
+"""The docs: self-contained (every relative link in the repository's Markdown resolves to
+a file inside it, and to a heading of it where it names one; nothing refers to files
+outside the repository), and matching the code (the options, the result schema)."""
 import re
 import subprocess
 
@@ -61,3 +61,68 @@ def test_nothing_refers_to_files_outside_the_repository():
             offenders.append(path.relative_to(ROOT).as_posix())
     offenders = [o for o in offenders if o != "tests/test_docs.py"]
     assert not offenders, offenders
+
+
+# --- the docs match the code ------------------------------------------------------------
+
+def between(text: str, name: str) -> str:
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    assert start in text and end in text, f"no {name} markers"
+    return text[text.index(start) + len(start):text.index(end)].strip()
+
+
+def test_the_result_schema_in_the_docs_is_the_code_s():
+    from dbs_mpi.results import schema_markdown
+    assert between((ROOT / "docs/results.md").read_text(), "schema") == schema_markdown().strip(), \
+        "docs/results.md drifted from dbs_mpi/results.py: python -m dbs_mpi.results --markdown"
+
+
+def test_the_options_table_in_the_docs_is_the_code_s():
+    from dbs_mpi.cli import RESUME_MAY_CHANGE
+    from dbs_mpi.config import options_markdown
+    text = (ROOT / "docs/options.md").read_text()
+    assert between(text, "options") == options_markdown().strip(), \
+        "docs/options.md drifted from dbs_mpi/config.py: python -m dbs_mpi.config --markdown"
+    sentence = " ".join(text[text.index("--resume RESULT.h5"):text.index("may change")].split())
+    assert sorted(re.findall(r"`(\w+)`", sentence)) == sorted(RESUME_MAY_CHANGE)
+
+
+def test_the_readme_options_are_the_code_s():
+    """Every `--option` the README shows exists, and its lists of choices are the real ones."""
+    from dbs_mpi import config
+    from dbs_mpi.cli import _train_parser
+    readme = (ROOT / "README.md").read_text()
+    known = {a for action in _train_parser()._actions for a in action.option_strings} | {"--version"}
+    others = {"--kinds", "--ranks", "--repeats", "--strategies", "--variant", "--np", "--base", "--mirror", "--only",
+              "--scale", "--out", "--job",      # scripts and `dbs-mpi bench|data` subcommands
+              "--mpi"}                          # srun's (srun --mpi=pmi2)
+    shown = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", readme))
+    assert not shown - known - others, f"README shows options that do not exist: {sorted(shown - known - others)}"
+    choices = {"strategy": config.STRATEGIES, "aggregation": config.AGGREGATIONS, "dataset": config.DATASETS,
+               "model": config.MODELS, "optimizer": config.OPTIMIZERS}
+    main = readme[readme.index("Main options:"):]
+    for name, values in choices.items():
+        listed = re.search(rf"--{name} \{{([^}}]*)\}}", main)
+        assert listed, f"README's main options do not list --{name}'s choices"
+        assert tuple(listed.group(1).split(",")) == tuple(values), (name, listed.group(1), values)
+
+
+@pytest.mark.parametrize("strategy, ranks", [("dbs", 2), ("dbs-sgd", 3)])
+def test_every_dataset_and_attribute_a_run_writes_is_in_the_schema(tmp_path, strategy, ranks):
+    """And every dataset carries its unit and description."""
+    import h5py
+
+    from conftest import run_cli
+    from dbs_mpi.results import SCHEMA_ATTRIBUTES, SCHEMA_DATASETS
+    out = tmp_path / f"{strategy}.h5"
+    proc = run_cli(["train", "--strategy", strategy, "--dataset", "synthetic", "--synthetic-samples", "600",
+                    "--test-subset", "100", "--epochs", "2", "--global-batch", "60", "--benchmark-steps", "1",
+                    "--benchmark-warmup", "0", "--out", str(out)], ranks=ranks, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    with h5py.File(out, "r") as f:
+        assert set(f.attrs) - set(SCHEMA_ATTRIBUTES) == set(), "attributes missing from the schema"
+        datasets = []
+        f.visititems(lambda name, obj: datasets.append(name) if isinstance(obj, h5py.Dataset) else None)
+        assert set(datasets) - set(SCHEMA_DATASETS) == set(), "datasets missing from the schema"
+        for name in datasets:
+            assert f[name].attrs["unit"] == SCHEMA_DATASETS[name][1] and f[name].attrs["description"], name
