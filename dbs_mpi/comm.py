@@ -414,10 +414,13 @@ class GradientExchange:
             if self.world_size > 1:
                 if self.sleep_while_waiting:
                     wait(self.comm.Ibarrier(), self.timeout, "the gradient allreduce (waiting for the other ranks)")
-                with SUPERVISOR.deadline(self.comm, self.timeout, "the gradient allreduce"):
+                SUPERVISOR.arm(self.comm, self.timeout, "the gradient allreduce")
+                try:
                     self.comm.Allreduce(MPI.IN_PLACE, self._views[last], op=MPI.SUM)
                     if self._requests:
                         MPI.Request.Waitall(self._requests)
+                finally:
+                    SUPERVISOR.disarm()
         finally:
             self._requests = []
             self._reset()
@@ -461,12 +464,20 @@ class Supervisor:
 
     @contextmanager
     def deadline(self, comm: MPI.Comm, seconds: float, what: str):
-        self._ensure_thread()
-        self._deadline = (time.perf_counter() + seconds, comm, seconds, what)
+        self.arm(comm, seconds, what)
         try:
             yield
         finally:
             self._deadline = None
+
+    def arm(self, comm: MPI.Comm, seconds: float, what: str) -> None:
+        """Start a deadline (the hot path's form of `deadline`: `disarm()` after the call)."""
+        if self._thread is None:
+            self._ensure_thread()
+        self._deadline = (time.perf_counter() + seconds, comm, seconds, what)
+
+    def disarm(self) -> None:
+        self._deadline = None
 
     def on_failure(self, fn):
         """Run fn when the job fails on this rank; returns a function that unregisters it."""

@@ -1,0 +1,101 @@
+"""Latency of the gradient exchange at two code revisions, side by side in one MPI job.
+
+    .venv/bin/mpirun -n 2 .venv/bin/python scripts/exchange-latency.py --base dc09c60 --repeats 5
+
+The package at --base is exported (`git archive`) into a temporary folder as
+`dbs_mpi_base`, so that both versions of comm.GradientExchange live in the same
+processes. For each model, both exchanges are built over the same parameters (the .grad
+tensors end up viewing the last one; both buffers are filled before each call) and timed
+alternately: every repeat times `iterations` calls of each (a barrier before every call,
+the order swapped from call to call), and keeps the median. Reported: the median over
+repeats of each, and the median of the per-repeat ratios current / base. The wait policy
+is "spin" unless --sleep (the spin path is the one the watchdog must not slow down).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def export_base(rev: str, folder: Path) -> None:
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "dbs_mpi"], capture_output=True,
+                             check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    (folder / "dbs_mpi").rename(folder / "dbs_mpi_base")
+
+
+def timed(comm, call) -> float:
+    comm.Barrier()
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", required=True, help="git revision to compare with")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--iterations", type=int, default=300)
+    p.add_argument("--models", default="lenet5,mlp")
+    p.add_argument("--sleep", action="store_true", help="time the sleeping wait policy instead")
+    a = p.parse_args()
+    comm = MPI.COMM_WORLD
+    torch.set_num_threads(1)
+    folder = comm.bcast(tempfile.mkdtemp(prefix="exchange-latency-") if comm.Get_rank() == 0 else None)
+    if comm.Get_rank() == 0:
+        export_base(a.base, Path(folder))
+    comm.Barrier()
+    sys.path.insert(0, folder)
+    import dbs_mpi_base.comm as base_comm
+
+    import dbs_mpi.comm as current_comm
+    from dbs_mpi.models import build_model
+    weight = 1.0 / comm.Get_size()
+    rows = []
+    for name in a.models.split(","):
+        model = build_model(name, (1, 28, 28), 10)
+        variants = {"base": base_comm.GradientExchange(comm, model.parameters(), 60, a.sleep),
+                    "current": current_comm.GradientExchange(comm, model.parameters(), 60, a.sleep)}
+        medians = {v: [] for v in variants}
+        for rep in range(a.repeats):
+            samples = {v: [] for v in variants}
+            names = list(variants)
+            for i in range(a.iterations):
+                for v in (names if (i + rep) % 2 == 0 else names[::-1]):
+                    ex = variants[v]
+                    ex.zero_grad(weight)
+                    ex.flat.fill_(1.0)
+                    samples[v].append(timed(comm, lambda: ex.allreduce(weight, 0.5)))
+            for v in variants:
+                medians[v].append(statistics.median(samples[v]))
+        ratios = [c / b for c, b in zip(medians["current"], medians["base"])]
+        rows.append((name, 4 * (variants["current"].numel + 1), medians, ratios))
+        for ex in variants.values():
+            ex.close()
+    if comm.Get_rank() == 0:
+        policy = "sleep" if a.sleep else "spin"
+        print(f"exchange latency, {comm.Get_size()} ranks, wait policy {policy}, {a.repeats} repeats x "
+              f"{a.iterations} calls; base {a.base}, current: the working tree")
+        for name, size, medians, ratios in rows:
+            us = {v: [1e6 * t for t in ts] for v, ts in medians.items()}
+            print(f"{name:<7} {size:>8} B  base {statistics.median(us['base']):7.1f} us  current "
+                  f"{statistics.median(us['current']):7.1f} us  current/base median {statistics.median(ratios):.3f} "
+                  f"(repeats {' '.join(f'{r:.3f}' for r in ratios)})")
+        subprocess.run(["rm", "-rf", folder])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
