@@ -65,7 +65,7 @@ class Config:
     test_subset: int = 0             # evaluate on the first N test samples; 0 = all
     drop_last: bool = False          # drop the epoch's last partial global batch
     synthetic_samples: int = 4096    # synthetic dataset: training samples (test: a quarter)
-    synthetic_shape: tuple = (1, 28, 28)  # synthetic dataset: sample shape (C, H, W)
+    synthetic_shape: tuple = (1, 28, 28)  # synthetic dataset: sample shape C,H,W (or CxHxW)
     synthetic_classes: int = 10      # synthetic dataset: number of classes
     # --- allocation of the global batch ---------------------------------------
     min_local_batch: int = 1         # smallest local batch any rank gets (full steps)

@@ -51,7 +51,7 @@ _bad = {     # malformed values: each must be refused
     "momentum": st.floats(-1, -0.01),
     "dbs_smoothing": st.floats(-1, 0) | st.floats(1.01, 5),
     "benchmark_steps": st.integers(-2, 0),
-    "synthetic_shape": st.sampled_from([(3, 32), (0, 28, 28), "3x32x32"]),
+    "synthetic_shape": st.sampled_from([(3, 32), (0, 28, 28), "3x32", "3xAx32"]),    # ("3x32x32" is valid: C x H x W)
     "speeds": st.sampled_from([(1.0, 0.5), (0.0,), (-1.0,), (math.nan,), (math.inf,)]),
 }
 
