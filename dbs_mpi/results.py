@@ -38,6 +38,7 @@ SCHEMA_ATTRIBUTES = {
     "world_size": "ranks",
     "num_parameters": "trainable values of the model",
     "hostnames": "host of every rank, rank order",
+    "rank_cores": "the cores every rank could run on (its affinity set, comma-separated), rank order",
     "versions": "JSON: python, torch, mpi4py, numpy, h5py, dbs_mpi, MPI library",
     "git_revision": "commit of the code that ran (`-dirty` if modified; `unknown` outside git)",
     "command": "the command line",

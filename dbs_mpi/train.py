@@ -94,9 +94,9 @@ def setup(comm, cfg: Config) -> Run:
     return Run(comm, cfg, train_set, test_set, model, loss_fn)
 
 
-def result_attrs(cfg: Config, run: Run, threads: int, oversubscribed: bool) -> dict:
+def result_attrs(cfg: Config, run: Run, threads: int, oversubscribed: bool, places) -> dict:
     model = run.model
-    return dict(strategy=cfg.strategy, aggregation=cfg.aggregation, dataset=cfg.dataset, model=cfg.model,
+    return dict(rank_cores=[",".join(map(str, cores)) for _, cores in places],strategy=cfg.strategy, aggregation=cfg.aggregation, dataset=cfg.dataset, model=cfg.model,
                 model_class=f"{type(model).__module__}.{type(model).__qualname__}", loss=cfg.loss or "cross-entropy",
                 optimizer=cfg.optimizer, num_parameters=num_parameters(model), torch_threads=threads,
                 oversubscribed=oversubscribed, sleep_while_waiting=run.sleep_wait)
@@ -128,7 +128,7 @@ def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state:
     with StopRequest(comm, cfg.comm_timeout) as stop:
         run.stop = stop
         records = checkpoint_state["records"] if checkpoint_state else None
-        with Recorder(comm, out, config=cfg, attrs=result_attrs(cfg, run, threads, oversubscribed),
+        with Recorder(comm, out, config=cfg, attrs=result_attrs(cfg, run, threads, oversubscribed, places),
                       resume=records, timeout=cfg.comm_timeout) as recorder:
             run.recorder = recorder
             if checkpoint_state is not None:
