@@ -152,12 +152,17 @@ def cmd_bench(comm, argv) -> int:
     return bench_main(comm, argv)
 
 
+def cmd_simulate(comm, argv) -> int:
+    from .simulator import main as simulate_main
+    return simulate_main(comm, argv)
+
+
 def cmd_data(comm, argv) -> int:
     from .data import data_main
     return data_main(argv)
 
 
-COMMANDS = {"train": cmd_train, "info": cmd_info, "bench": cmd_bench, "data": cmd_data}
+COMMANDS = {"train": cmd_train, "info": cmd_info, "bench": cmd_bench, "data": cmd_data, "simulate": cmd_simulate}
 
 
 def main(argv=None) -> int:
@@ -167,7 +172,7 @@ def main(argv=None) -> int:
         print(f"dbs-mpi {__version__}")
         return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        usage = ("usage: dbs-mpi {train,info,bench,data} [options]   (dbs-mpi COMMAND --help for details; "
+        usage = ("usage: dbs-mpi {train,info,bench,data,simulate} [options]   (dbs-mpi COMMAND --help for details; "
                  "dbs-mpi --version)")
         if argv and argv[0] not in ("-h", "--help"):
             print(f"dbs-mpi: error: unknown command {argv[0]!r}; {usage}", file=sys.stderr)

@@ -92,7 +92,9 @@ def test_the_readme_options_are_the_code_s():
     from dbs_mpi import config
     from dbs_mpi.cli import _train_parser
     readme = (ROOT / "README.md").read_text()
-    known = {a for action in _train_parser()._actions for a in action.option_strings} | {"--version"}
+    from dbs_mpi.simulator import _parser as simulate_parser
+    known = {a for parser in (_train_parser(), simulate_parser()) for action in parser._actions
+             for a in action.option_strings} | {"--version"}
     others = {"--kinds", "--ranks", "--repeats", "--strategies", "--variant", "--np", "--base", "--mirror", "--only",
               "--scale", "--out", "--job",      # scripts and `dbs-mpi bench|data` subcommands
               "--mpi"}                          # srun's (srun --mpi=pmi2)

@@ -1,0 +1,253 @@
+"""The simulator (dbs_mpi/simulator.py): the event engine on cases with known answers, the
+replay of committed runs against their measured times, and the DBS controller's decisions
+against a recorded run. All in one process, no MPI; `dbs-mpi simulate` through the CLI."""
+import json
+import math
+import shutil
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import ROOT, run_cli
+from dbs_mpi import sharding
+from dbs_mpi.machine import Machine, ModelCost
+from dbs_mpi.simulator import (Cluster, Job, Network, buckets, dbs_controller, processor_sharing, replay,
+                               replay_job, simulate_async, simulate_sync, startup_fit)
+
+VALIDATION = ROOT / "results" / "validation"
+TOLERANCE = 0.10          # the issue's target: mean absolute error of predicted epoch times
+
+
+def linear_model(per_sample=1e-3, fixed=2e-3, numel=1000, update=1e-4) -> ModelCost:
+    batches = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    return ModelCost(batches=batches, step_time=[fixed + per_sample * b for b in batches], update=update,
+                     overhead=0.0, numel=numel, add=update / 2)
+
+
+def job(strategy="ssgd", samples=1024, global_batch=128, epochs=2, **kw) -> Job:
+    return Job(strategy=strategy, model=kw.pop("model", linear_model()), samples=samples, global_batch=global_batch,
+               epochs=epochs, **kw)
+
+
+def cluster(speeds, cores=None) -> Cluster:
+    n = len(speeds)
+    return Cluster(nodes=np.arange(n), cores=cores or 1, device=np.asarray(speeds, float))
+
+
+# --- the alpha-beta network --------------------------------------------------------------
+
+def test_ring_and_tree_allreduce_times_for_known_sizes():
+    net = Network(alpha=1e-5, beta=1e-9, algorithm="ring")
+    m = 4e6
+    assert net.allreduce(4, m) == pytest.approx(2 * 3 * 1e-5 + 2 * 3 / 4 * m * 1e-9)       # 6 alpha + 1.5 m beta
+    assert Network(1e-5, 1e-9, "tree").allreduce(4, m) == pytest.approx(2 * 2 * (1e-5 + m * 1e-9))
+    assert Network(1e-5, 1e-9, "tree").allreduce(5, m) == pytest.approx(2 * 3 * (1e-5 + m * 1e-9))
+    small, large = 8.0, 4e8          # latency-bound: the tree; bandwidth-bound: the ring
+    auto = Network(1e-5, 1e-9, "auto")
+    assert auto.allreduce(1024, small) == Network(1e-5, 1e-9, "tree").allreduce(1024, small)
+    assert auto.allreduce(1024, large) == Network(1e-5, 1e-9, "ring").allreduce(1024, large)
+    assert net.allreduce(1, m) == 0.0
+
+
+def test_exchange_sums_the_buckets_and_adds_the_constants():
+    net = Network(alpha=1e-5, beta=1e-9, algorithm="ring", sleep_wait=3e-6, crowded=1e-4)
+    parts = [1e6, 3e6]
+    assert net.exchange(2, parts) == pytest.approx(net.allreduce(2, 1e6) + net.allreduce(2, 3e6))
+    assert net.exchange(2, parts, sleeping=True) == pytest.approx(net.exchange(2, parts) + 3e-6)
+    assert net.exchange(2, parts, crowded=True) == pytest.approx(net.exchange(2, parts) + 2 * 2 * 1e-4)
+
+
+def test_buckets_cover_the_gradient_with_ddp_caps():
+    numel = 20 * 2 ** 20                                   # 80 MiB of float32 gradients
+    parts = buckets(numel, bucket_mb=25, first_bucket_mb=1)
+    assert sum(parts) == pytest.approx(4 * (numel + 1))
+    assert parts[0] == 2 ** 20 and all(p <= 25 * 2 ** 20 for p in parts)
+    assert buckets(1000) == [4 * 1001]                     # a small model: one bucket
+
+
+def test_processor_sharing_of_cores():
+    nodes = np.zeros(4, dtype=int)
+    assert np.allclose(processor_sharing(np.ones(4), nodes, [2]), 2.0)        # 4 equal ranks on 2 cores
+    assert np.allclose(processor_sharing(np.ones(2), np.zeros(2, int), [2]), 1.0)
+    # 1 and 2 core-seconds on one core: both at half speed until the first is done (t = 2),
+    # then the second alone: 1 core-second left -> t = 3
+    assert np.allclose(processor_sharing(np.array([1.0, 2.0]), np.zeros(2, int), [1]), [2.0, 3.0])
+
+
+# --- the synchronous step ----------------------------------------------------------------
+
+def test_equal_speeds_do_not_wait():
+    j, c = job("ssgd"), cluster([1, 1, 1, 1])
+    net = Network(1e-5, 1e-9, "ring")
+    r = simulate_sync(j, c, net, noise=0.0)
+    assert r.wait == 0.0 and r.shares()["wait_share"] == 0.0
+    steps = sharding.steps_per_epoch(j.samples, j.global_batch, j.drop_last)
+    step = j.model.compute(32) + net.exchange(4, buckets(j.model.numel)) + j.model.update
+    assert r.epoch_time == pytest.approx([steps * float(step)] * 2)
+
+
+def test_one_slow_rank_makes_the_others_wait_its_extra_time():
+    j, c = job("ssgd", epochs=1), cluster([1, 1, 1, 0.5])
+    r = simulate_sync(j, c, Network(1e-5, 1e-9), noise=0.0)
+    steps = sharding.steps_per_epoch(j.samples, j.global_batch, j.drop_last)
+    per = float(j.model.compute(32))                       # fast ranks' compute; the slow one takes 2x
+    assert r.wait == pytest.approx(steps * 3 * per)        # three ranks each wait `per` every step
+    assert r.epoch_time[0] == pytest.approx(steps * (2 * per + Network(1e-5, 1e-9).exchange(4, buckets(1000))
+                                                     + j.model.update))
+
+
+def test_static_allocation_removes_most_of_the_wait():
+    c, net = cluster([1, 1, 1, 0.5]), Network(1e-5, 1e-9)
+    ssgd = simulate_sync(job("ssgd"), c, net, noise=0.0)
+    static = simulate_sync(job("static"), c, net, noise=0.0)
+    assert static.batch_sizes[0][3] < static.batch_sizes[0][0]
+    assert static.wait < 0.2 * ssgd.wait and sum(static.epoch_time) < sum(ssgd.epoch_time)
+
+
+def test_emulated_speeds_sleep_without_taking_a_core():
+    """Two ranks on one core, the second emulated at half speed: the emulated sleep of the
+    slow rank happens after its compute, outside the shared core."""
+    j = job("ssgd", epochs=1, speeds=(1.0, 0.5))
+    c = Cluster(nodes=np.zeros(2, int), cores=1, device=np.ones(2))
+    r = simulate_sync(j, c, Network(0.0, 0.0), noise=0.0)
+    steps = sharding.steps_per_epoch(j.samples, j.global_batch, j.drop_last)
+    w = float(j.model.compute(64))
+    # both compute together on one core: 2w each; the slow one then sleeps (1/0.5 - 1) x 2w
+    assert r.epoch_time[0] == pytest.approx(steps * (2 * w + 2 * w + j.model.update * 2))
+
+
+def test_dbs_converges_to_the_speed_ratio():
+    j = job("dbs", samples=8192, global_batch=512, epochs=6, model=linear_model(fixed=0.0))
+    r = simulate_sync(j, cluster([1.0, 0.5]), Network(1e-5, 1e-9), noise=0.02, seed=1)
+    last = np.asarray(r.batch_sizes[-1])
+    assert last.sum() == 512 and last[0] / last[1] == pytest.approx(2.0, rel=0.1)
+
+
+# --- the parameter server ----------------------------------------------------------------
+
+def test_async_applies_every_sample_and_staleness_emerges():
+    j = job("asgd", samples=2048, global_batch=192, epochs=2)
+    c = Cluster(nodes=np.arange(4), cores=1, device=np.array([1.0, 1.0, 1.0, 0.25]))
+    r = simulate_async(j, c, Network(1e-5, 1e-9), noise=0.0, checkpoint_every=0)
+    assert len(r.epoch_time) == 2 and all(t > 0 for t in r.epoch_time)
+    assert np.mean(r.staleness) > 0.5                       # 3 workers push between one worker's pulls
+    assert max(r.staleness) >= 3                            # the slow worker's gradients are older
+
+
+def test_hardsync_waits_for_the_slowest_worker():
+    j = job("nsoftsync", samples=1536, global_batch=192, epochs=1, softsync_n=1, softsync_wait=True)
+    c = Cluster(nodes=np.arange(4), cores=1, device=np.array([1.0, 1.0, 1.0, 0.5]))
+    r = simulate_async(j, c, Network(0.0, 0.0), noise=0.0, checkpoint_every=0)
+    assert set(r.staleness) == {0}
+    per_step = 2 * float(j.model.compute(64))               # the slow worker's compute, every group
+    assert r.epoch_time[0] >= sharding.steps_per_epoch(1536, 192, False) * per_step
+
+
+# --- replays of recorded runs ------------------------------------------------------------
+
+def validation_runs():
+    return sorted(p for p in VALIDATION.glob("*.h5"))
+
+
+def test_the_committed_validation_set_is_there():
+    names = {p.stem for p in validation_runs()}
+    for strategy in ("ssgd", "static", "dbs", "asgd"):
+        assert any(n.startswith(strategy) for n in names), strategy
+    assert {"ssgd-4r-real", "ssgd-3r-pinned"} <= names
+
+
+def test_replay_mean_absolute_error_is_within_the_target():
+    machine = Machine.load()
+    errors = {}
+    for path in validation_runs():
+        out = replay(path, machine)
+        errors[path.stem] = sum(out["epoch_time_predicted"]) / sum(out["epoch_time_measured"]) - 1
+    mae = float(np.mean(np.abs(list(errors.values()))))
+    assert mae <= TOLERANCE, f"mean absolute error {100 * mae:.1f}% > {100 * TOLERANCE:.0f}%: " + ", ".join(
+        f"{k} {100 * v:+.1f}%" for k, v in errors.items())
+
+
+def test_replay_reads_no_epoch_or_step_timings(tmp_path):
+    """A copy of a run without its epoch and step records replays to the same prediction."""
+    machine = Machine.load()
+    source = VALIDATION / "dbs-2r.h5"
+    stripped = tmp_path / "stripped.h5"
+    shutil.copy(source, stripped)
+    with h5py.File(stripped, "a") as f:
+        for group in ("epoch", "step", "update", "worker"):
+            if group in f:
+                del f[group]
+    a, b = replay(source, machine), replay(stripped, machine)
+    assert a["epoch_time_predicted"] == b["epoch_time_predicted"] and b["epoch_time_measured"] == []
+
+
+def test_simulated_dbs_controller_makes_the_engines_decisions():
+    """The simulator's controller (built as simulate_sync builds it, from the run's start-up
+    calibration) fed each recorded epoch's compute times gives the vectors the engine chose."""
+    machine = Machine.load()
+    checked = 0
+    for path in [p for p in validation_runs() if p.stem.startswith("dbs")]:
+        j, c, _, cfg, startup = replay_job(path, machine)
+        with h5py.File(path, "r") as f:
+            vectors, speed = f["epoch/batch_sizes"][()], f["epoch/speed"][()]
+        controller = dbs_controller(j, startup_fit(j, startup, c.size))
+        assert np.array_equal(vectors[0], startup["batch_sizes"])
+        for e in range(len(vectors) - 1):
+            table = sharding.step_batch_sizes(j.samples, j.global_batch, vectors[e], j.drop_last)
+            samples = table.sum(axis=0)
+            new, _ = controller.update(vectors[e], table, samples / speed[e])
+            assert np.array_equal(new, vectors[e + 1]), (path.name, e, new, vectors[e + 1])
+            checked += 1
+    assert checked >= 2
+
+
+def test_simulated_calibration_finds_the_emulated_speeds():
+    j = job("static", samples=4096, global_batch=512, speeds=(1.0, 0.5, 0.25))
+    r = simulate_sync(j, cluster([1, 1, 1]), Network(1e-5, 1e-9), noise=0.0)
+    v = np.asarray(r.batch_sizes[0], float)
+    assert v[0] / v[1] == pytest.approx(2.0, rel=0.1) and v[0] / v[2] == pytest.approx(4.0, rel=0.15)
+
+
+# --- the command -------------------------------------------------------------------------
+
+def test_simulate_from_a_run_prints_predicted_and_measured_epochs():
+    run = run_cli(["simulate", "--from", str(VALIDATION / "ssgd-2r.h5"), "--json"], timeout=120)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert len(out["epoch_time_predicted"]) == len(out["epoch_time_measured"]) == 3
+    assert all(t > 0 for t in out["epoch_time_predicted"])
+
+
+def test_simulate_projects_a_large_job_and_compares_strategies():
+    run = run_cli(["simulate", "--ranks", "64", "--strategy", "dbs", "--model", "resnet20", "--speed-spread", "4",
+                   "--epochs", "2", "--compare", "ssgd", "--json"], timeout=120)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["ranks"] == 64 and len(out["epoch_time_predicted"]) == 2
+    assert out["speedup"] > 1.2                        # a 4x spread: dbs well ahead of ssgd
+    assert math.isclose(out["compute_share"] + out["comm_share"] + out["wait_share"], 1.0)
+
+
+def test_simulate_reads_speed_mixes_from_toml(tmp_path):
+    mix = tmp_path / "mix.toml"
+    mix.write_text('[[mix]]\nname = "new"\nspeed = 1.0\ncount = 6\n\n[[mix]]\nname = "old"\nspeed = 0.5\ncount = 2\n')
+    run = run_cli(["simulate", "--speeds", str(mix), "--strategy", "static", "--model", "lenet5", "--samples",
+                   "8192", "--epochs", "1", "--json"], timeout=120)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    v = out["batch_sizes"][0]
+    assert out["ranks"] == 8 and v[0] > v[-1] and out["speeds"]["min"] == 0.5
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--from", "nosuch.h5"], "from"),
+    (["--ranks", "8", "--model", "nosuch"], "model"),
+    (["--ranks", "8", "--network", "fast"], "network"),
+    ([], "simulate"),
+])
+def test_simulate_bad_input_is_one_line(args, field):
+    run = run_cli(["simulate", *args], timeout=60)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"dbs-mpi: error: {field}"), run.stderr
