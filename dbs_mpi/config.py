@@ -79,6 +79,7 @@ class Config:
     # --- asynchronous strategies (parameter server: rank 0 serves, the others work) ---
     softsync_n: int = 1              # nsoftsync: the server applies after floor(workers / n) gradients
     staleness_lr: bool = False       # scale the learning rate by 1/staleness (alpha0 where staleness is 0)
+    implicit_momentum: bool = True   # asynchronous, sgd: the server's momentum is momentum - (1 - c/lambda), at least 0, since asynchrony adds about 1 - c/lambda (docs/method.md, section 8); false: momentum as given
     softsync_wait: bool = False      # nsoftsync: a worker gets new weights only once its gradient is applied (softsync_n = 1: hardsync, staleness 0); false: at once (Zhang et al.)
     time_budget: float = 0.0         # asynchronous strategies: seconds of training after which no new work is handed out; 0 = no limit (epochs still caps the run)
     # --- heterogeneity emulation -----------------------------------------------

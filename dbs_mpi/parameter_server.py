@@ -118,7 +118,7 @@ norm = "group").
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -183,6 +183,18 @@ def bind_gradients(params, flat: torch.Tensor) -> None:
         offset += n
 
 
+def server_momentum(cfg, workers: int, c: int) -> float:
+    """The server's SGD momentum. Asynchrony itself acts like momentum (Mitliagkas et al.,
+    "Asynchrony begets momentum", 2016): with q = lambda / c updates in flight it adds about
+    1 - 1/q, so the server subtracts that from cfg.momentum (implicit_momentum; at least 0)
+    to keep the total near what a synchronous run uses. asgd and dbs-sgd at lambda = 3:
+    0.9 - 2/3 = 0.23; hardsync (c = lambda): 0.9."""
+    if not cfg.implicit_momentum or cfg.optimizer != "sgd":
+        return cfg.momentum
+    in_flight = workers / max(c, 1)
+    return max(0.0, cfg.momentum - (1.0 - 1.0 / in_flight))
+
+
 def group_size(strategy: str, workers: int, softsync_n: int) -> int:
     """c: gradients per update. asgd and dbs-sgd: 1; nsoftsync: floor(lambda / n) (at least 1)."""
     if strategy == "nsoftsync":
@@ -219,13 +231,17 @@ class Server:
         self.acc = torch.zeros(self.numel, dtype=torch.float32)     # sum_i s_i b_i g_i, then the update's g
         bind_parameters(params, self.weights)
         bind_gradients(params, self.acc)
-        self.optimizer = make_optimizer(cfg.optimizer, params, cfg)
-        _warm_up_optimizer()
         self.c = group_size(cfg.strategy, self.workers, cfg.softsync_n)
+        self.momentum = server_momentum(cfg, self.workers, self.c)
+        self.optimizer = make_optimizer(cfg.optimizer, params, replace(cfg, momentum=self.momentum))
+        _warm_up_optimizer()
         self.wait_mode = cfg.strategy == "nsoftsync" and cfg.softsync_wait
         rounds = self.wait_mode and self.c == self.workers
-        # Divisor of an update's sample-weighted gradient sum (None: the group's samples).
+        # Divisor of an update's sample-weighted gradient sum (None: the group's samples);
+        # aggregation "mean": every gradient counts once, the group's mean (docs/method.md).
         self.divisor = None if rounds else self.c * cfg.global_batch / self.workers
+        self.per_gradient = cfg.aggregation == "mean"
+        self.before = torch.empty_like(self.weights)   # the weights before an update (its step's norm)
         self.cursor = Cursor(num_samples, cfg.global_batch, cfg.epochs, cfg.drop_last, self.workers, rounds)
         self.vector = np.asarray(vector, dtype=np.int64)
         self.controller = controller                 # dbs-sgd: re-plans self.vector at every epoch
@@ -242,8 +258,7 @@ class Server:
         self.group_samples = 0
         self.version = 0                             # updates applied so far
         self.measure = [[] for _ in range(self.workers)]   # dbs-sgd: (count, compute seconds) since the last re-plan
-        self.rows = {k: [] for k in ("staleness", "worker", "time", "local_batch", "loss", "epoch", "version",
-                                     "timestamp")}
+        self.rows = {k: [] for k, _ in UPDATE_COLUMNS}
         epochs = cfg.epochs
         self.applied = np.zeros(epochs, dtype=np.int64)       # samples applied, per epoch of the samples
         self.vectors = np.zeros((epochs, self.workers), dtype=np.int64)
@@ -358,10 +373,11 @@ class Server:
             self._stop_requested(int(msg.header[G_SIGNAL]), f"worker {w + 1}")
         tau = self.version - timestamp            # the version does not change until the group is applied
         scale = 1.0 / max(tau, 1) if self.cfg.staleness_lr else 1.0
+        weight = (1.0 if self.per_gradient else count) * scale if count else 0.0
         if count:
-            self.acc.add_(msg.body, alpha=count * scale)
+            self.acc.add_(msg.body, alpha=weight)
         self.group_samples += count
-        self.group.append((w, timestamp, count, float(msg.header[G_LOSS]), a.epoch))
+        self.group.append((w, timestamp, count, float(msg.header[G_LOSS]), a.epoch, weight))
         if count:
             self.measure[w].append((count, float(msg.header[G_COMPUTE])))
         self._charge(C_COMPUTE, time.perf_counter() - t)
@@ -387,11 +403,16 @@ class Server:
 
     def apply(self) -> None:
         t = time.perf_counter()
+        divisor, step_norm = self.update_divisor(), 0.0
         if self.group_samples:
-            self.acc.div_(self.divisor or self.group_samples)
+            self.acc.div_(divisor)
+            self.before.copy_(self.weights)
             self.optimizer.step()
+            step_norm = float(self.before.sub_(self.weights).norm())
         at = self._elapsed()
-        for w, timestamp, count, loss, epoch in self.group:
+        for w, timestamp, count, loss, epoch, weight in self.group:
+            self.rows["weight"].append(weight / divisor)
+            self.rows["step_norm"].append(step_norm)
             self.rows["staleness"].append(self.version - timestamp)
             self.rows["worker"].append(w + 1)
             self.rows["time"].append(at)
@@ -406,6 +427,13 @@ class Server:
         self.group, self.group_samples = [], 0
         self._charge(C_COMPUTE, time.perf_counter() - t)
         self._close_epochs()
+
+    def update_divisor(self) -> float:
+        """What the group's weighted gradient sum is divided by: per gradient ("mean"), the
+        gradients with samples; sample-weighted, c B / lambda (or, in rounds, the samples)."""
+        if self.per_gradient:
+            return float(max(1, sum(1 for g in self.group if g[2])))
+        return float(self.divisor or max(self.group_samples, 1))
 
     def _out_of_work(self) -> bool:
         return self.cursor.done or (self.cfg.time_budget > 0 and self._elapsed() >= self.cfg.time_budget)
@@ -469,6 +497,9 @@ class Server:
                 value = {int(e): np.asarray(w).copy() for e, w in value.items()}
             elif k == "measure":
                 value = [[(int(c), float(t)) for c, t in m] for m in value]
+            elif k == "rows":        # a checkpoint of an older version lacks the newer columns
+                value = {name: list(value.get(name, [float("nan")] * len(value["staleness"])))
+                         for name, _ in UPDATE_COLUMNS}
             setattr(self, k, value)
         cursor = {k: v for k, v in state["cursor"].items() if k != "epochs"}
         for k in ("vector", "table"):
@@ -789,6 +820,7 @@ class AsyncTrainer:
         self.writer.set_attrs(staleness_mean=mean, staleness_max=high, staleness_percentiles=np.asarray(pct),
                               staleness_percentile_levels=np.asarray(PERCENTILES), updates=server.version,
                               gradients=len(rows["staleness"]), gradients_per_update=self.c, reply_mode=self.mode,
+                              server_momentum=server.momentum,
                               training_time=float(server.ends[-1]) if server.ends else 0.0)
         self.log(f"staleness over {len(rows['staleness'])} gradients in {server.version} updates: mean {mean:.2f}, "
                  f"p50 {pct[0]:g}, p90 {pct[1]:g}, p99 {pct[2]:g}, max {int(high)}")
@@ -812,7 +844,8 @@ class AsyncTrainer:
 
 
 UPDATE_COLUMNS = (("staleness", np.int64), ("worker", np.int64), ("time", np.float64), ("local_batch", np.int64),
-                  ("loss", np.float64), ("epoch", np.int64), ("version", np.int64), ("timestamp", np.int64))
+                  ("loss", np.float64), ("epoch", np.int64), ("version", np.int64), ("timestamp", np.int64),
+                  ("weight", np.float64), ("step_norm", np.float64))
 
 
 def epoch_record(gathered, e: int, workers: int, test_loss: float, test_acc: float, eval_time: float) -> dict:

@@ -55,6 +55,7 @@ SCHEMA_ATTRIBUTES = {
     "updates": "asynchronous: server updates (versions) in all",
     "gradients": "asynchronous: gradients applied in all",
     "gradients_per_update": "asynchronous: c, gradients per update",
+    "server_momentum": "asynchronous: the SGD momentum the server used (implicit_momentum)",
     "reply_mode": "asynchronous: `immediate`, `wait` or `rounds (hardsync)`",
     "training_time": "asynchronous: seconds of training (checkpoints and evaluation excluded)",
     "grid_experiment": "experiment grid (`make experiments`): the experiment of jobs/experiments.toml",
@@ -108,6 +109,10 @@ SCHEMA_DATASETS = {
     "update/epoch": ("(U,) int", "epoch", "asynchronous: epoch of its samples"),
     "update/version": ("(U,) int", "update", "asynchronous: server version it was applied at"),
     "update/timestamp": ("(U,) int", "update", "asynchronous: server version it was computed on"),
+    "update/weight": ("(U,)", "ratio", "asynchronous: its weight in the update's gradient (b_i / (c B / lambda) "
+                                       "sample-weighted, 1 / c per gradient; times 1/staleness with staleness_lr)"),
+    "update/step_norm": ("(U,)", "parameter units", "asynchronous: Euclidean norm of the weight change of the "
+                                                     "update it was applied in"),
 }
 
 

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import ROOT, run_cli
 from dbs_mpi import sharding
 from dbs_mpi.config import Config, ConfigError, check_world
 from dbs_mpi.models import LeNet5
 from dbs_mpi.parameter_server import (HEADER, Cursor, Message, bind_gradients, bind_parameters, group_size,
-                                      staleness_stats)
+                                      server_momentum, staleness_stats)
 from dbs_mpi.results import read_run
 
 
@@ -146,6 +146,56 @@ def test_cli_runs_every_asynchronous_strategy(tmp_path, strategy, extra):
     if strategy == "dbs-sgd":
         b = data["epoch/batch_sizes"][-1]
         assert b[1] > b[2], f"the 0.25-speed worker should get the smaller local batch: {b.tolist()}"
+    # every gradient's weight in its update: b_i / (c B / lambda), sample-weighted (c = 1 but nsoftsync's 1)
+    c = 1
+    counts, weights = data["update/local_batch"], data["update/weight"]
+    expected = np.where(counts > 0, counts / (c * 64 / 2), 0.0)
+    if strategy == "nsoftsync":       # staleness_lr: times 1/max(tau, 1)
+        expected = expected / np.maximum(data["update/staleness"], 1)
+    assert np.allclose(weights, expected)
+    assert (data["update/step_norm"] > 0).any() and np.isfinite(data["update/step_norm"]).all()
+
+
+def test_per_gradient_aggregation_weighs_every_gradient_alike(tmp_path):
+    """aggregation = mean on the parameter server: each gradient (the mean over its own
+    local batch) counts once, whatever its local batch."""
+    out = tmp_path / "mean.h5"
+    proc = run_cli(["train", *TINY, "--strategy", "dbs-sgd", "--aggregation", "mean", "--speeds", "1,1,0.25",
+                    "--epochs", "1", "--out", str(out)], ranks=3, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    data = read_run(out)["data"]
+    counts = data["update/local_batch"]
+    assert len(set(counts.tolist())) > 1, "the workers should have different local batches"
+    assert np.allclose(data["update/weight"][counts > 0], 1.0)
+
+
+def test_server_momentum_subtracts_what_asynchrony_adds():
+    cfg = Config(strategy="asgd", momentum=0.9)
+    assert server_momentum(cfg, workers=3, c=1) == pytest.approx(0.9 - 2 / 3)
+    assert server_momentum(cfg, workers=7, c=1) == pytest.approx(0.9 - 6 / 7)
+    assert server_momentum(cfg, workers=3, c=3) == pytest.approx(0.9)          # hardsync: nothing in flight
+    assert server_momentum(cfg, workers=20, c=1) == 0.0                       # never negative
+    assert server_momentum(Config(strategy="asgd", implicit_momentum=False), 3, 1) == 0.9
+    assert server_momentum(Config(strategy="asgd", optimizer="adam"), 3, 1) == cfg.momentum
+
+
+DIVERGED = ["--dataset", "fashion-mnist", "--model", "lenet5", "--speeds", "1,1,0.5,0.25", "--global-batch", "96",
+            "--subset", "9600", "--epochs", "2", "--lr", "0.05", "--seed", "3", "--test-subset", "2000"]
+
+
+@pytest.mark.skipif(not (ROOT / "data" / "fashion-mnist").is_dir(), reason="Fashion-MNIST not in data/ (make data)")
+@pytest.mark.parametrize("strategy", ["dbs-sgd", "asgd"])
+def test_asynchronous_defaults_train_where_they_diverged(tmp_path, strategy):
+    """dbs-sgd (and, at this seed, asgd) ended at chance with momentum 0.9 on the server:
+    the step norms grew every update until the loss jumped to 5-7 and the network died
+    (loss ln 10 = 2.30 from then on). Asynchrony adds its own momentum; the server's
+    default momentum now leaves room for it (server_momentum)."""
+    out = tmp_path / f"{strategy}.h5"
+    proc = run_cli(["train", *DIVERGED, "--strategy", strategy, "--out", str(out)], ranks=4, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    run = read_run(out)
+    accuracy, loss = run["data"]["epoch/test_accuracy"][-1], run["data"]["epoch/train_loss"][-1]
+    assert accuracy > 0.5 and loss < 1.5, f"{strategy}: accuracy {accuracy:.3f}, train loss {loss:.3f}"
 
 
 def test_cli_refuses_one_rank(tmp_path):
