@@ -256,9 +256,9 @@ class Balancer:
                                f"optimizer.step() per batch of the HeteroSampler, then balancer.end_epoch()")
         return e.table[e.step]
 
-    def stretch(self, compute_seconds: float) -> float:
-        """Sleep as the emulated device would be slower (heterogeneity.Emulator)."""
-        return self.emulator.stretch(compute_seconds)
+    def stretch(self, compute_seconds: float, cpu_seconds: float | None = None) -> float:
+        """Sleep as the emulated device would be slower (heterogeneity.Emulator.stretch)."""
+        return self.emulator.stretch(compute_seconds, cpu_seconds)
 
     def record_step(self, data: float, pre: float, collective: float, update: float,
                     loss: float = float("nan")) -> None:

@@ -88,10 +88,14 @@ class Emulator:
         self.epoch_sleep = float(extra) if epoch < self.disturbed_until else 0.0
         self.step_sleep = self.epoch_sleep / max(steps, 1)
 
-    def stretch(self, compute_seconds: float) -> float:
-        """Sleep so that a step that computed for compute_seconds took as long as on the
-        emulated device; returns the seconds slept."""
-        extra = compute_seconds * (self.factor - 1.0) + self.step_sleep
+    def stretch(self, compute_seconds: float, cpu_seconds: float | None = None) -> float:
+        """Sleep so that a step that computed for compute_seconds (wall) took as long as on
+        the emulated device; returns the seconds slept. With cpu_seconds (the process's
+        CPU time over the same interval) the slow-down stretches the smaller of the two:
+        the work itself, not the time spent waiting for a core (other ranks on the same
+        cores, other jobs), which a slower device would wait just as long, not 1/s times."""
+        work = compute_seconds if cpu_seconds is None else min(compute_seconds, cpu_seconds)
+        extra = work * (self.factor - 1.0) + self.step_sleep
         if extra > 0:
             precise_sleep(extra)
             return extra

@@ -196,6 +196,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _new_step(self, now: float) -> None:
         self._last_end = now               # end of the last step: data time runs from here
         self._compute_start = None         # the model's first training forward of this step
+        self._compute_cpu = None           # the process's CPU time then
         self._samples = 0                  # samples the model saw in training mode (None: unknown)
         self._forwards = 0
         self._synced = False
@@ -206,7 +207,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if module is not self.model or not module.training or not torch.is_grad_enabled():
             return
         if self._compute_start is None:
-            self._compute_start = time.perf_counter()
+            self._compute_start, self._compute_cpu = time.perf_counter(), time.process_time()
             if self.balancer.step_pending:
                 self._row = self.balancer.step_batch_sizes()
                 self.exchange.arm(step_weight(self._row, self.comm.Get_rank(), self.aggregation))
@@ -240,7 +241,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._new_step(self._last_end)      # a refused step leaves nothing behind for the next one
             raise
         began = self._compute_start if self._compute_start is not None else self._last_end
-        self.balancer.stretch(start - began)
+        cpu = time.process_time() - self._compute_cpu if self._compute_cpu is not None else None
+        self.balancer.stretch(start - began, cpu)
         pre_end = time.perf_counter()
         local = int(row[rank])
         share = _number(loss) * local / float(np.sum(row)) if loss is not None and local else 0.0

@@ -619,14 +619,14 @@ class Worker:
             idx = perm[start:start + count]
             if count:
                 x, y = fetch_batch(self.train_set, idx)
-            t1 = time.perf_counter()
+            t1, cpu = time.perf_counter(), time.process_time()
             self.grad.body.zero_()
             loss_value = 0.0
             if count:
                 loss = self.loss_fn(self.model(x), y)
                 loss.backward()
                 loss_value = loss.item()
-                self.emulator.stretch(time.perf_counter() - t1)
+                self.emulator.stretch(time.perf_counter() - t1, time.process_time() - cpu)
             t2 = time.perf_counter()
             h = self.grad.header
             h[:] = 0.0

@@ -73,13 +73,13 @@ def split_wait(pre: np.ndarray, collective: np.ndarray) -> tuple[np.ndarray, np.
 
 def time_step(step, local_batch: int, steps: int, warmup: int, stretch=None) -> float:
     """Median seconds of `step(local_batch)` over `steps` calls after `warmup` untimed
-    ones; `stretch(seconds)` (the emulated slow-down) is applied to every call."""
+    ones; `stretch(wall seconds, CPU seconds)` (the emulated slow-down) is applied to every call."""
     times = []
     for i in range(warmup + steps):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         step(local_batch)
         if stretch is not None:
-            stretch(time.perf_counter() - start)
+            stretch(time.perf_counter() - start, time.process_time() - cpu)
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return statistics.median(times)

@@ -14,7 +14,7 @@ models instead of running (docs/simulator.md has the formulas and what limits th
 
 * compute: a rank's forward and backward at local batch b costs w(b) core-seconds (the
   machine's measured table, machine.py) divided by its device speed, times lognormal
-  noise; an emulated slow-down (a sleep of (1/s - 1) times the compute's wall time, plus
+  noise; an emulated slow-down (a sleep of (1/s - 1) times the compute's CPU time, plus
   the epoch's disturbance) uses no core;
 * cores: the ranks of a node share its cores (processor sharing: while k ranks compute on
   C cores, each runs at min(1, C/k) of a core), which is what makes 4 ranks on 2 cores
@@ -202,8 +202,7 @@ class Compute:
         data = np.asarray(local_batches, float) * self.job.data_per_sample
         work = self.work(local_batches)
         wall = processor_sharing(work + data, self.cluster.nodes, self.cluster.node_cores())
-        compute_wall = wall * (work / np.maximum(work + data, 1e-30))
-        return wall + compute_wall * (factor - 1.0) + sleep      # the engine stretches every step
+        return wall + work * (factor - 1.0) + sleep      # the engine stretches the CPU work of every step
 
     def update(self) -> float:
         """Seconds of the optimizer update and the loop's own work, all ranks at once."""
@@ -243,7 +242,8 @@ def calibration_step(compute: Compute, cluster: Cluster, factor: np.ndarray, loc
     """Every rank's calibration step at `local_batch`, the ranks' loops unsynchronised
     (free_running_rate), the emulated slow-down included (seconds, per rank)."""
     rate = free_running_rate(cluster.nodes, factor, cluster.node_cores())
-    return compute.work(np.full(cluster.size, local_batch)) / rate * factor
+    work = compute.work(np.full(cluster.size, local_batch))
+    return work / rate + work * (factor - 1.0)
 
 
 def calibration_times(job: Job, cluster: Cluster, compute: Compute, emus) -> tuple[tuple, np.ndarray]:
@@ -436,8 +436,8 @@ class _AsyncLoop:
             self.emus[rank].start_epoch(epoch, self.steps)
             self.epoch_of[rank] = epoch
         e = self.emus[rank]
-        wall = float(self.compute_model.work(np.array([count]), [rank])[0]) * self.contention[rank] if count else 0.0
-        seconds = wall * e.factor + e.step_sleep + self.residual
+        work = float(self.compute_model.work(np.array([count]), [rank])[0]) if count else 0.0
+        seconds = work * self.contention[rank] + work * (e.factor - 1.0) + e.step_sleep + self.residual
         self.compute += seconds
         self.comm += 2 * self.message
         arrival = now + self.message + seconds + self.message

@@ -223,3 +223,17 @@ def test_figure_files_are_reproducible(tmp_path, monkeypatch):
         assert digests[0][ext] == digests[1][ext], ext
     assert b"CreationDate" not in digests[0]["pdf"]
     sys.modules.pop("figlib", None)
+
+
+def test_measured_ideal_speedup_from_step_times():
+    """Two ranks, t_0(b) = 0.01 + 0.001 b, t_1(b) = 0.01 + 0.004 b (a fixed cost of 10 ms
+    and a 4x slower rank), B = 100. Equal: t_1(50) = 0.21 s. Balanced: b_0 + b_1 = 100 with
+    0.001 b_0 = 0.004 b_1: b = (80, 20), 0.09 s. Ideal 0.21 / 0.09 = 2.33, below the
+    proportional mean(v)/min(v) = 2.5, which ignores the fixed cost."""
+    batches = [10, 50]
+    times = np.array([[0.01 + 0.001 * b for b in batches], [0.01 + 0.004 * b for b in batches]])
+    ideal = analysis.measured_ideal_speedup(batches, times, 100)
+    assert ideal == pytest.approx(0.21 / 0.09, rel=1e-6)
+    assert ideal < analysis.ideal_speedup([1, 0.25])
+    same = np.array([[0.02, 0.06], [0.02, 0.06]])
+    assert analysis.measured_ideal_speedup(batches, same, 100) == pytest.approx(1.0)

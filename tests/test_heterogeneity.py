@@ -54,3 +54,54 @@ def test_random_sleep_disturbance_is_seeded_and_bounded():
             current = 0
     complete = runs[:-1] if a[-1] > 0 else runs   # a stretch cut off by the end of the trace may be shorter
     assert len(complete) >= 2 and min(complete) >= 4, (runs, a[-1])
+
+
+def test_stretch_takes_the_work_not_the_wait_for_a_core():
+    """Given the CPU time of the compute, the slow-down stretches the smaller of CPU and
+    wall time: a rank that waited for a core (background load, oversubscription) is not
+    made to wait 1/s - 1 times as long again."""
+    e = Emulator(0, 0.25)
+    e.start_epoch(0, 10)
+    assert e.stretch(0.010, cpu_seconds=0.002) == pytest.approx(3 * 0.002)     # waited 8 ms for a core
+    assert e.stretch(0.002, cpu_seconds=0.008) == pytest.approx(3 * 0.002)     # 4 threads busy: the wall time
+    assert e.stretch(0.004) == pytest.approx(3 * 0.004)                        # no CPU time given: the wall
+
+
+def test_distributed_optimizer_stretches_cpu_time_not_waiting():
+    """A forward that waits 60 ms without computing (as a rank does while other processes
+    hold its core) on an emulated 0.25-speed rank: the step sleeps about 3 x its CPU work,
+    not 3 x 60 ms. With the wall time stretched, ssgd beside a slow rank on a loaded machine
+    ran up to 3 times slower than the same run on a quiet one (the grid of 2026-11-23)."""
+    import torch
+
+    from dbs_mpi import Balancer, DistributedOptimizer, init
+
+    class Waiting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            time.sleep(0.06)                     # off the CPU, like a rank waiting for a core
+            return self.linear(x)
+
+    comm = init()
+    if comm.Get_size() != 1:
+        pytest.skip("a 1-rank test")
+    model = Waiting()
+    balancer = Balancer(comm, 8, "ssgd", emulator=Emulator(0, 0.25))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, balancer)
+    stretched = []
+    original = balancer.stretch
+    balancer.stretch = lambda wall, cpu=None: stretched.append(original(wall, cpu)) or stretched[-1]
+    from dbs_mpi import HeteroSampler
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(2, (16,)))
+    sampler = HeteroSampler(data, balancer, seed=0)
+    for idx in sampler:
+        x, y = data[idx]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    balancer.end_epoch()
+    assert len(stretched) == 2
+    assert all(s < 0.06 for s in stretched), f"slept {stretched}: the wait was stretched as if it were compute"
