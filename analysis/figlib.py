@@ -84,4 +84,5 @@ def load_text(runs) -> str:
     if "grid_loadavg" not in runs:
         return ""
     values = [v for x in runs.grid_loadavg if isinstance(x, (tuple, list, np.ndarray)) for v in x]
-    return f" (1-minute load average {min(values):.1f} to {max(values):.1f})" if values else ""
+    return (f" (1-minute load average {min(values):.1f} to {max(values):.1f}, the grid's own ranks included)"
+            if values else "")

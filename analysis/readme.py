@@ -27,6 +27,8 @@ FIGURES = [
     ("speedup", "Measured against ideal speed-up", "speedup.ipynb", True),
     ("async-loss", "dbs-sgd against asgd and 1-softsync: loss over time", "async.ipynb", False),
     ("async-staleness", "Staleness distributions", "async.ipynb", True),
+    ("dbs-sgd-study", "dbs-sgd against asgd and 1-softsync: 7 workers, 3 learning rates, 3 seeds", "async.ipynb",
+     True),
     ("simulation", "Projected speed-up and communication share, 8 to 4,096 ranks (simulated)", "simulation.ipynb",
      True),
 ]

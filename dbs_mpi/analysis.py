@@ -72,21 +72,37 @@ def ideal_speedup(speeds, skip_server: bool = False) -> float:
     return float(v.mean() / v.min())
 
 
-def measured_ideal_speedup(local_batch, step_time, global_batch: int, min_local: int = 1,
+def measured_ideal_speedup(equal_batches, equal_times, batches, times, global_batch: int, min_local: int = 1,
                            max_local: int | None = None) -> float:
-    """The best speed-up re-allocating can give over equal local batches, from measured
-    step times: every rank's affine model t_i(b) = a_i + p_i b fitted to its start-up
-    calibration (`startup/step_time`, (R, 2) seconds at `startup/local_batch`), then
+    """The best speed-up re-allocating can give over equal local batches, from the step
+    times the ranks really took: rank i's seconds per step (data + compute) at the
+    baseline's equal local batch and at the strategy's, an affine model t_i(b) = a_i + p_i b
+    through the two points (proportional, a_i = 0, where the batches are within 20%), then
     max_i t_i(B/n) over max_i t_i(b_i) for the engine's allocation b. Unlike mean(v)/min(v)
     it counts the fixed cost per step and whatever the ranks really did (load, shared
     cores); the collective, the same in both, only lowers the real ratio."""
-    times = np.asarray(step_time, dtype=float)
-    n = times.shape[0]
-    small, large = (int(b) for b in np.asarray(local_batch).ravel()[:2])
-    fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1], affine=True)
-    equal = allocation.equal(global_batch, n, min_local, max_local)
-    best = fit.allocate(global_batch, min_local, max_local)
-    return float(np.max(fit.predict(equal)) / np.max(fit.predict(best)))
+    b1, t1 = np.asarray(equal_batches, float), np.asarray(equal_times, float)
+    b2, t2 = np.asarray(batches, float), np.asarray(times, float)
+    apart = np.abs(b2 - b1) >= 0.2 * np.maximum(b1, b2)
+    slope = np.where(apart, (t2 - t1) / np.where(apart, b2 - b1, 1.0), 0.0)
+    proportional = (t1 + t2) / np.maximum(b1 + b2, 1.0)
+    good = apart & (slope > 0)
+    per_sample = np.where(good, slope, proportional)
+    overhead = np.where(good, np.clip(t1 - slope * b1, 0.0, 0.5 * np.minimum(t1, t2)), 0.0)
+    model = allocation.SpeedModel(per_sample=per_sample, overhead=overhead)
+    best = model.allocate(global_batch, min_local, max_local)
+    return float(np.max(t1) / np.max(model.predict(best)))
+
+
+def step_times(tables: "Tables", run: str, skip_first: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(local batch, seconds per step before the collective) of every rank of a run: the
+    last epoch's vector, and the median over epochs (after the first) of batch / speed."""
+    r = tables.ranks[tables.ranks.run == run]
+    if skip_first and r.epoch.nunique() > 1:
+        r = r[r.epoch > r.epoch.min()]
+    last = r[r.epoch == r.epoch.max()].sort_values("rank")
+    per_step = (r.batch_size / r.speed).groupby(r["rank"]).median().sort_index()
+    return last.batch_size.to_numpy(float), per_step.to_numpy(float)
 
 
 def _attr(value):
@@ -154,11 +170,6 @@ def _run_row(name: str, path: Path, run: dict) -> dict:
     asynchronous = row.get("strategy") in ASYNC_STRATEGIES
     row["asynchronous"] = asynchronous
     row["heterogeneity"] = ideal_speedup(row["speeds"], skip_server=asynchronous and len(row["speeds"]) > 1)
-    row["measured_ideal"] = np.nan
-    if not asynchronous and "startup/step_time" in data and world > 1:
-        row["measured_ideal"] = measured_ideal_speedup(
-            data["startup/local_batch"], data["startup/step_time"], int(cfg.get("global_batch", 0)),
-            int(cfg.get("min_local_batch", 1)), int(cfg.get("max_local_batch", 0)) or None)
     duration = data.get("epoch/duration", np.zeros(0))
     row["epochs_done"] = int(duration.shape[0])
     row["train_time"] = float(duration.sum())
@@ -315,21 +326,34 @@ def utilisation(tables: Tables, by=("strategy",)) -> pd.DataFrame:
 def speedup(tables: Tables, baseline: str = "ssgd", strategy: str = "dbs",
             group=("experiment", "speeds", "seed"), time_column: str = "steady_epoch_time") -> pd.DataFrame:
     """Measured speed-up time(baseline)/time(strategy) per group (runs that differ only in
-    strategy), with the ideal next to it: `ideal` from the strategy run's measured step
-    times (measured_ideal_speedup; mean(v)/min(v) where the run has no calibration), and
+    strategy), with the ideal next to it: `ideal` from both runs' measured step times
+    (measured_ideal_speedup; mean(v)/min(v) where per-rank records are missing), and
     `proportional_ideal` = mean(v)/min(v)."""
     runs = tables.runs
     cols = [c for c in group if c in runs]
-    base = runs[runs.strategy == baseline].set_index(cols)[time_column]
+    base = runs[runs.strategy == baseline].set_index(cols)[[time_column, "run"]]
     other = runs[runs.strategy == strategy].set_index(cols)
-    measured = other["measured_ideal"] if "measured_ideal" in other else np.nan
-    other = other.assign(measured_ideal=measured)
-    joined = other[[time_column, "heterogeneity", "measured_ideal"]].join(base.rename("baseline_time"), how="inner")
+    joined = other[[time_column, "heterogeneity", "run", "global_batch"]].join(
+        base.rename(columns={time_column: "baseline_time", "run": "baseline_run"}), how="inner")
     joined = joined.rename(columns={time_column: "time", "heterogeneity": "proportional_ideal"})
     joined["speedup"] = joined["baseline_time"] / joined["time"]
-    joined["ideal"] = joined["measured_ideal"].fillna(joined["proportional_ideal"])
+    joined["ideal"] = [_pair_ideal(tables, r.baseline_run, r.run, int(r.global_batch), r.proportional_ideal)
+                       for r in joined.itertuples()]
     joined["fraction_of_ideal"] = joined["speedup"] / joined["ideal"]
     return joined.reset_index()
+
+
+def _pair_ideal(tables: "Tables", baseline_run: str, run: str, global_batch: int, fallback: float) -> float:
+    """measured_ideal_speedup of a (baseline, strategy) pair from their ranks' step times,
+    or `fallback` where the per-rank records are missing."""
+    if tables.ranks is None or not len(tables.ranks) or not (tables.ranks.run == run).any() \
+            or not (tables.ranks.run == baseline_run).any():
+        return float(fallback)
+    equal_b, equal_t = step_times(tables, baseline_run)
+    b, t = step_times(tables, run)
+    if len(equal_b) != len(b) or not (np.isfinite(equal_t).all() and np.isfinite(t).all()):
+        return float(fallback)
+    return measured_ideal_speedup(equal_b, equal_t, b, t, global_batch)
 
 
 def smooth(values, window: int) -> np.ndarray:

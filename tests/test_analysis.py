@@ -155,7 +155,10 @@ def test_speedup_pairs_runs_that_differ_only_in_strategy(folder):
     assert len(sp) == 1
     row = sp.iloc[0]
     assert row.speedup == pytest.approx(np.median([4.0, 4.2]) / np.median([1.6, 1.8]))
-    assert row.ideal == pytest.approx(2.5) and row.fraction_of_ideal == pytest.approx(row.speedup / 2.5)
+    assert row.proportional_ideal == pytest.approx(2.5)
+    # the ideal from the ranks' records: both runs at (400, 112) samples and 100 samples/s,
+    # 4.0 s and 1.12 s per step; balanced at 0.01 s per sample each: 256 samples, 2.56 s
+    assert row.ideal == pytest.approx(4.0 / 2.56) and row.fraction_of_ideal == pytest.approx(row.speedup / row.ideal)
 
 
 def test_empty_folder_gives_empty_tables(tmp_path):
@@ -227,13 +230,16 @@ def test_figure_files_are_reproducible(tmp_path, monkeypatch):
 
 def test_measured_ideal_speedup_from_step_times():
     """Two ranks, t_0(b) = 0.01 + 0.001 b, t_1(b) = 0.01 + 0.004 b (a fixed cost of 10 ms
-    and a 4x slower rank), B = 100. Equal: t_1(50) = 0.21 s. Balanced: b_0 + b_1 = 100 with
-    0.001 b_0 = 0.004 b_1: b = (80, 20), 0.09 s. Ideal 0.21 / 0.09 = 2.33, below the
-    proportional mean(v)/min(v) = 2.5, which ignores the fixed cost."""
-    batches = [10, 50]
-    times = np.array([[0.01 + 0.001 * b for b in batches], [0.01 + 0.004 * b for b in batches]])
-    ideal = analysis.measured_ideal_speedup(batches, times, 100)
+    and a 4x slower rank), B = 100. Equal split, measured: t(50) = (0.06, 0.21). The
+    strategy's run at (70, 30): (0.08, 0.13); through the two points per rank the model is
+    exact, and the best split equalises b_0 - 4 b_1 = 0 with b_0 + b_1 = 100: (80, 20),
+    0.09 s. Ideal 0.21 / 0.09 = 2.33, below the proportional mean(v)/min(v) = 2.5, which
+    ignores the fixed cost."""
+    t = lambda a, p, b: a + p * b  # noqa: E731
+    ideal = analysis.measured_ideal_speedup([50, 50], [t(0.01, 0.001, 50), t(0.01, 0.004, 50)], [70, 30],
+                                            [t(0.01, 0.001, 70), t(0.01, 0.004, 30)], 100)
     assert ideal == pytest.approx(0.21 / 0.09, rel=1e-6)
     assert ideal < analysis.ideal_speedup([1, 0.25])
-    same = np.array([[0.02, 0.06], [0.02, 0.06]])
-    assert analysis.measured_ideal_speedup(batches, same, 100) == pytest.approx(1.0)
+    # equal speeds, batches barely moved: proportional per rank, ideal about 1
+    assert analysis.measured_ideal_speedup([50, 50], [0.06, 0.06], [51, 49], [0.061, 0.059], 100) == \
+        pytest.approx(1.0, abs=0.02)
