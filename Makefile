@@ -98,7 +98,7 @@ clean:
 
 # The experiment grid of jobs/experiments.toml, one `dbs-mpi train` launch per run, result
 # files in GRID_OUT (complete runs are skipped, interrupted ones resumed, each launch bounded
-# by the grid's timeout). SCALE=small: this 2-core machine (~25 min); SCALE=paper: a cluster.
+# by the grid's timeout). SCALE=small: this 2-core machine (80 runs, about 16 min); SCALE=paper: a cluster.
 # ONLY=name[,name...] restricts it to experiments, figures or runs.
 SCALE    ?= small
 GRID_OUT ?= results/grid
