@@ -49,14 +49,14 @@ ASYNC_CRASH = textwrap.dedent("""
     comm = MPI.COMM_WORLD
     if comm.Get_rank() == comm.Get_size() - 1:
         stretch, calls = heterogeneity.Emulator.stretch, [0]
-        def failing_stretch(self, seconds):
+        def failing_stretch(self, *args):
             calls[0] += 1
             if calls[0] == 20:
                 print(f"FAIL_AT {time.time():.6f}", flush=True)
                 if sys.argv[1] == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError("injected failure")
-            stretch(self, seconds)
+            stretch(self, *args)
         heterogeneity.Emulator.stretch = failing_stretch
     out = sys.argv[2]
     sys.exit(cli.main(["train", "--strategy", "asgd", "--dataset", "synthetic", "--synthetic-samples", "6000",

@@ -228,11 +228,11 @@ ASYNC_CRASH = textwrap.dedent("""
         ps.Server.apply = failing_apply
     elif rank == size - 1:                 # the last worker, after its 20th gradient
         stretch, calls = heterogeneity.Emulator.stretch, [0]
-        def failing_stretch(self, seconds):
+        def failing_stretch(self, *args):
             calls[0] += 1
             if calls[0] == 20:
                 fail()
-            stretch(self, seconds)
+            stretch(self, *args)
         heterogeneity.Emulator.stretch = failing_stretch
     sys.exit(cli.main(["train", "--strategy", "asgd", "--dataset", "synthetic", "--synthetic-samples", "6000",
                        "--test-subset", "200", "--epochs", "50", "--global-batch", "60", "--out", out]))
