@@ -92,14 +92,9 @@ class Machine:
 
 
 def _median_time(fn, repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Median seconds of fn() over `repeats` calls after `warmup` untimed ones."""
+    from .profiling import time_step
+    return time_step(lambda _: fn(), 0, repeats, warmup)
 
 
 def measure_model(name: str, repeats: int = 15) -> ModelCost:
@@ -195,7 +190,7 @@ def measure_allreduce(comm, sizes=(2 ** 10, 2 ** 14, 2 ** 17, 2 ** 19, 2 ** 21),
     = 2 alpha + m beta; and the median extra time of the sleeping wait policy."""
     import torch
 
-    from .comm import GradientExchange
+    from .comm import GradientExchange, barrier
     rows, times, sleeps = [], [], []
     for numel in sizes:
         for sleep in (False, True):
@@ -203,7 +198,7 @@ def measure_allreduce(comm, sizes=(2 ** 10, 2 ** 14, 2 ** 17, 2 ** 19, 2 ** 21),
             exchange = GradientExchange(comm, [param], 60, sleep)
 
             def call():
-                comm.Barrier()
+                barrier(comm, timeout=60, max_pause=0.0)
                 start = time.perf_counter()
                 exchange.allreduce(0.5, 0.0)
                 return time.perf_counter() - start
@@ -225,14 +220,14 @@ def measure_crowding(comm, alpha: float, beta: float, sleep_wait: float, repeats
     the ranks outnumber the cores (sleeping wait policy, as training uses there)."""
     import torch
 
-    from .comm import GradientExchange
+    from .comm import GradientExchange, barrier
     p, extra = comm.Get_size(), []
     for nbytes in (2 ** 14, 2 ** 18, 2 ** 20):
         param = torch.nn.Parameter(torch.zeros(nbytes // 4))
         exchange = GradientExchange(comm, [param], 60, True)
         times = []
         for _ in range(repeats):
-            comm.Barrier()
+            barrier(comm, timeout=60, max_pause=0.0)
             start = time.perf_counter()
             exchange.allreduce(1.0 / p, 0.0)
             times.append(time.perf_counter() - start)
@@ -248,14 +243,14 @@ def calibrate(comm, name: str) -> Machine:
     rank 0 measures the models while the others sleep."""
     import torch
 
-    from .comm import available_cores, barrier
+    from .comm import available_cores, barrier, bcast_object
     torch.set_num_threads(1)
     pair = comm.Split(0 if comm.Get_rank() < 2 else 1)
     alpha = beta = sleep_wait = 0.0
     if comm.Get_rank() < 2:
         alpha, beta, sleep_wait = measure_allreduce(pair)
     barrier(comm, timeout=3600)
-    alpha, beta, sleep_wait = comm.bcast((alpha, beta, sleep_wait), root=0)
+    alpha, beta, sleep_wait = bcast_object(comm, (alpha, beta, sleep_wait), timeout=3600)
     crowding = measure_crowding(comm, alpha, beta, sleep_wait) if comm.Get_size() > available_cores() else 0.0
     models, data = {}, {}
     if comm.Get_rank() == 0:

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,17 @@ def run_cli(args, ranks=1, timeout=120, cwd=None, env=None):
     cmd = ([mpiexec(), "-n", str(ranks)] if ranks > 1 else []) + dbs_mpi_cmd() + list(args)
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT, env=full_env)
+
+
+def read_released(path, deadline):
+    """read_run(path) once no process holds its HDF5 lock any more (by time.time() deadline)."""
+    from dbs_mpi.results import read_run
+    while True:
+        try:
+            return read_run(path)
+        except BlockingIOError:
+            assert time.time() < deadline, f"{path} is still locked by a rank that should be gone"
+            time.sleep(0.05)
 
 
 def rank_pids(mpirun_pid) -> dict:

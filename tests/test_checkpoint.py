@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, dbs_mpi_cmd, mpiexec, rank_pids, run_cli
+from conftest import ROOT, dbs_mpi_cmd, mpiexec, rank_pids, read_released, run_cli
 from dbs_mpi import checkpoint
 from dbs_mpi.results import read_run
 
@@ -38,16 +38,6 @@ def read_line(proc, text, seconds=120):
     while text not in (line := proc.stdout.readline()):
         assert line or proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, f"no line with {text!r}"
-
-
-def read_released(path, deadline):
-    """read_run(path) once no process holds its HDF5 lock any more (by time.time() deadline)."""
-    while True:
-        try:
-            return read_run(path)
-        except BlockingIOError:
-            assert time.time() < deadline, f"{path} is still locked by a rank that should be gone"
-            time.sleep(0.05)
 
 
 def model_of(ckpt):

@@ -10,24 +10,13 @@ import time
 
 import pytest
 
-from conftest import ROOT, dbs_mpi_cmd, mpiexec, rank_pids
-from dbs_mpi.results import read_run
+from conftest import ROOT, dbs_mpi_cmd, mpiexec, rank_pids, read_released
 
 TIMEOUT = 5          # --comm-timeout of these runs, seconds
 SLACK = 6            # seconds the job may take beyond it to end
 RUN = ["train", "--dataset", "synthetic", "--synthetic-samples", "3000", "--test-subset", "100", "--epochs", "500",
        "--global-batch", "60", "--benchmark-steps", "1", "--benchmark-warmup", "0", "--comm-timeout", str(TIMEOUT),
        "--progress", "false"]
-
-
-def read_released(path, deadline):
-    """read_run(path) once no process holds its HDF5 lock any more (by time.time() deadline)."""
-    while True:
-        try:
-            return read_run(path)
-        except BlockingIOError:
-            assert time.time() < deadline, f"{path} is still locked by a rank that should be gone"
-            time.sleep(0.05)
 
 
 def stop_one_rank(tmp_path, args, ranks, victim):
