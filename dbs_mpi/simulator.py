@@ -492,11 +492,9 @@ class _AsyncLoop:
 
 # --- replays and projections ----------------------------------------------------------------
 
-DATASET_SAMPLES = {"fashion-mnist": 60000, "mnist": 60000, "cifar10": 50000}
-
-
 def job_from_config(cfg: dict, model: ModelCost, data_per_sample: float) -> Job:
-    samples = DATASET_SAMPLES.get(cfg["dataset"], cfg.get("synthetic_samples", 0))
+    from .data import SPLIT_SIZES
+    samples = SPLIT_SIZES.get(cfg["dataset"], {}).get("train", cfg.get("synthetic_samples", 0))
     if cfg.get("subset"):
         samples = min(samples, cfg["subset"])
     disturbances = {k: tuple(cfg[k]) if isinstance(cfg[k], list) else cfg[k]
@@ -594,18 +592,29 @@ def measured_epochs(path) -> list[float]:
 
 def speeds_from(args, ranks: int) -> np.ndarray:
     """Device speeds (1 = the fastest): log-uniform in [1/R, 1], or from a TOML file:
-    `speeds = [...]`, or `[[mix]]` tables with name, speed and count."""
+    `speeds = [...]`, or `[[mix]]` tables with name, speed and count. ValueError names
+    what is wrong with the file."""
     if args.speeds:
-        from .config import tomllib
-        data = tomllib.loads(Path(args.speeds).read_text())
+        return _speeds_file(Path(args.speeds))
+    rng = np.random.default_rng(args.seed)
+    return np.exp(rng.uniform(-math.log(args.speed_spread), 0.0, size=ranks))
+
+
+def _speeds_file(path: Path) -> np.ndarray:
+    from .config import tomllib
+    try:
+        data = tomllib.loads(path.read_text())
         if "speeds" in data:
             speeds = np.asarray(data["speeds"], float)
         else:
             speeds = np.concatenate([np.full(int(m["count"]), float(m["speed"])) for m in data["mix"]])
-        return speeds / speeds.max()
-    rng = np.random.default_rng(args.seed)
-    spread = max(args.speed_spread, 1.0)
-    return np.exp(rng.uniform(-math.log(spread), 0.0, size=ranks))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"cannot read {path} ({exc})") from None
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{path}: give `speeds = [numbers]` or [[mix]] tables with name, speed and count") from None
+    if speeds.ndim != 1 or not speeds.size or not np.all(np.isfinite(speeds) & (speeds > 0)):
+        raise ValueError(f"{path}: speeds must be positive numbers, at least one")
+    return speeds / speeds.max()
 
 
 def projection(machine: Machine, speeds, strategy: str = "dbs", model: str = "resnet20", epochs: int = 3,
@@ -711,9 +720,36 @@ def _setup(argv):
         raise UserError(f"model: the machine file has no costs for {args.model!r} (it has {', '.join(machine.models)})")
     if args.ranks < 0 or args.epochs < 1 or args.samples < 1 or args.compute_scale <= 0 or args.ranks_per_node < 1:
         raise UserError("simulate: --ranks, --epochs, --samples, --compute-scale and --ranks-per-node must be positive")
-    if args.network not in NETWORKS and len(args.network.split(",")) != 2:
-        raise UserError(f"network: one of {', '.join(NETWORKS)}, or ALPHA,BETA; got {args.network!r}")
+    _check_values(args, machine)
     return args, machine
+
+
+def _check_values(args, machine: Machine) -> None:
+    """The options' values, each refused with one line that names it."""
+    from .config import UserError
+    if args.noise is not None and not args.noise >= 0:
+        raise UserError(f"noise: must be 0 or more, got {args.noise}")
+    if not args.speed_spread >= 1:
+        raise UserError(f"speed-spread: must be at least 1 (speeds log-uniform in [1/R, 1]), got {args.speed_spread}")
+    if args.network not in NETWORKS:
+        try:
+            alpha, beta = (float(v) for v in args.network.split(","))
+        except ValueError:
+            alpha = beta = -1.0
+        if not (alpha >= 0 and beta >= 0):
+            raise UserError(f"network: one of {', '.join(NETWORKS)}, or ALPHA,BETA (seconds, s/byte); "
+                            f"got {args.network!r}")
+    if args.speeds:
+        try:
+            _speeds_file(Path(args.speeds))
+        except ValueError as exc:
+            raise UserError(f"speeds: {exc}") from None
+    if args.source:
+        try:
+            replay_job(args.source, machine)
+        except (OSError, KeyError, ValueError, TypeError) as exc:
+            raise UserError(f"from: {args.source} is no dbs-mpi result file this machine file can replay "
+                            f"({exc})") from None
 
 
 def main(comm, argv) -> int:
@@ -788,17 +824,16 @@ def _spread(path: Path) -> float:
 
 
 def _residual(path: Path, machine: Machine) -> float:
-    job, cluster, network, cfg, startup = replay_job(path, machine)
-    job.residual = {}
-    load, noise = load_factor(job, cluster, startup), machine_noise(machine, cluster)
+    """Seconds per step (synchronous) or per gradient (a parameter-server worker) that a
+    residual run took beyond its replay (machine.residual is empty while it is measured)."""
+    out = replay(path, machine, seed=0)
+    job = replay_job(path, machine)[0]
     if job.strategy in SYNC:
-        result = simulate_sync(job, cluster, network, noise, 0, load, startup.get("batch_sizes"))
         per = sharding.steps_per_epoch(job.samples, job.global_batch, job.drop_last)
     else:
-        result = simulate_async(job, cluster, network, noise, 0, load, None, None, cfg["checkpoint_every"])
         per = job.samples / job.global_batch           # gradients per worker and epoch (equal local batches)
-    measured = measured_epochs(path)
-    return max(0.0, float(np.median([(m - p) / per for m, p in zip(measured[1:], result.epoch_time[1:])])))
+    pairs = list(zip(out["epoch_time_measured"], out["epoch_time_predicted"]))[1:]
+    return max(0.0, float(np.median([(m - p) / per for m, p in pairs])))
 
 
 def _calibrate(comm, argv) -> int:

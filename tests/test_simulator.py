@@ -245,6 +245,10 @@ def test_simulate_reads_speed_mixes_from_toml(tmp_path):
     (["--from", "nosuch.h5"], "from"),
     (["--ranks", "8", "--model", "nosuch"], "model"),
     (["--ranks", "8", "--network", "fast"], "network"),
+    (["--ranks", "8", "--network", "1e-6,x"], "network"),
+    (["--ranks", "8", "--noise", "-1"], "noise"),
+    (["--ranks", "8", "--speed-spread", "0.5"], "speed-spread"),
+    (["--speeds", "nosuch.toml"], "speeds"),
     ([], "simulate"),
 ])
 def test_simulate_bad_input_is_one_line(args, field):
@@ -252,3 +256,19 @@ def test_simulate_bad_input_is_one_line(args, field):
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"dbs-mpi: error: {field}"), run.stderr
+
+
+@pytest.mark.parametrize("text", ['speeds = [1, "x"]\n', 'speeds = [1, -2]\n', '[[mix]]\nname = "a"\n', 'speeds = [\n'])
+def test_simulate_refuses_a_bad_speeds_file(tmp_path, text):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text)
+    run = run_cli(["simulate", "--speeds", str(bad)], timeout=60)
+    assert run.returncode == 2 and run.stderr.startswith("dbs-mpi: error: speeds:"), run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
+
+
+def test_simulate_refuses_a_file_that_is_no_result_file(tmp_path):
+    bad = tmp_path / "run.h5"
+    bad.write_text("not HDF5")
+    run = run_cli(["simulate", "--from", str(bad)], ranks=2, timeout=60)
+    assert run.returncode == 2 and run.stderr.count("dbs-mpi: error: from:") == 1, run.stderr
