@@ -172,13 +172,16 @@ class Balancer:
     def calibration_batches(self) -> tuple[int, int]:
         return calibration_batches(self.global_batch, self.world_size, self.min_local, self.max_local)
 
-    def calibrate(self, step, steps: int = 5, warmup: int = 2) -> np.ndarray:
+    def calibrate(self, step, steps: int = 5, warmup: int = 2, wall_clock: bool = False) -> np.ndarray:
         """Collective. Time `step(b)` (one forward and backward on b samples, on a copy of
         the model: see profiling.model_step) at two local batches on every rank, fit every
-        rank's step time, and (static, dbs) allocate the vector from it. Returns the vector."""
+        rank's step time, and (static, dbs) allocate the vector from it. Returns the vector.
+        A step on a GPU must synchronise the device before it returns (model_step does);
+        wall_clock=True then has emulated speeds stretch its wall time, not its CPU time."""
         small, large = self.calibration_batches()
+        stretch = self.emulator.stretch if not wall_clock else (lambda wall, cpu: self.emulator.stretch(wall))
         fit, times = calibrate(self.comm, step, small, large, steps=steps, warmup=warmup,
-                               stretch=self.emulator.stretch, affine=self.affine, timeout=self.timeout)
+                               stretch=stretch, affine=self.affine, timeout=self.timeout)
         self.speed_model = fit
         if self.policy != "ssgd":
             self.batch_sizes = fit.allocate(self.global_batch, self.min_local, self.max_local)
@@ -194,8 +197,10 @@ class Balancer:
         """calibrate() with the usual step: loss_fn(model(x), y).backward() on a copy of
         `model`, x and y the first samples of `dataset` (a map-style dataset)."""
         from .data import first_samples
+        from .devices import model_device
         inputs, targets = first_samples(dataset, self.calibration_batches()[1])
-        return self.calibrate(model_step(model, loss_fn, inputs, targets), steps, warmup)
+        return self.calibrate(model_step(model, loss_fn, inputs, targets), steps, warmup,
+                              wall_clock=model_device(model).type == "cuda")
 
     # --- an epoch -----------------------------------------------------------------
     def begin_epoch(self, epoch: int, num_samples: int, drop_last: bool = False, first_step: int = 0) -> np.ndarray:

@@ -51,7 +51,7 @@ def format_default(value) -> str:
 
 # Fields a resumed run may set differently from the checkpoint's configuration.
 RESUME_MAY_CHANGE = ("epochs", "data_dir", "comm_timeout", "wait_policy", "threads", "progress",
-                     "checkpoint_every", "out", "checkpoint", "loader_workers")
+                     "checkpoint_every", "out", "checkpoint", "loader_workers", "device", "devices", "exchange")
 
 
 def parse_train_args(argv) -> config_mod.Config:
@@ -130,21 +130,44 @@ def cmd_info(comm, argv) -> int:
     from . import comm as mpi
     from .results import versions
 
-    _Parser(prog="dbs-mpi info", description="Print the MPI and PyTorch environment of every rank.").parse_args(argv)
-    threads = mpi.threads_per_rank(comm)
+    from . import devices
+
+    parser = _Parser(prog="dbs-mpi info", description="Print the MPI, PyTorch and device environment of every rank: "
+                     "the device each rank would train on with the same --device/--devices.")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
+    parser.add_argument("--devices", default="", metavar="A,B,...", help="per-rank devices (overrides --device)")
+    args = mpi.agree(comm, parser.parse_args, argv)
+    per_rank = [d for d in args.devices.replace(" ", "").split(",") if d]
+    device = devices.select(comm, args.device, per_rank or None)
+    described = devices.all_devices(comm, device)
+    places = mpi.placement(comm)
+    threads = devices.cpu_threads(places, [d["device"] for d in described], comm.Get_rank(), mpi.thread_limit())
+    aware = devices.mpi_cuda_aware()
     rows = mpi.allgather_object(comm, (comm.Get_rank(), socket.gethostname(), os.getpid(), mpi.available_cores(),
-                                       threads))
+                                       threads, devices.cuda_versions(), aware))
     if comm.Get_rank() == 0:
         v = versions(mpi.mpi_library())
         print(f"MPI library:   {v['mpi_library']}")
         print(f"MPI standard:  {'.'.join(map(str, MPI.Get_version()))}   mpi4py {mpi4py.__version__}")
+        print(f"CUDA-aware MPI: {_cuda_aware_text(aware)}")
+        cuda = rows[0][5]
+        print(f"CUDA {cuda['cuda'] or 'none (CPU-only torch build)'}, cuDNN {cuda['cudnn'] or 'none'}, NCCL "
+              f"{'yes' if torch.distributed.is_available() and torch.distributed.is_nccl_available() else 'no'}")
         print(f"ranks:         {comm.Get_size()}")
         print(f"python {v['python']}, torch {v['torch']} ({torch.__config__.parallel_info().splitlines()[0]}), "
               f"numpy {v['numpy']}, h5py {v['h5py']}, dbs_mpi {v['dbs_mpi']}, {platform.machine()}")
-        print(f"{'rank':>4}  {'host':<20} {'pid':>8} {'cores':>5} {'torch threads':>13}")
-        for r, host, pid, cores, t in rows:
-            print(f"{r:>4}  {host:<20} {pid:>8} {cores:>5} {t:>13}")
+        print(f"{'rank':>4}  {'host':<16} {'pid':>8} {'cores':>5} {'threads':>7}  {'device':<7} {'GPUs':>4} "
+              f"{'memory':>10}  name")
+        for (r, host, pid, cores, t, cuda, _), d in zip(rows, described):
+            print(f"{r:>4}  {host:<16} {pid:>8} {cores:>5} {t:>7}  {d['device']:<7} {cuda['gpus']:>4} "
+                  f"{d['memory_gib']:>6.1f} GiB  {d['name']}")
     return 0
+
+
+def _cuda_aware_text(aware) -> str:
+    if aware is None:
+        return "unknown (the MPI library has no MPIX_Query_cuda_support)"
+    return "yes" if aware else "no (MPIX_Query_cuda_support() = 0: GPU ranks stage gradients through host memory)"
 
 
 def cmd_bench(comm, argv) -> int:

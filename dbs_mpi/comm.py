@@ -225,7 +225,8 @@ class GradientExchange:
 
     def __init__(self, comm: MPI.Comm, params, timeout: float = 600.0, sleep_while_waiting: bool = False,
                  bucket_bytes: int = BUCKET_BYTES, first_bucket_bytes: int = FIRST_BUCKET_BYTES,
-                 overlap: bool = True):
+                 overlap: bool = True, transport: str = "host", stage: bool | None = None):
+        from . import transport as transports
         self.comm = comm
         self.timeout = timeout
         self.world_size = comm.Get_size()
@@ -233,14 +234,18 @@ class GradientExchange:
         for p in self.params:
             if p.dtype != torch.float32:
                 raise TypeError("GradientExchange supports float32 parameters only")
+        devices = {p.device for p in self.params}
+        if len(devices) > 1:
+            raise ValueError(f"GradientExchange: the parameters are on several devices ({sorted(map(str, devices))}); "
+                             f"move the model to one device (model.to(device)) before wrapping the optimizer")
+        self.device = devices.pop() if devices else torch.device("cpu")
         self.numel = sum(p.numel() for p in self.params)
         # Every rank must take the same waiting path (the Ibarrier is a collective).
         self.sleep_while_waiting = bool(any(allgather_object(comm, bool(sleep_while_waiting), timeout,
                                                              "agreeing on the wait policy"))) \
             if self.world_size > 1 else False
         self.layout = bucket_layout([p.numel() for p in self.params], bucket_bytes, first_bucket_bytes)
-        self.flat = torch.zeros(self.numel + 1, dtype=torch.float32)
-        self._array = self.flat.numpy()
+        self.flat = torch.zeros(self.numel + 1, dtype=torch.float32, device=self.device)
         self.bounds = []                 # (start, stop) of every bucket in flat; the final one ends at the loss slot
         self._bucket_of = [0] * len(self.params)
         self._grad_ptr = [0] * len(self.params)
@@ -258,8 +263,9 @@ class GradientExchange:
                 offset += n
             self.bounds.append((start, offset))
         self.bounds[-1] = (self.bounds[-1][0], self.numel + 1)
-        self._views = [self._array[start:stop] for start, stop in self.bounds]   # what each bucket's allreduce sends
-        self._final_grads = self._array[self.bounds[-1][0]:self.numel]
+        self._buckets = [self.flat[start:stop] for start, stop in self.bounds]
+        self._final_grads = self.flat[self.bounds[-1][0]:self.numel]
+        self.transport = transports.make(transport, comm, self.flat, self.bounds, timeout, stage)
         self._sizes = [len(indices) for indices in self.layout]
         self.overlap = bool(overlap) and self.world_size > 1 and len(self.layout) > 1
         self._hooks = []
@@ -372,10 +378,10 @@ class GradientExchange:
                 self._adopt(index)
 
     def _start(self, bucket: int, weight: float) -> None:
-        view = self._views[bucket]
         if weight != 1.0 and not self._prescaled:
-            np.multiply(view, weight, out=view)
-        self._requests.append(self.comm.Iallreduce(MPI.IN_PLACE, view, op=MPI.SUM))
+            self._buckets[bucket].mul_(weight)
+        self.transport.stage(bucket)
+        self._requests.append(self.transport.start(bucket))
         self._next = bucket + 1
 
     def _start_ready(self) -> None:
@@ -409,22 +415,26 @@ class GradientExchange:
             while self._next < last:       # not started yet (no backward, unused parameters, no weight given)
                 self._start(self._next, weight)
             if weight != 1.0 and not self._prescaled:
-                np.multiply(self._final_grads, weight, out=self._final_grads)
-            self._array[self.numel] = loss_share
+                self._final_grads.mul_(weight)
+            transport = self.transport
+            transport.stage(last)
+            transport.set_loss(loss_share)
             if self.world_size > 1:
                 if self.sleep_while_waiting:
                     wait(self.comm.Ibarrier(), self.timeout, "the gradient allreduce (waiting for the other ranks)")
                 SUPERVISOR.arm(self.comm, self.timeout, "the gradient allreduce")
                 try:
-                    self.comm.Allreduce(MPI.IN_PLACE, self._views[last], op=MPI.SUM)
-                    if self._requests:
-                        MPI.Request.Waitall(self._requests)
+                    transport.reduce(last, self._requests)
+                    transport.wait(self._requests)
+                    transport.finish()
+                    return transport.loss()
                 finally:
                     SUPERVISOR.disarm()
+            transport.finish()
+            return transport.loss()
         finally:
             self._requests = []
             self._reset()
-        return float(self._array[self.numel])
 
 
 # --- supervision ----------------------------------------------------------------------

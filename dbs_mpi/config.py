@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -38,6 +39,8 @@ DBS_MODELS = ("affine", "proportional")
 WAIT_POLICIES = ("auto", "spin", "sleep")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LOADERS = ("auto", "dataloader")
+EXCHANGES = ("auto", "host", "cuda-aware", "nccl", "gloo")   # transport.py
+DEVICE_SPEC = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")       # devices.py
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,10 @@ class Config:
     sleep_seconds: tuple = (5.0, 10.0)  # ... extra sleep per epoch, seconds, uniform in [lo, hi]
     sleep_epochs: tuple = (4, 20)    # ... for this many epochs, uniform in [lo, hi]
     # --- run-time ----------------------------------------------------------------
-    threads: int = 0                 # torch threads per rank; 0 = cores of the node / ranks on the node
+    device: str = "auto"             # auto: a node's ranks take its GPUs by local rank while there are GPUs, the others the CPU | cpu | cuda (visible GPU local rank mod count) | cuda:N
+    devices: tuple = ()              # per-rank devices, e.g. cuda,cuda,cpu (overrides device); () = device on every rank
+    exchange: str = "auto"           # gradient exchange: auto | host (MPI on host memory; GPU buckets staged through pinned buffers) | cuda-aware (MPI on device buffers) | nccl (torch.distributed, every rank on a GPU) | gloo (torch.distributed on CPU tensors)
+    threads: int = 0                 # torch threads per rank; 0 = a GPU rank 1, a CPU rank the node's cores not taken by GPU ranks / its CPU ranks
     wait_policy: str = "auto"        # waiting ranks: sleep | spin | auto (sleep only where a node has more ranks than cores)
     comm_timeout: float = 600.0      # seconds a rank may wait in one collective before the job is aborted
     bucket_mb: float = 25.0          # gradient bucket cap, MiB (PyTorch DDP's); a full bucket is reduced during backward; 0 = no cap
@@ -164,7 +170,9 @@ def _coerce(name: str, value):
             _fail(name, f"expected a string, got {value!r}")
         return value
     if kind is tuple:
-        elem = type(default[0]) if default else float
+        elem = type(default[0]) if default else STRING_LISTS.get(name, float)
+        if elem is str:
+            return _string_list(name, value)
         if isinstance(value, str):
             value = [v for v in value.replace(" ", "").split(",") if v != ""] if value.strip() else []
             if name == "synthetic_shape" and len(value) == 1 and "x" in value[0]:
@@ -189,6 +197,17 @@ def _coerce(name: str, value):
                 _fail(name, f"expected a list of {'integers' if elem is int else 'numbers'}, got {value!r}")
         return tuple(out)
     raise AssertionError(f"no coercion for {name}")  # pragma: no cover
+
+
+STRING_LISTS = {"devices": str}     # tuple fields of strings (the others hold numbers)
+
+
+def _string_list(name: str, value) -> tuple:
+    if isinstance(value, str):
+        value = [v for v in value.replace(" ", "").split(",") if v != ""]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        _fail(name, f"expected a comma-separated list of names, got {value!r}")
+    return tuple(v.lower() for v in value)
 
 
 def validate(c: Config) -> None:
@@ -227,6 +246,11 @@ def validate(c: Config) -> None:
     choice("norm", NORMS)
     choice("dbs_model", DBS_MODELS)
     choice("wait_policy", WAIT_POLICIES)
+    choice("exchange", EXCHANGES)
+    for name, specs in (("device", [c.device]), ("devices", c.devices)):
+        for spec in specs:
+            if not DEVICE_SPEC.match(spec):
+                _fail(name, f"{spec!r} is not a device; use auto, cpu, cuda or cuda:N")
     for name in ("epochs", "global_batch", "softsync_n", "synthetic_samples", "synthetic_classes", "benchmark_steps",
                  "comm_timeout", "slow_factor"):
         positive(name)
@@ -264,6 +288,8 @@ def validate(c: Config) -> None:
 
 def check_world(c: Config, world_size: int) -> None:
     """Checks that depend on the number of ranks."""
+    if c.devices and len(c.devices) != world_size:
+        _fail("devices", f"has {len(c.devices)} entries but there are {world_size} ranks")
     if c.speeds and len(c.speeds) != world_size:
         _fail("speeds", f"has {len(c.speeds)} values but there are {world_size} ranks")
     if c.global_batch < world_size * c.min_local_batch:

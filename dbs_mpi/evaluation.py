@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from . import comm as mpi, sharding
 from .data import Dataset
+from .devices import model_device, to_device
 
 
 def test_batches(dataset, part: slice, batch_size: int, num_workers: int = 0):
@@ -37,11 +38,13 @@ def evaluate(comm, model: torch.nn.Module, dataset, loss_fn=None, *, batch_size:
     loss_fn = loss_fn or F.cross_entropy
     part = sharding.eval_shard(len(dataset), comm.Get_rank(), comm.Get_size())
     sums = np.zeros(3)
+    device = model_device(model)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             for x, y in test_batches(dataset, part, batch_size, num_workers):
+                x, y = to_device((x, y), device)
                 out = model(x)
                 sums += (float(loss_fn(out, y)) * len(y), (out.argmax(1) == y).sum().item(), len(y))
     finally:

@@ -46,7 +46,7 @@ import zlib
 import numpy as np
 import torch
 
-from . import comm as mpi
+from . import comm as mpi, devices, transport
 from .comm import GradientExchange
 
 AGGREGATIONS = ("weighted", "mean")
@@ -138,11 +138,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     aggregation: "weighted" (default) or "mean". wait_policy: how a rank waits for slower
     ones, "auto" | "spin" | "sleep" (comm.py). bucket_mb / first_bucket_mb: gradient
     bucket caps in MiB (DDP's). timeout: seconds a collective may wait (default: the
-    balancer's). check_batch: count the model's training samples per step (see above)."""
+    balancer's). check_batch: count the model's training samples per step (see above).
+    exchange: how the buckets are summed, "auto" | "host" | "cuda-aware" | "nccl" | "gloo"
+    (transport.py; agreed by all ranks, `self.exchange.transport.name` says which). The
+    model may live on any one device (devices.py): gradients and optimizer state stay there."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, balancer, *,
                  aggregation: str = "weighted", wait_policy: str = "auto", bucket_mb: float = 25.0,
-                 first_bucket_mb: float = 1.0, timeout: float | None = None, check_batch: bool = True):
+                 first_bucket_mb: float = 1.0, timeout: float | None = None, check_batch: bool = True,
+                 exchange: str = "auto"):
         if isinstance(optimizer, DistributedOptimizer) or not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer; got {type(optimizer).__name__}")
         if aggregation not in AGGREGATIONS:
@@ -155,12 +159,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if any(id(p) not in mine for group in optimizer.param_groups for p in group["params"]):
             raise ValueError("DistributedOptimizer: the optimizer holds a parameter that is not one of the model's "
                              "trainable parameters")
+        self.device = params[0].device if params else torch.device("cpu")
+        self._cuda = self.device.type == "cuda"
         check_same_parameters(self.comm, params, self.timeout)
         places = mpi.placement(self.comm, self.timeout)
         self.oversubscribed = mpi.oversubscribed(places)
         self.exchange = GradientExchange(self.comm, params, self.timeout,
                                          mpi.sleep_while_waiting(wait_policy, places),
-                                         bucket_bytes=int(bucket_mb * MIB), first_bucket_bytes=int(first_bucket_mb * MIB))
+                                         bucket_bytes=int(bucket_mb * MIB), first_bucket_bytes=int(first_bucket_mb * MIB),
+                                         transport=transport.agree(self.comm, exchange, self.device, self.timeout))
         self.sleep_while_waiting = self.exchange.sleep_while_waiting
         self._hook = model.register_forward_pre_hook(_ForwardHook(self), with_kwargs=True)
         self._forward_seen = False          # the hook fires for this model (counts can be checked)
@@ -230,6 +237,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Returns the global mean loss if `loss` is given (else NaN)."""
         if self._synced:
             raise RuntimeError("synchronize() twice in one step")
+        if self._cuda:
+            devices.synchronize(self.device)    # the step's compute ends when the device is done, not its launches
         start = time.perf_counter()
         rank = self.comm.Get_rank()
         try:
@@ -241,7 +250,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._new_step(self._last_end)      # a refused step leaves nothing behind for the next one
             raise
         began = self._compute_start if self._compute_start is not None else self._last_end
-        cpu = time.process_time() - self._compute_cpu if self._compute_cpu is not None else None
+        # A GPU rank's CPU time is its launches and waits, not its device's work: stretch wall time.
+        cpu = time.process_time() - self._compute_cpu if self._compute_cpu is not None and not self._cuda else None
         self.balancer.stretch(start - began, cpu)
         pre_end = time.perf_counter()
         local = int(row[rank])
@@ -263,6 +273,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.synchronize(loss)
         start = time.perf_counter()
         self.optimizer.step()
+        if self._cuda:
+            devices.synchronize(self.device)
         end = time.perf_counter()
         self.exchange.flat.zero_()          # the gradients are applied: the next step starts from zero
         data, pre, collective = self._times

@@ -87,11 +87,16 @@ def time_step(step, local_batch: int, steps: int, warmup: int, stretch=None) -> 
 
 def model_step(model: torch.nn.Module, loss_fn, inputs, targets):
     """A calibration step for `model`: forward and backward of loss_fn on the first b
-    samples of (inputs, targets), on a copy of the model (the real one is not touched)."""
+    samples of (inputs, targets), on a copy of the model (the real one is not touched),
+    on the model's device, which is synchronised at the end of every step."""
+    from .devices import model_device, synchronize, to_device
     probe = copy.deepcopy(model)
     probe.train()
+    device = model_device(probe)
+    inputs, targets = to_device((inputs, targets), device, non_blocking=False)
 
     def step(local_batch: int) -> None:
         probe.zero_grad(set_to_none=False)
         loss_fn(probe(inputs[:local_batch]), targets[:local_batch]).backward()
+        synchronize(device)                  # a GPU step is over when its kernels are, not their launches
     return step

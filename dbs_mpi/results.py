@@ -43,10 +43,15 @@ SCHEMA_ATTRIBUTES = {
     "git_revision": "commit of the code that ran (`-dirty` if modified; `unknown` outside git)",
     "command": "the command line",
     "created": "ISO time the run started",
-    "torch_threads": "torch threads per rank",
+    "torch_threads": "torch threads of rank 0",
+    "rank_threads": "torch threads of every rank, rank order (a GPU rank 1; CPU ranks share the node's other cores)",
     "oversubscribed": "true if some node ran more ranks than its ranks have cores together: times are shared-core "
                       "times",
     "sleep_while_waiting": "true if waiting ranks slept between polls (wait policy) instead of spinning",
+    "rank_devices": "every rank's device (cpu, cuda:N), rank order",
+    "device_names": "every rank's device name (GPU model, CPU), rank order",
+    "exchange": "how gradients were summed: host (MPI on host memory, GPU buckets staged), cuda-aware, nccl or gloo"
+                " (synchronous strategies)",
     "staleness_mean": "asynchronous: mean staleness of all applied gradients (server updates between computing "
                       "and applying)",
     "staleness_max": "asynchronous: largest staleness",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import checkpoint, comm as mpi, plugins
+from . import checkpoint, comm as mpi, devices, plugins, transport
 from .balancer import Balancer
 from .checkpoint import EXIT_STOPPED, StopRequest, Stopped
 from .config import ASYNC_STRATEGIES, Config, UserError, check_world
@@ -56,6 +56,11 @@ class Run:
     checkpoint_path: str = ""
     state: dict | None = None                     # a checkpoint to continue from (resume)
     sleep_wait: bool = False
+    device: torch.device = torch.device("cpu")    # this rank's device (devices.select)
+    devices: list = field(default_factory=list)   # every rank's device, in rank order
+    device_names: list = field(default_factory=list)   # ... and its name (GPU model, CPU)
+    threads: list = field(default_factory=list)   # every rank's torch threads
+    exchange: str = "host"                        # the gradient exchange agreed by all ranks (transport.py)
 
     def evaluate(self) -> tuple[float, float, float]:
         """(test loss, test accuracy, seconds) of the model on the test set, all ranks together."""
@@ -96,10 +101,11 @@ def setup(comm, cfg: Config) -> Run:
 
 def result_attrs(cfg: Config, run: Run, threads: int, oversubscribed: bool, places) -> dict:
     model = run.model
-    return dict(rank_cores=[",".join(map(str, cores)) for _, cores in places],strategy=cfg.strategy, aggregation=cfg.aggregation, dataset=cfg.dataset, model=cfg.model,
+    return dict(rank_cores=[",".join(map(str, cores)) for _, cores in places], strategy=cfg.strategy, aggregation=cfg.aggregation, dataset=cfg.dataset, model=cfg.model,
                 model_class=f"{type(model).__module__}.{type(model).__qualname__}", loss=cfg.loss or "cross-entropy",
                 optimizer=cfg.optimizer, num_parameters=num_parameters(model), torch_threads=threads,
-                oversubscribed=oversubscribed, sleep_while_waiting=run.sleep_wait)
+                oversubscribed=oversubscribed, sleep_while_waiting=run.sleep_wait, rank_devices=run.devices,
+                device_names=run.device_names, rank_threads=run.threads)
 
 
 def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state: dict | None = None) -> RunSummary:
@@ -115,8 +121,15 @@ def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state:
 
     torch.manual_seed(cfg.seed)
     run = mpi.collective(comm, setup, comm, cfg, timeout=cfg.comm_timeout)
+    run.device = devices.select(comm, cfg.device, cfg.devices, cfg.comm_timeout)
+    if cfg.strategy not in ASYNC_STRATEGIES:     # a transport the job cannot have fails before any file exists
+        run.exchange = transport.agree(comm, cfg.exchange, run.device, cfg.comm_timeout)
+    described = devices.all_devices(comm, run.device, cfg.comm_timeout)
+    run.devices, run.device_names = [d["device"] for d in described], [d["name"] for d in described]
     places = mpi.placement(comm, cfg.comm_timeout)
-    threads = mpi.set_torch_threads(cfg.threads or mpi.threads_per_rank(comm, places))
+    threads = mpi.set_torch_threads(cfg.threads or devices.cpu_threads(places, run.devices, rank, mpi.thread_limit()))
+    run.threads = mpi.allgather_object(comm, threads, cfg.comm_timeout, "gathering every rank's threads")
+    run.model.to(run.device)
     mpi.broadcast_parameters(run.model, comm, timeout=cfg.comm_timeout)
     oversubscribed = mpi.oversubscribed(places)
     run.sleep_wait = mpi.sleep_while_waiting(cfg.wait_policy, places)
@@ -153,7 +166,7 @@ def make_loader(run: Run, sampler: HeteroSampler):
         return InMemoryLoader(run.train_set, sampler, augment=cfg.augment, seed=cfg.seed)
     from torch.utils.data import DataLoader
     return DataLoader(run.train_set, batch_sampler=sampler, num_workers=cfg.loader_workers,
-                      persistent_workers=cfg.loader_workers > 0)
+                      persistent_workers=cfg.loader_workers > 0, pin_memory=run.device.type == "cuda")
 
 
 class SyncTrainer:
@@ -173,7 +186,8 @@ class SyncTrainer:
         optimizer = DistributedOptimizer(make_optimizer(cfg.optimizer, run.model.parameters(), cfg), run.model,
                                          balancer, aggregation=cfg.aggregation, wait_policy=cfg.wait_policy,
                                          bucket_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb,
-                                         timeout=cfg.comm_timeout)
+                                         timeout=cfg.comm_timeout, exchange=run.exchange)
+        run.recorder.writer.set_attrs(exchange=optimizer.exchange.transport.name)
         self.parts = dict(model=run.model, optimizer=optimizer, balancer=balancer, sampler=sampler)
         if run.state is not None:
             self.restore(run.state)
@@ -192,8 +206,9 @@ class SyncTrainer:
 
     def train_epoch(self, loader, optimizer, epoch: int) -> int:
         """One epoch's steps; returns the stop signal if all ranks agreed to stop after a step."""
-        model, loss_fn, stop = self.run.model, self.run.loss_fn, self.run.stop
+        model, loss_fn, stop, device = self.run.model, self.run.loss_fn, self.run.stop, self.run.device
         for x, y in _progress(loader, self.cfg, epoch, self.comm.Get_rank()):
+            x, y = devices.to_device((x, y), device)
             stop.start()                  # the stop agreement overlaps the step
             optimizer.zero_grad()
             loss = loss_fn(model(x), y)

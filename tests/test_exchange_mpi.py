@@ -104,14 +104,17 @@ def local_rows(comm, vector):
     return slice(start, start + int(vector[comm.Get_rank()]))
 
 
-def run_steps(comm, model_name, caps, vector_per_step, data, armed=True, sleep=False, seeded=True, steps=2, lr=0.1):
+def run_steps(comm, model_name, caps, vector_per_step, data, armed=True, sleep=False, seeded=True, steps=2, lr=0.1,
+              transport="host", stage=None):
     """A few SGD steps with the exchange; returns (per-step global losses, final parameters, exchange).
     armed: the weight is given to zero_grad (buckets may start during backward);
-    seeded: exchange.backward(loss) weights the gradients (else loss.backward(): a scaling pass)."""
+    seeded: exchange.backward(loss) weights the gradients (else loss.backward(): a scaling pass);
+    transport, stage: how buckets are summed (transport.py; stage=True copies CPU buckets through
+    a host buffer, as GPU ranks do)."""
     torch.manual_seed(0)
     model = MODELS[model_name]()
     ex = GradientExchange(comm, model.parameters(), timeout=60, sleep_while_waiting=sleep,
-                          bucket_bytes=caps[0], first_bucket_bytes=caps[1])
+                          bucket_bytes=caps[0], first_bucket_bytes=caps[1], transport=transport, stage=stage)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     losses = []
     for step in range(steps):
@@ -189,6 +192,27 @@ def test_unarmed_unseeded_and_sleeping_exchanges_give_the_same_result(comm, arme
     _, expected, _ = run_steps(comm, "reversed", CAPS["one"], vectors, data, seeded=False)
     assert ex.sleep_while_waiting == (sleep and comm.Get_size() > 1)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)     # seeding rounds differently
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("transport,stage", [("host", True), ("gloo", None)])
+@pytest.mark.parametrize("caps", ["one", "tiny"])
+@pytest.mark.parametrize("sleep", [False, True])
+def test_staged_and_torch_distributed_transports_give_the_mpi_result(comm, transport, stage, caps, sleep):
+    """The host-staged path (a GPU rank's, here on CPU tensors: every bucket copied into a
+    separate host buffer and back) and torch.distributed (gloo: the nccl path's logic) sum
+    the same weighted buckets as MPI on the buffer itself, with buckets started during
+    backward, a rank without samples, and either wait policy."""
+    data = load_synthetic("train", 64, (1, 28, 28), 10, seed=6)
+    vectors = vectors_for(comm.Get_size())
+    losses, got, ex = run_steps(comm, "reversed", CAPS[caps], vectors, data, sleep=sleep, steps=3,
+                                transport=transport, stage=stage)
+    assert ex.transport.name == transport
+    if stage:
+        assert ex.transport.staged and ex.transport.host.data_ptr() != ex.flat.data_ptr()
+    expected_losses, expected, _ = run_steps(comm, "reversed", CAPS["one"], vectors, data, steps=3)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+    assert losses == pytest.approx(expected_losses, rel=1e-6)
 
 
 @pytest.mark.mpi(min_size=2)

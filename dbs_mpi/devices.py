@@ -1,0 +1,232 @@
+"""Devices: which device every rank computes on, and a clock that is true on it.
+
+The papers' platforms mix CPUs and GPUs: one multicore CPU rank beside one rank per GPU
+(heterogeneous gradient computing), or several workers sharing one GPU (DBS). A rank's
+device comes from one of
+
+  auto     the ranks of a node take its GPUs by local rank while there are GPUs; the
+           others compute on the CPU. A GPU counts once per node, whichever ranks see it
+           (CUDA_VISIBLE_DEVICES may differ per rank: a scheduler binding one GPU per
+           task gives every rank its own).
+  cpu      the CPU.
+  cuda     a GPU of the node by local rank: local rank k takes visible GPU k mod count
+           (several ranks on one GPU when there are more ranks than GPUs).
+  cuda:N   GPU N of the ones this rank sees.
+
+and a per-rank list (`devices = ["cuda", "cuda", "cpu"]`) sets each rank's own. A
+device that does not exist is the user's mistake: one line naming it, on every rank.
+
+Threads. A GPU rank's host thread launches kernels and copies batches: one core. The
+CPU ranks of a node share the node's other cores:
+
+    threads(CPU rank) = (cores of the node - GPU ranks on the node) // CPU ranks on the node
+
+Timing. CUDA runs asynchronously: a wall clock around a forward and backward measures
+the kernel launches, not the compute. `synchronize(device)` waits for the device's
+queued work, so a clock read after it (the start-up calibration, the optimizer's step
+clock) sees the real compute, and DBS allocates from true speeds. Emulated speeds
+stretch a GPU rank's synchronised wall time (its CPU time says nothing about its
+device's work).
+
+No MPI here except in `select` (one allgather of every rank's host and visible GPUs).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .config import DEVICE_SPEC, UserError
+
+
+def check_spec(spec: str, what: str = "device") -> str:
+    """A device option's value, checked for its syntax (auto, cpu, cuda, cuda:N)."""
+    spec = str(spec).strip().lower()
+    if not DEVICE_SPEC.match(spec):
+        raise UserError(f"{what}: {spec!r} is not a device; use auto, cpu, cuda or cuda:N")
+    return spec
+
+
+def visible_gpus() -> list[str]:
+    """Identities of the GPUs this process sees, in CUDA's order: their UUIDs (the same
+    GPU has the same UUID in every process of a node, whatever CUDA_VISIBLE_DEVICES says)."""
+    if not torch.cuda.is_available():
+        return []
+    ids = []
+    for index in range(torch.cuda.device_count()):
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        ids.append(str(uuid) if uuid is not None else f"index {index}")
+    return ids
+
+
+def assign(specs: list[str], inventory: list[tuple[str, list[str]]]) -> list[str]:
+    """Every rank's device ("cpu" or "cuda:i", i an index into that rank's visible GPUs).
+
+    specs: one device spec per rank (auto | cpu | cuda | cuda:N). inventory: (host,
+    visible GPU identities) per rank, in rank order. Raises UserError naming the first
+    rank whose device does not exist. Pure: the same answer on every rank."""
+    local_rank, taken = {}, {}
+    out = []
+    for rank, (spec, (host, gpus)) in enumerate(zip(specs, inventory)):
+        k = local_rank.get(host, 0)
+        local_rank[host] = k + 1
+        used = taken.setdefault(host, set())
+        if spec == "cpu":
+            out.append("cpu")
+        elif spec == "auto":
+            free = [i for i, g in enumerate(gpus) if g not in used]
+            if free:
+                used.add(gpus[free[0]])
+                out.append(f"cuda:{free[0]}")
+            else:
+                out.append("cpu")
+        else:
+            out.append(_cuda(rank, spec, host, gpus, k))
+            used.add(gpus[int(out[-1].split(":")[1])])
+    return out
+
+
+def _cuda(rank: int, spec: str, host: str, gpus: list[str], local_rank: int) -> str:
+    if not gpus:
+        why = "torch.cuda.is_available() is False" + (
+            f"; this torch ({torch.__version__}) is a CPU-only build" if torch.version.cuda is None else "")
+        raise UserError(f"device: {spec} requested for rank {rank} on {host}, which has no CUDA device ({why})")
+    if spec == "cuda":
+        return f"cuda:{local_rank % len(gpus)}"
+    index = int(spec.split(":")[1])
+    if index >= len(gpus):
+        raise UserError(f"device: {spec} requested for rank {rank} on {host}, which sees {len(gpus)} CUDA "
+                        f"device(s) (cuda:0 .. cuda:{len(gpus) - 1})")
+    return spec
+
+
+def per_rank_specs(device: str, devices, world_size: int) -> list[str]:
+    """One device spec per rank: the per-rank list if given (its length must be the world
+    size), else `device` for everybody."""
+    if devices:
+        if len(devices) != world_size:
+            raise UserError(f"devices: has {len(devices)} entries but there are {world_size} ranks")
+        return [check_spec(d, "devices") for d in devices]
+    return [check_spec(device)] * world_size
+
+
+def select(comm, device: str = "auto", devices=None, timeout: float = 600.0) -> torch.device:
+    """Collective: this rank's torch.device (see the module docstring); every rank fails
+    together, one line from the rank that names the problem, if a device does not exist.
+    The GPU becomes the rank's current CUDA device."""
+    from . import comm as mpi
+    import socket
+
+    def choose():
+        specs = per_rank_specs(device, devices, comm.Get_size())
+        inventory = mpi.allgather_object(comm, (socket.gethostname(), visible_gpus()), timeout,
+                                          "gathering every rank's GPUs")
+        return assign(specs, inventory)
+
+    # One rank checks the specs' syntax before anybody gathers (a bad spec is the same
+    # mistake on every rank); the assignment is computed identically everywhere.
+    mpi.collective(comm, per_rank_specs, device, devices, comm.Get_size(), timeout=timeout)
+    chosen = mpi.collective(comm, choose, timeout=timeout)
+    mine = torch.device(chosen[comm.Get_rank()])
+    if mine.type == "cuda":
+        torch.cuda.set_device(mine)
+    return mine
+
+
+def all_devices(comm, device: torch.device, timeout: float = 600.0) -> list[dict]:
+    """Every rank's `describe(device)`, in rank order (for records, thread shares, info)."""
+    from . import comm as mpi
+    return mpi.allgather_object(comm, describe(device), timeout, "gathering every rank's device")
+
+
+def cpu_threads(places, device_names: list[str], rank: int, limit: int | None = None) -> int:
+    """Torch threads of `rank`: 1 on a GPU rank; on a CPU rank, the node's cores not taken
+    by its GPU ranks' processes, shared out over its CPU ranks (at least 1).
+
+    places: (host, cores) per rank (comm.placement); device_names: every rank's device."""
+    from .comm import node_cores
+    if device_names[rank] != "cpu":
+        return 1
+    host = places[rank][0]
+    on_node = [r for r, (h, _) in enumerate(places) if h == host]
+    gpu_ranks = sum(1 for r in on_node if device_names[r] != "cpu")
+    cpu_ranks = len(on_node) - gpu_ranks
+    share = max(1, (node_cores(places)[host] - gpu_ranks) // max(cpu_ranks, 1))
+    share = min(share, len(places[rank][1]) or share)
+    return min(share, limit) if limit else share
+
+
+def synchronize(device) -> None:
+    """Wait for the work queued on `device` (nothing to wait for on the CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def describe(device) -> dict:
+    """Name and memory of a device, for `dbs-mpi info` and the result file."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return {"device": str(device), "name": props.name, "memory_gib": props.total_memory / 2 ** 30,
+                "capability": f"{props.major}.{props.minor}"}
+    import platform
+    memory = _proc_field("/proc/meminfo", "MemTotal")
+    return {"device": "cpu", "name": _proc_field("/proc/cpuinfo", "model name") or platform.machine(),
+            "memory_gib": int(memory.split()[0]) / 2 ** 20 if memory else float("nan"), "capability": ""}
+
+
+def _proc_field(path: str, key: str) -> str:
+    """The value of the first `key: value` line of a /proc file ("" if there is none)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.split(":")[0].strip() == key:
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cuda_versions() -> dict:
+    """The CUDA and cuDNN versions this torch was built with (None where absent)."""
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {"cuda": torch.version.cuda, "cudnn": cudnn, "gpus": torch.cuda.device_count()}
+
+
+def mpi_cuda_aware() -> bool | None:
+    """Whether the MPI library takes device buffers: MPIX_Query_cuda_support() (MPICH and
+    Open MPI export it), None if the library cannot say."""
+    from mpi4py import MPI
+    try:
+        query = getattr(ctypes.CDLL(MPI.__file__), "MPIX_Query_cuda_support", None)
+    except OSError:
+        return None
+    if query is None:
+        return None
+    query.restype = ctypes.c_int
+    return bool(query())
+
+
+def to_device(batch, device, non_blocking: bool = True):
+    """A batch (tensor, or tuple/list/dict of them) on `device`; a CPU batch bound for a
+    GPU goes through pinned memory with a non-blocking copy (nothing moves on the CPU)."""
+    device = torch.device(device)
+    if isinstance(batch, torch.Tensor):
+        if batch.device == device:
+            return batch
+        if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
+            batch = batch.pin_memory()
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device, non_blocking) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
+    return batch
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of a model's first parameter (or buffer); the CPU for a model with none."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")

@@ -1,0 +1,300 @@
+"""Transports: how a gradient bucket's bytes get summed over the ranks, wherever they live.
+
+GradientExchange (comm.py) decides *when* a bucket is reduced and with which weight; a
+transport decides *how*. Four, one per rank, agreed by all ranks at construction
+(`choose`), recorded in the result file (attribute `exchange`):
+
+  host        MPI on host memory. On a CPU rank the gradients already live there: the
+              collective reads the flat buffer itself, no copies. On a GPU rank every
+              bucket is staged: when backward has filled it, a side stream (waiting on
+              an event of the compute stream) copies it into a pinned host buffer while
+              backward goes on; the bucket's MPI allreduce starts once that copy is done,
+              and the sums are copied back the same way. Works with any MPI, and in
+              jobs that mix CPU and GPU ranks.
+  cuda-aware  MPI on device memory: the bucket's device tensor is handed to mpi4py
+              (its __cuda_array_interface__) once the compute stream has produced it
+              (an event, synchronised before the call). Needs an MPI library built with
+              CUDA support (devices.mpi_cuda_aware); CPU ranks of the job use host memory.
+  nccl        torch.distributed's NCCL backend, initialised from the MPI communicator
+              (ddp.init_process_group): every rank must be a GPU rank.
+  gloo        torch.distributed's gloo backend on CPU tensors: the nccl path's logic on
+              any machine (tests), or a CPU job's alternative to MPI.
+
+`auto`: host on CPU ranks; on an all-GPU job nccl if torch has it, else cuda-aware if
+the MPI library is CUDA-aware, else host; a job mixing CPU and GPU ranks uses host.
+
+Every transport offers the same small interface to GradientExchange:
+  stage(b)       after bucket b was weighted on the compute stream: begin moving it to
+                 where the collective reads it (a no-op where nothing moves)
+  start(b)       a request for b's non-blocking sum (Test() / Wait()); it may begin the
+                 collective later, when the staging is done, but always in bucket order
+  reduce(b)      the final bucket's blocking sum (everything before it has started)
+  wait(requests) complete them all; finish() puts the sums where the .grad views are
+  set_loss(x) / loss()   the loss slot at the end of the final bucket
+Sample weighting, buckets, the order of collectives and the supervisor's deadlines are
+GradientExchange's, the same for all four.
+"""
+from __future__ import annotations
+
+import torch
+from mpi4py import MPI
+
+from .config import EXCHANGES, UserError
+
+
+class HostMPI:
+    """MPI on host memory; stages device (or, with stage=True, any) buffers through a
+    host copy (pinned for CUDA)."""
+
+    name = "host"
+
+    def __init__(self, comm, flat: torch.Tensor, bounds, stage: bool | None = None):
+        self.comm, self.flat, self.bounds = comm, flat, bounds
+        self.staged = flat.device.type != "cpu" if stage is None else bool(stage)
+        self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=flat.is_cuda) if self.staged else flat
+        array = self.host.numpy()
+        self.array, self.views = array, [array[start:stop] for start, stop in bounds]
+        self.side = torch.cuda.Stream(flat.device) if flat.is_cuda else None
+        self.copied = [None] * len(bounds)          # event: bucket b's host copy is complete (CUDA)
+
+    def stage(self, b: int) -> None:
+        if not self.staged:
+            return
+        start, stop = self.bounds[b]
+        if self.side is None:
+            self.host[start:stop].copy_(self.flat[start:stop])
+            return
+        self.side.wait_stream(torch.cuda.current_stream(self.flat.device))
+        with torch.cuda.stream(self.side):
+            self.host[start:stop].copy_(self.flat[start:stop], non_blocking=True)
+            self.copied[b] = torch.cuda.Event()
+            self.copied[b].record(self.side)
+
+    def _ready(self, b: int, block: bool) -> bool:
+        event = self.copied[b]
+        if event is None:
+            return True
+        if block:
+            event.synchronize()
+        elif not event.query():
+            return False
+        self.copied[b] = None
+        return True
+
+    def start(self, b: int):
+        if not self.staged or self.side is None:
+            return self.comm.Iallreduce(MPI.IN_PLACE, self.views[b], op=MPI.SUM)
+        return _Deferred(self, b)
+
+    def _begin(self, b: int):
+        return self.comm.Iallreduce(MPI.IN_PLACE, self.views[b], op=MPI.SUM)
+
+    def reduce(self, b: int, requests) -> None:
+        for r in requests:                       # every earlier bucket's collective is under way first
+            if isinstance(r, _Deferred):
+                r.begin(block=True)
+        self._ready(b, block=True)
+        self.comm.Allreduce(MPI.IN_PLACE, self.views[b], op=MPI.SUM)
+
+    def wait(self, requests) -> None:
+        wait_requests(requests)
+
+    def finish(self) -> None:
+        if not self.staged:
+            return
+        if self.side is None:
+            self.flat.copy_(self.host)
+            return
+        with torch.cuda.stream(self.side):
+            self.flat.copy_(self.host, non_blocking=True)
+        torch.cuda.current_stream(self.flat.device).wait_stream(self.side)
+
+    def set_loss(self, value: float) -> None:
+        self._ready(len(self.bounds) - 1, block=True)     # the final bucket's copy brought the slot too
+        self.array[-1] = value
+
+    def loss(self) -> float:
+        return float(self.array[-1])
+
+
+class CudaAwareMPI:
+    """MPI on device buffers (mpi4py reads the tensors' __cuda_array_interface__)."""
+
+    name = "cuda-aware"
+
+    def __init__(self, comm, flat: torch.Tensor, bounds):
+        self.comm, self.flat, self.bounds = comm, flat, bounds
+        self.views = [flat[start:stop] for start, stop in bounds]
+        self.produced = [None] * len(bounds)
+
+    def stage(self, b: int) -> None:
+        self.produced[b] = torch.cuda.Event()
+        self.produced[b].record(torch.cuda.current_stream(self.flat.device))
+
+    def _ready(self, b: int, block: bool) -> bool:
+        event = self.produced[b]
+        if event is None:
+            return True
+        if block:
+            event.synchronize()
+        elif not event.query():
+            return False
+        self.produced[b] = None
+        return True
+
+    def start(self, b: int):
+        return _Deferred(self, b)
+
+    def _begin(self, b: int):
+        return self.comm.Iallreduce(MPI.IN_PLACE, self.views[b], op=MPI.SUM)
+
+    def reduce(self, b: int, requests) -> None:
+        for r in requests:
+            r.begin(block=True)
+        torch.cuda.current_stream(self.flat.device).synchronize()     # the final bucket and the loss slot
+        self.comm.Allreduce(MPI.IN_PLACE, self.views[b], op=MPI.SUM)
+
+    def wait(self, requests) -> None:
+        wait_requests(requests)
+
+    def finish(self) -> None:
+        pass
+
+    def set_loss(self, value: float) -> None:
+        self.flat[-1].fill_(value)
+
+    def loss(self) -> float:
+        return float(self.flat[-1])
+
+
+class TorchDistributed:
+    """torch.distributed (nccl on GPUs, gloo on CPUs) over the same ranks as comm."""
+
+    def __init__(self, comm, flat: torch.Tensor, bounds, backend: str, timeout: float = 600.0):
+        from . import ddp
+        self.name, self.flat, self.bounds = backend, flat, bounds
+        self.group = ddp.init_process_group(comm, backend, timeout)
+        self.views = [flat[start:stop] for start, stop in bounds]
+
+    def stage(self, b: int) -> None:
+        pass
+
+    def start(self, b: int):
+        return _Work(torch.distributed.all_reduce(self.views[b], group=self.group, async_op=True))
+
+    def reduce(self, b: int, requests) -> None:
+        torch.distributed.all_reduce(self.views[b], group=self.group)
+
+    def wait(self, requests) -> None:
+        for r in requests:
+            r.Wait()
+
+    def finish(self) -> None:
+        pass
+
+    def set_loss(self, value: float) -> None:
+        self.flat[-1].fill_(value)
+
+    def loss(self) -> float:
+        return float(self.flat[-1])        # waits for the collectives (bounded by the supervisor's deadline)
+
+
+class _Deferred:
+    """A bucket's collective that begins once its data is ready (a copy or a kernel on
+    the device): Test() begins it when it can; begin(block=True) waits for the data."""
+
+    def __init__(self, transport, b: int):
+        self.transport, self.b, self.request = transport, b, None
+
+    def begin(self, block: bool) -> bool:
+        if self.request is None:
+            if not self.transport._ready(self.b, block):
+                return False
+            self.request = self.transport._begin(self.b)
+        return True
+
+    def Test(self) -> bool:
+        return self.begin(block=False) and self.request.Test()
+
+    def Wait(self) -> None:
+        self.begin(block=True)
+        self.request.Wait()
+
+
+class _Work:
+    """A torch.distributed Work with the MPI request's Test()/Wait()."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def begin(self, block: bool) -> bool:
+        return True
+
+    def Test(self) -> bool:
+        return self.work.is_completed()
+
+    def Wait(self) -> None:
+        self.work.wait()
+
+
+def wait_requests(requests) -> None:
+    """Complete requests in order (plain MPI requests all at once)."""
+    if all(isinstance(r, MPI.Request) for r in requests):
+        if requests:
+            MPI.Request.Waitall(requests)
+        return
+    for r in requests:
+        r.Wait()
+
+
+def choose(requested: str, devices: list[str], nccl: bool, cuda_aware: list) -> str:
+    """The job's exchange (the same on every rank): `requested` (EXCHANGES), every rank's
+    device ("cpu" or "cuda:i"), whether torch has NCCL, every rank's MPI CUDA-awareness
+    (True, False, None: unknown). Raises UserError for a request the job cannot honour."""
+    if requested not in EXCHANGES:
+        raise UserError(f"exchange: must be one of {', '.join(EXCHANGES)}; got {requested!r}")
+    gpu = [d != "cpu" for d in devices]
+    if requested == "auto":
+        if not all(gpu):
+            return "host"
+        if nccl:
+            return "nccl"
+        return "cuda-aware" if all(c is True for c in cuda_aware) else "host"
+    if requested == "nccl":
+        if not all(gpu):
+            cpu = [r for r, g in enumerate(gpu) if not g]
+            raise UserError(f"exchange: nccl needs every rank on a GPU; rank(s) {cpu} compute on the CPU (use "
+                            f"exchange = \"host\" for a job that mixes CPU and GPU ranks)")
+        if not nccl:
+            raise UserError("exchange: nccl is not available in this torch build "
+                            "(torch.distributed.is_nccl_available() is False)")
+    if requested == "cuda-aware":
+        bad = [r for r, (g, c) in enumerate(zip(gpu, cuda_aware)) if g and c is False]
+        if bad:
+            raise UserError(f"exchange: cuda-aware requested, but the MPI library of rank(s) {bad} is not CUDA-aware "
+                            f"(MPIX_Query_cuda_support() returns 0); use exchange = \"host\"")
+    if requested == "gloo" and any(gpu):
+        raise UserError("exchange: gloo reduces CPU tensors; GPU ranks use nccl, cuda-aware or host")
+    return requested
+
+
+def agree(comm, requested: str, device: torch.device, timeout: float = 600.0) -> str:
+    """Collective: the exchange every rank uses (see `choose`); fails on every rank together."""
+    from . import comm as mpi
+    from .devices import mpi_cuda_aware
+    report = (str(device) if device.type == "cuda" else "cpu",
+              device.type == "cuda" and torch.distributed.is_available() and torch.distributed.is_nccl_available(),
+              mpi_cuda_aware() if device.type == "cuda" else None)
+    reports = mpi.allgather_object(comm, report, timeout, "agreeing on the gradient exchange")
+    devices, nccl, aware = zip(*reports)
+    nccl_everywhere = all(n for d, n in zip(devices, nccl) if d != "cpu") and any(d != "cpu" for d in devices)
+    return mpi.collective(comm, choose, requested, list(devices), nccl_everywhere, list(aware), timeout=timeout)
+
+
+def make(name: str, comm, flat: torch.Tensor, bounds, timeout: float = 600.0, stage: bool | None = None):
+    """The transport `name` (an agreed choice, not auto) for this rank's buffer."""
+    if name == "host" or (name == "cuda-aware" and not flat.is_cuda):
+        return HostMPI(comm, flat, bounds, stage)
+    if name == "cuda-aware":
+        return CudaAwareMPI(comm, flat, bounds)
+    return TorchDistributed(comm, flat, bounds, name, timeout)

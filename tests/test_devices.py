@@ -1,0 +1,134 @@
+"""Devices and transports without a GPU: the assignment of devices to ranks (auto by
+local rank, per-rank lists, GPUs bound per task by the scheduler), thread shares of
+mixed CPU/GPU nodes, the choice of gradient exchange, and the errors a missing device
+gives, on every rank (pytest-mpi at 1, 2 and 4 ranks). The CUDA paths themselves are
+tested in test_cuda.py, on a GPU machine."""
+import pytest
+import torch
+
+from dbs_mpi import devices, transport
+from dbs_mpi.config import UserError
+
+ALL = ["GPU-a", "GPU-b"]          # two GPUs every rank of the node sees (plain mpirun)
+
+
+def test_auto_gives_a_nodes_gpus_by_local_rank_and_the_cpu_to_the_others():
+    inventory = [("n1", ALL)] * 4 + [("n2", ALL)] * 3
+    assert devices.assign(["auto"] * 7, inventory) == ["cuda:0", "cuda:1", "cpu", "cpu",
+                                                        "cuda:0", "cuda:1", "cpu"]
+
+
+def test_auto_follows_the_gpus_a_scheduler_bound_to_each_task():
+    # Slurm --gpus-per-task=1: every rank sees one GPU, its own, as cuda:0
+    inventory = [("n1", ["GPU-a"]), ("n1", ["GPU-b"]), ("n1", []), ("n1", ["GPU-b"])]
+    assert devices.assign(["auto"] * 4, inventory) == ["cuda:0", "cuda:0", "cpu", "cpu"]
+
+
+def test_cuda_shares_gpus_round_robin_and_cuda_n_is_taken_as_given():
+    inventory = [("n1", ALL)] * 3
+    assert devices.assign(["cuda"] * 3, inventory) == ["cuda:0", "cuda:1", "cuda:0"]
+    assert devices.assign(["cuda:1", "cuda:1", "cpu"], inventory) == ["cuda:1", "cuda:1", "cpu"]
+    # a per-rank list mixing all kinds: auto skips the GPU that cuda:0 took
+    assert devices.assign(["cuda:0", "auto", "auto"], inventory) == ["cuda:0", "cuda:1", "cpu"]
+
+
+def test_a_device_that_does_not_exist_is_named():
+    with pytest.raises(UserError, match=r"device: cuda:2 requested for rank 1 on n1, which sees 2 CUDA device\(s\) "
+                                        r"\(cuda:0 \.\. cuda:1\)"):
+        devices.assign(["cpu", "cuda:2"], [("n1", ALL)] * 2)
+    with pytest.raises(UserError, match=r"device: cuda requested for rank 0 on cpu-node, which has no CUDA device"):
+        devices.assign(["cuda"], [("cpu-node", [])])
+
+
+def test_per_rank_lists_and_specs_are_checked():
+    assert devices.per_rank_specs("cuda", ("cpu", "CUDA:1"), 2) == ["cpu", "cuda:1"]
+    assert devices.per_rank_specs("cuda", (), 3) == ["cuda"] * 3
+    with pytest.raises(UserError, match="devices: has 2 entries but there are 3 ranks"):
+        devices.per_rank_specs("auto", ("cpu", "cpu"), 3)
+    with pytest.raises(UserError, match="devices: 'gpu' is not a device"):
+        devices.per_rank_specs("auto", ("cpu", "gpu"), 2)
+
+
+def test_cpu_ranks_share_the_cores_gpu_ranks_leave():
+    # the issue's machine: 16 cores, 1 GPU rank and 7 CPU ranks -> 2 threads each
+    places = [("n1", tuple(range(16)))] * 8
+    names = ["cuda:0"] + ["cpu"] * 7
+    assert [devices.cpu_threads(places, names, r) for r in range(8)] == [1] + [2] * 7
+    assert devices.cpu_threads(places, ["cpu"] * 8, 3) == 2
+    assert devices.cpu_threads(places, ["cpu"] * 4 + ["cuda:0"] * 4, 0) == 3      # (16 - 4) // 4
+    assert devices.cpu_threads(places, names, 5, limit=1) == 1                     # OMP_THREAD_LIMIT
+    pinned = [("n1", (r,)) for r in range(8)]                                      # one core per rank
+    assert devices.cpu_threads(pinned, names, 2) == 1
+
+
+def test_the_exchange_is_chosen_from_every_ranks_device():
+    cpu, gpu = ["cpu", "cpu"], ["cuda:0", "cuda:1"]
+    assert transport.choose("auto", cpu, False, [None, None]) == "host"
+    assert transport.choose("auto", gpu, True, [False, False]) == "nccl"
+    assert transport.choose("auto", gpu, False, [True, True]) == "cuda-aware"
+    assert transport.choose("auto", gpu, False, [True, None]) == "host"
+    assert transport.choose("auto", ["cuda:0", "cpu"], True, [True, None]) == "host"       # a mixed job
+    assert transport.choose("cuda-aware", ["cuda:0", "cpu"], False, [None, None]) == "cuda-aware"
+    with pytest.raises(UserError, match=r"nccl needs every rank on a GPU; rank\(s\) \[1\] compute on the CPU"):
+        transport.choose("nccl", ["cuda:0", "cpu"], True, [None, None])
+    with pytest.raises(UserError, match="nccl is not available in this torch build"):
+        transport.choose("nccl", gpu, False, [None, None])
+    with pytest.raises(UserError, match=r"the MPI library of rank\(s\) \[0\] is not CUDA-aware"):
+        transport.choose("cuda-aware", gpu, False, [False, True])
+    with pytest.raises(UserError, match="gloo reduces CPU tensors"):
+        transport.choose("gloo", gpu, True, [None, None])
+    with pytest.raises(UserError, match="exchange: must be one of"):
+        transport.choose("mpi", cpu, False, [None, None])
+
+
+def test_batches_move_to_the_device_whole():
+    x, y = torch.randn(3, 2), torch.tensor([1, 2, 3])
+    moved = devices.to_device({"x": x, "pair": (x, [y])}, "cpu")
+    assert moved["x"] is x and moved["pair"][1][0] is y
+    assert devices.model_device(torch.nn.Linear(2, 2)) == torch.device("cpu")
+    assert devices.model_device(torch.nn.ReLU()) == torch.device("cpu")
+
+
+def test_the_cpu_and_the_mpi_library_are_described():
+    d = devices.describe("cpu")
+    assert d["device"] == "cpu" and d["name"] and d["memory_gib"] > 0
+    assert devices.mpi_cuda_aware() in (True, False, None)
+    v = devices.cuda_versions()
+    assert v["gpus"] == torch.cuda.device_count()
+
+
+# --- under MPI ------------------------------------------------------------------
+
+@pytest.mark.mpi(min_size=1)
+def test_auto_selects_the_cpu_on_a_machine_without_gpus(comm):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU (test_cuda.py covers it)")
+    assert devices.select(comm, "auto") == torch.device("cpu")
+    assert devices.select(comm, "cpu", ["cpu"] * comm.Get_size()) == torch.device("cpu")
+    described = devices.all_devices(comm, torch.device("cpu"))
+    assert [d["device"] for d in described] == ["cpu"] * comm.Get_size()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_missing_gpu_fails_on_every_rank_together(comm):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from dbs_mpi.comm import AgreedError
+    last = comm.Get_size() - 1
+    specs = ["cpu"] * last + ["cuda:0"]          # only the last rank asks for a GPU
+    with pytest.raises(AgreedError, match=f"cuda:0 requested for rank {last} on") as info:
+        devices.select(comm, "auto", specs)
+    assert info.value.origin == 0                # every rank computes the same assignment: rank 0 reports it
+    with pytest.raises(AgreedError, match="devices: has"):
+        devices.select(comm, "auto", ["cpu"] * (comm.Get_size() + 1))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_exchange_is_agreed_and_refused_together(comm):
+    from dbs_mpi.comm import AgreedError
+    cpu = torch.device("cpu")
+    assert transport.agree(comm, "auto", cpu) == "host"
+    assert transport.agree(comm, "cuda-aware", cpu) == "cuda-aware"     # CPU ranks then use host memory
+    if not torch.cuda.is_available():
+        with pytest.raises(AgreedError, match="nccl needs every rank on a GPU"):
+            transport.agree(comm, "nccl", cpu)
