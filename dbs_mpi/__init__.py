@@ -24,6 +24,8 @@ Where each idea of the papers lives:
   sharding.py       uneven shards with equal step counts; HeteroSampler; allocation invariance
   optimizer.py      DistributedOptimizer: sample-weighted gradients, weighted or mean
   comm.py           the bucketed allreduce, non-spinning waits, failing together, init()
+  devices.py        each rank's device (CPU or GPU), thread shares, a clock true on GPUs
+  transport.py      how buckets are summed: host-staged MPI, CUDA-aware MPI, NCCL, gloo
   profiling.py      compute / communication / wait times; the calibration's clock
   heterogeneity.py  emulated speeds and disturbances
   results.py        the HDF5 result file (RunWriter, Recorder)
@@ -57,6 +59,7 @@ _API = {
     "StopRequest": "checkpoint", "Stopped": "checkpoint", "EXIT_STOPPED": "checkpoint",
     "Emulator": "heterogeneity",
     "UserError": "config",
+    "select_device": "devices",
 }
 __all__ = sorted([*_API, "save_checkpoint", "load_checkpoint"])
 

@@ -133,6 +133,9 @@ def select(comm, device: str = "auto", devices=None, timeout: float = 600.0) -> 
     return mine
 
 
+select_device = select          # the public name (dbs_mpi.select_device)
+
+
 def all_devices(comm, device: torch.device, timeout: float = 600.0) -> list[dict]:
     """Every rank's `describe(device)`, in rank order (for records, thread shares, info)."""
     from . import comm as mpi

@@ -129,6 +129,7 @@ from .balancer import calibrate, calibration_batches
 from .comm import CommTimeout
 from .config import UserError
 from .data import fetch_batch, first_samples
+from .devices import model_device, to_device
 from .heterogeneity import Emulator
 from .optimizer import make_optimizer
 from .profiling import model_step
@@ -155,8 +156,8 @@ class Message:
     """One flat float32 message: `header` (float64 view of the front) and `body` (a torch
     view of the P values after it). `whole` and `head` are what Send/Recv take."""
 
-    def __init__(self, numel: int):
-        self.tensor = torch.zeros(2 * HEADER + numel, dtype=torch.float32)
+    def __init__(self, numel: int, pinned: bool = False):
+        self.tensor = torch.zeros(2 * HEADER + numel, dtype=torch.float32, pin_memory=pinned)
         self.array = self.tensor.numpy()
         self.header = self.array[:2 * HEADER].view(np.float64)
         self.body = self.tensor[2 * HEADER:]
@@ -568,10 +569,17 @@ class Worker:
         self.timeout = cfg.comm_timeout
         params = [p for p in model.parameters()]
         self.numel = sum(p.numel() for p in params)
-        self.weights = Message(self.numel)    # TAG_WORK lands here: the parameters are views of its body
-        self.grad = Message(self.numel)       # autograd accumulates into its body: pushed as it is
-        bind_parameters(params, self.weights.body)
-        bind_gradients(params, self.grad.body)
+        self.device = model_device(model)
+        on_gpu = self.device.type != "cpu"
+        self.weights = Message(self.numel, on_gpu)    # TAG_WORK lands here
+        self.grad = Message(self.numel, on_gpu)       # pushed as it is
+        # On the CPU the parameters and their gradients are views of the messages' bodies
+        # (no copies); on a GPU they are views of device buffers that the bodies are
+        # copied to (weights, after every receive) and from (gradients, before every push).
+        self.device_weights = self.weights.body if not on_gpu else torch.zeros(self.numel, device=self.device)
+        self.device_grad = self.grad.body if not on_gpu else torch.zeros(self.numel, device=self.device)
+        bind_parameters(params, self.device_weights)
+        bind_gradients(params, self.device_grad)
         self.stats = np.zeros((cfg.epochs, S_VECTOR + pcomm.Get_size() - 1))
         self.steps_per_epoch = sharding.steps_per_epoch(len(train_set), cfg.global_batch, cfg.drop_last)
         self.max_messages = cfg.epochs * (len(train_set) + (pcomm.Get_size() - 1) * self.steps_per_epoch) + 1
@@ -617,16 +625,20 @@ class Worker:
                 # a fast asgd worker computes more gradients per epoch).
                 self.emulator.start_epoch(epoch, self.steps_per_epoch)
             idx = perm[start:start + count]
+            self.pull()
             if count:
-                x, y = fetch_batch(self.train_set, idx)
+                x, y = to_device(fetch_batch(self.train_set, idx), self.device)
             t1, cpu = time.perf_counter(), time.process_time()
-            self.grad.body.zero_()
+            self.device_grad.zero_()
             loss_value = 0.0
             if count:
                 loss = self.loss_fn(self.model(x), y)
                 loss.backward()
-                loss_value = loss.item()
-                self.emulator.stretch(time.perf_counter() - t1, time.process_time() - cpu)
+                loss_value = loss.item()       # on a GPU: waits for backward (a true compute time)
+                # a GPU worker's CPU time is not its device's work: its wall time is stretched
+                self.emulator.stretch(time.perf_counter() - t1,
+                                      time.process_time() - cpu if self.device.type == "cpu" else None)
+            self.push_copy()
             t2 = time.perf_counter()
             h = self.grad.header
             h[:] = 0.0
@@ -643,6 +655,16 @@ class Worker:
             recv = self.comm.Irecv(self.weights.whole, 0, TAG_WORK)
             mpi.wait(self.comm.Isend(self.grad.whole, 0, TAG_GRAD), self.timeout, "pushing a gradient")
         raise RuntimeError(f"worker {self.comm.Get_rank()}: more than {self.max_messages} work messages")
+
+    def pull(self) -> None:
+        """The received weights into the model (a GPU worker's device copy; nothing on the CPU)."""
+        if self.device_weights is not self.weights.body:
+            self.device_weights.copy_(self.weights.body, non_blocking=True)
+
+    def push_copy(self) -> None:
+        """The computed gradient into the message that is pushed (a GPU worker's host copy)."""
+        if self.device_grad is not self.grad.body:
+            self.grad.body.copy_(self.device_grad)
 
 
 def _warm_up_optimizer() -> None:
@@ -672,8 +694,9 @@ def initial_vector(run, emulator):
     # local batches; the workers' part of the fit sizes their local batches.
     small, large = calibration_batches(cfg.global_batch, comm.Get_size(), cfg.min_local_batch, max_local)
     step = model_step(run.model, run.loss_fn, *first_samples(run.train_set, large))
+    stretch = emulator.stretch if run.device.type == "cpu" else (lambda wall, cpu: emulator.stretch(wall))
     fit, times = calibrate(comm, step, small, large, steps=cfg.benchmark_steps, warmup=cfg.benchmark_warmup,
-                           stretch=emulator.stretch, affine=cfg.dbs_model == "affine", timeout=cfg.comm_timeout)
+                           stretch=stretch, affine=cfg.dbs_model == "affine", timeout=cfg.comm_timeout)
     run.recorder.writer.write("startup/local_batch", np.array([small, large], dtype=np.int64))
     run.recorder.writer.write("startup/step_time", times)
     speed_model = allocation.SpeedModel(fit.per_sample[1:].copy(), fit.overhead[1:].copy())
@@ -791,6 +814,8 @@ class AsyncTrainer:
             if server is not None:
                 flat.copy_(torch.from_numpy(server.snapshots.pop(e)))
             mpi.wait(comm.Ibcast([flat.numpy(), MPI.FLOAT], root=0), cfg.comm_timeout, "broadcasting weights")
+            if worker is not None:
+                worker.pull()
             test_loss, test_acc, eval_time = self.run.evaluate()
             record = epoch_record(gathered, e, workers, test_loss, test_acc, eval_time)
             self.writer.append_epoch(record, {})
@@ -800,6 +825,8 @@ class AsyncTrainer:
                      f"{record['staleness_mean']:.2f} max {int(record['staleness_max'])}  "
                      f"batch sizes {record['batch_sizes'].tolist()}")
         flat.copy_(current)
+        if worker is not None:
+            worker.pull()
         self.written = closed
         if server is not None:
             server.written = closed
@@ -808,9 +835,12 @@ class AsyncTrainer:
         """The run is complete: every rank's model gets the final weights as plain
         parameters (no views of protocol buffers); rank 0 writes the run's staleness."""
         params = [p for p in self.run.model.parameters()]
-        flat = torch.zeros(sum(p.numel() for p in params))
+        host = torch.zeros(sum(p.numel() for p in params))
+        flat = host if self.run.device.type == "cpu" else torch.zeros(host.shape, device=self.run.device)
         bind_parameters(params, flat)
-        mpi.wait(self.comm.Ibcast([flat.numpy(), MPI.FLOAT], root=0), self.cfg.comm_timeout, "broadcasting weights")
+        mpi.wait(self.comm.Ibcast([host.numpy(), MPI.FLOAT], root=0), self.cfg.comm_timeout, "broadcasting weights")
+        if flat is not host:
+            flat.copy_(host)
         for p in params:
             p.grad = None
         if server is None:

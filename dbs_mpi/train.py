@@ -99,6 +99,15 @@ def setup(comm, cfg: Config) -> Run:
     return Run(comm, cfg, train_set, test_set, model, loss_fn)
 
 
+def server_on_cpu(cfg: Config, world_size: int):
+    """The per-rank device list: cfg's, except that a parameter server (rank 0 of the
+    asynchronous strategies) keeps its weights and optimizer on the CPU."""
+    if cfg.strategy not in ASYNC_STRATEGIES:
+        return cfg.devices or None
+    specs = devices.per_rank_specs(cfg.device, cfg.devices, world_size)
+    return ["cpu"] + specs[1:]
+
+
 def result_attrs(cfg: Config, run: Run, threads: int, oversubscribed: bool, places) -> dict:
     model = run.model
     return dict(rank_cores=[",".join(map(str, cores)) for _, cores in places], strategy=cfg.strategy, aggregation=cfg.aggregation, dataset=cfg.dataset, model=cfg.model,
@@ -121,7 +130,7 @@ def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state:
 
     torch.manual_seed(cfg.seed)
     run = mpi.collective(comm, setup, comm, cfg, timeout=cfg.comm_timeout)
-    run.device = devices.select(comm, cfg.device, cfg.devices, cfg.comm_timeout)
+    run.device = devices.select(comm, cfg.device, server_on_cpu(cfg, comm.Get_size()), cfg.comm_timeout)
     if cfg.strategy not in ASYNC_STRATEGIES:     # a transport the job cannot have fails before any file exists
         run.exchange = transport.agree(comm, cfg.exchange, run.device, cfg.comm_timeout)
     described = devices.all_devices(comm, run.device, cfg.comm_timeout)

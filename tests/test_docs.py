@@ -97,7 +97,9 @@ def test_the_readme_options_are_the_code_s():
              for a in action.option_strings} | {"--version"}
     others = {"--kinds", "--ranks", "--repeats", "--strategies", "--variant", "--np", "--base", "--mirror", "--only",
               "--scale", "--out", "--job",      # scripts and `dbs-mpi bench|data` subcommands
-              "--mpi"}                          # srun's (srun --mpi=pmi2)
+              "--mpi",                          # srun's (srun --mpi=pmi2)
+              "--ntasks-per-node", "--gpus-per-node",   # sbatch's
+              "--with-mpi"}                     # pytest-mpi's
     shown = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", readme))
     assert not shown - known - others, f"README shows options that do not exist: {sorted(shown - known - others)}"
     choices = {"strategy": config.STRATEGIES, "aggregation": config.AGGREGATIONS, "dataset": config.DATASETS,

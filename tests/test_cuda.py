@@ -1,0 +1,181 @@
+"""The CUDA paths, on a GPU machine (skipped elsewhere, with the reason): a training step
+on the GPU gives the CPU's gradient; the host-staged, CUDA-aware and NCCL exchanges give
+MPI's sum (pytest-mpi, at any number of ranks sharing the GPUs); the calibration and the
+optimizer's clock see the device's compute, not its launches; emulated speeds stretch a
+GPU rank; `dbs-mpi train` and `info` on GPUs, a mixed CPU/GPU job and GPU workers of the
+parameter server.
+
+    python -m pytest -m cuda tests/test_cuda.py                    # 1 rank
+    mpirun -n 2 python tests/mpi_pytest.py --with-mpi -m "mpi and cuda" tests/test_cuda.py
+"""
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import read_released, run_cli
+from dbs_mpi import devices
+from dbs_mpi.comm import GradientExchange
+from dbs_mpi.data import load_synthetic
+from dbs_mpi.models import LeNet5
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="needs a CUDA GPU (torch.cuda.is_available() is False on this machine)")]
+
+SLEEP_CYCLES = 50_000_000          # torch.cuda._sleep: tens of milliseconds on any current GPU
+
+
+class SleepyNet(nn.Module):
+    """A linear model whose forward also keeps the GPU busy for a while (a kernel that
+    spins SLEEP_CYCLES clock cycles): a clock around its launch alone would read ~0."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return self.fc(x)
+
+
+def kernel_seconds() -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000
+
+
+def gpu_for(comm) -> torch.device:
+    return torch.device(f"cuda:{comm.Get_rank() % torch.cuda.device_count()}")
+
+
+def test_a_training_step_on_the_gpu_gives_the_cpus_gradient():
+    data = load_synthetic("train", 64, (1, 28, 28), 10, seed=1)
+    grads = {}
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        model = LeNet5().to(device)
+        x, y = devices.to_device((data.x, data.y), device)
+        F.cross_entropy(model(x), y).backward()
+        grads[device] = torch.cat([p.grad.reshape(-1).cpu() for p in model.parameters()])
+    torch.testing.assert_close(grads["cuda"], grads["cpu"], rtol=1e-4, atol=1e-5)
+
+
+def test_batches_for_the_gpu_go_through_pinned_memory():
+    x = torch.randn(4, 3)
+    moved = devices.to_device(x, "cuda")
+    assert moved.is_cuda and torch.equal(moved.cpu(), x)
+    assert devices.describe("cuda:0")["memory_gib"] > 0
+
+
+def test_the_calibration_clock_sees_the_devices_compute():
+    from dbs_mpi.profiling import model_step, time_step
+    kernel = kernel_seconds()
+    model = SleepyNet().cuda()
+    step = model_step(model, F.cross_entropy, torch.randn(16, 8), torch.randint(3, (16,)))
+    assert time_step(step, 8, steps=3, warmup=1) >= 0.8 * kernel
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_optimizers_clock_and_emulated_speeds_see_the_devices_compute(comm):
+    import dbs_mpi
+    device = gpu_for(comm)
+    kernel = kernel_seconds()
+    torch.manual_seed(0)
+    model = SleepyNet().to(device)
+    n = comm.Get_size()
+    speeds = [1.0] + [0.5] * (n - 1)
+    balancer = dbs_mpi.Balancer(comm, 4 * n, "ssgd", speeds=speeds, timeout=120)
+    data = torch.utils.data.TensorDataset(torch.randn(8 * n, 8), torch.randint(3, (8 * n,)))
+    sampler = dbs_mpi.HeteroSampler(data, balancer, seed=0)
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, balancer,
+                                             exchange="host")
+    loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
+    for x, y in loader:
+        x, y = devices.to_device((x, y), device)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step(loss=loss)
+    stats = balancer.end_epoch()
+    per_step = stats.step_compute[:, comm.Get_rank()]
+    assert np.median(per_step) >= 0.8 * kernel / speeds[comm.Get_rank()]
+
+
+def run_exchange(comm, device, transport, caps=(1, 1), steps=3):
+    """Weighted exchanges of a LeNet-5's gradients on `device`: the reduced gradients."""
+    data = load_synthetic("train", 64, (1, 28, 28), 10, seed=3)
+    n, rank = comm.Get_size(), comm.Get_rank()
+    vector = np.array([5 + 3 * r for r in range(n)])
+    start = int(vector[:rank].sum())
+    torch.manual_seed(0)
+    model = LeNet5().to(device)
+    ex = GradientExchange(comm, model.parameters(), timeout=120, bucket_bytes=caps[0] * 40_000,
+                          first_bucket_bytes=caps[1] * 4_000, transport=transport)
+    out = []
+    for _ in range(steps):
+        weight = vector[rank] / vector.sum()
+        ex.zero_grad(weight)
+        x, y = devices.to_device((data.x[start:start + vector[rank]], data.y[start:start + vector[rank]]), device)
+        loss = F.cross_entropy(model(x), y)
+        ex.backward(loss)
+        ex.allreduce(weight, loss.item() * weight)
+        out.append(ex.gradient().cpu())
+    return torch.stack(out), ex
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("transport", ["host", "cuda-aware", "nccl"])
+def test_gpu_exchanges_give_the_cpus_sum(comm, transport):
+    if transport == "cuda-aware" and not devices.mpi_cuda_aware():
+        pytest.skip("the MPI library is not CUDA-aware (MPIX_Query_cuda_support() is not 1)")
+    if transport == "nccl" and comm.Get_size() > torch.cuda.device_count():
+        pytest.skip("NCCL takes one rank per GPU; more ranks than GPUs here")
+    expected, _ = run_exchange(comm, "cpu", "host")
+    got, ex = run_exchange(comm, gpu_for(comm), transport)
+    assert ex.transport.name == transport and ex.flat.is_cuda
+    if comm.Get_size() > 1:
+        assert ex.overlap and ex.num_buckets > 2
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_train_on_the_gpu_end_to_end(tmp_path):
+    out = tmp_path / "gpu.h5"
+    proc = run_cli(["train", "--dataset", "synthetic", "--epochs", "2", "--device", "cuda", "--out", str(out),
+                    "--progress", "false"], timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    run = read_released(out, time.time() + 30)
+    assert list(run["attrs"]["rank_devices"]) == ["cuda:0"] and run["attrs"]["status"] == "complete"
+    assert run["data"]["epoch/test_accuracy"][-1] > 0.3
+
+
+def test_a_job_mixing_a_gpu_rank_and_cpu_ranks(tmp_path):
+    out = tmp_path / "mixed.h5"
+    proc = run_cli(["train", "--dataset", "synthetic", "--epochs", "2", "--devices", "cuda,cpu,cpu", "--strategy",
+                    "dbs", "--out", str(out), "--progress", "false"], ranks=3, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    run = read_released(out, time.time() + 30)
+    assert list(run["attrs"]["rank_devices"]) == ["cuda:0", "cpu", "cpu"] and run["attrs"]["exchange"] == "host"
+
+
+def test_gpu_workers_of_the_parameter_server(tmp_path):
+    out = tmp_path / "asgd.h5"
+    proc = run_cli(["train", "--dataset", "synthetic", "--epochs", "2", "--strategy", "asgd", "--device", "cuda",
+                    "--out", str(out), "--progress", "false"], ranks=3, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    run = read_released(out, time.time() + 30)
+    assert list(run["attrs"]["rank_devices"])[0] == "cpu"                # the server stays on the CPU
+    assert all(d.startswith("cuda") for d in list(run["attrs"]["rank_devices"])[1:])
+
+
+def test_info_lists_the_gpus():
+    proc = run_cli(["info", "--device", "cuda"], ranks=2, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "CUDA-aware MPI:" in proc.stdout and torch.cuda.get_device_name(0) in proc.stdout
+    assert f"CUDA {torch.version.cuda}" in proc.stdout
