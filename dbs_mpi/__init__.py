@@ -26,6 +26,7 @@ Where each idea of the papers lives:
   comm.py           the bucketed allreduce, non-spinning waits, failing together, init()
   devices.py        each rank's device (CPU or GPU), thread shares, a clock true on GPUs
   transport.py      how buckets are summed: host-staged MPI, CUDA-aware MPI, NCCL, gloo
+  ddp.py            the same weighting for DistributedDataParallel (a comm hook); torch.distributed from MPI
   profiling.py      compute / communication / wait times; the calibration's clock
   heterogeneity.py  emulated speeds and disturbances
   results.py        the HDF5 result file (RunWriter, Recorder)
@@ -60,6 +61,8 @@ _API = {
     "Emulator": "heterogeneity",
     "UserError": "config",
     "select_device": "devices",
+    "sample_weighted": "ddp", "sample_weighted_hook": "ddp", "SampleWeightedState": "ddp",
+    "init_process_group": "ddp",
 }
 __all__ = sorted([*_API, "save_checkpoint", "load_checkpoint"])
 
@@ -68,6 +71,9 @@ def __getattr__(name):
     if name in ("save_checkpoint", "load_checkpoint"):
         from . import checkpoint
         return checkpoint.save if name == "save_checkpoint" else checkpoint.load
+    if name == "ddp":
+        import importlib
+        return importlib.import_module(".ddp", __name__)
     if name in _API:
         import importlib
         return getattr(importlib.import_module(f".{_API[name]}", __name__), name)

@@ -107,12 +107,18 @@ def load(path) -> dict:
 
 
 def rng_state() -> dict:
-    """This process's torch random state (the CPU generator)."""
-    return {"torch": torch.get_rng_state()}
+    """This process's torch random state: the CPU generator, and the current GPU's where
+    the rank computes on one (dropout on a GPU draws from it)."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 _ACTIVE = [0]       # StopRequests entered and not yet left in this process

@@ -110,10 +110,11 @@ def per_rank_specs(device: str, devices, world_size: int) -> list[str]:
     return [check_spec(device)] * world_size
 
 
-def select(comm, device: str = "auto", devices=None, timeout: float = 600.0) -> torch.device:
+def select(comm, device: str = "auto", devices=None, timeout: float = 600.0, threads: bool = True) -> torch.device:
     """Collective: this rank's torch.device (see the module docstring); every rank fails
     together, one line from the rank that names the problem, if a device does not exist.
-    The GPU becomes the rank's current CUDA device."""
+    The GPU becomes the rank's current CUDA device. threads: set this rank's torch threads
+    to its share (`cpu_threads`: 1 on a GPU rank, the cores GPU ranks leave on a CPU rank)."""
     from . import comm as mpi
     import socket
 
@@ -130,6 +131,9 @@ def select(comm, device: str = "auto", devices=None, timeout: float = 600.0) -> 
     mine = torch.device(chosen[comm.Get_rank()])
     if mine.type == "cuda":
         torch.cuda.set_device(mine)
+    if threads:
+        places = mpi.placement(comm, timeout)
+        mpi.set_torch_threads(cpu_threads(places, chosen, comm.Get_rank(), mpi.thread_limit()))
     return mine
 
 

@@ -130,7 +130,8 @@ def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state:
 
     torch.manual_seed(cfg.seed)
     run = mpi.collective(comm, setup, comm, cfg, timeout=cfg.comm_timeout)
-    run.device = devices.select(comm, cfg.device, server_on_cpu(cfg, comm.Get_size()), cfg.comm_timeout)
+    run.device = devices.select(comm, cfg.device, server_on_cpu(cfg, comm.Get_size()), cfg.comm_timeout,
+                                threads=False)
     if cfg.strategy not in ASYNC_STRATEGIES:     # a transport the job cannot have fails before any file exists
         run.exchange = transport.agree(comm, cfg.exchange, run.device, cfg.comm_timeout)
     described = devices.all_devices(comm, run.device, cfg.comm_timeout)

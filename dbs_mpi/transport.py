@@ -41,6 +41,8 @@ from mpi4py import MPI
 
 from .config import EXCHANGES, UserError
 
+GRACE = 30.0        # seconds torch.distributed waits beyond comm_timeout (see TorchDistributed)
+
 
 class HostMPI:
     """MPI on host memory; stages device (or, with stage=True, any) buffers through a
@@ -173,7 +175,9 @@ class TorchDistributed:
     def __init__(self, comm, flat: torch.Tensor, bounds, backend: str, timeout: float = 600.0):
         from . import ddp
         self.name, self.flat, self.bounds = backend, flat, bounds
-        self.group = ddp.init_process_group(comm, backend, timeout)
+        # torch's own timeout a little later than comm_timeout: the supervisor's deadline
+        # ends a stuck step first, with its message naming the ranks that did not arrive
+        self.group = ddp.init_process_group(comm, backend, timeout + GRACE)
         self.views = [flat[start:stop] for start, stop in bounds]
 
     def stage(self, b: int) -> None:

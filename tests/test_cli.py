@@ -10,6 +10,7 @@ import time
 
 import h5py
 import pytest
+import torch
 
 import dbs_mpi
 
@@ -57,6 +58,14 @@ def test_two_ranks_with_speeds_write_one_complete_file(tmp_path):
     (["--global-batch", "0"], 2, "global_batch: must be positive"),
     (["--no-such-option", "3"], 2, "unrecognized arguments: --no-such-option"),
     (["--strategy", "turbo"], 1, "strategy: must be one of"),
+    (["--device", "gpu"], 2, "device: 'gpu' is not a device; use auto, cpu, cuda or cuda:N"),
+    (["--devices", "cpu"], 2, "devices: has 1 entries but there are 2 ranks"),
+    pytest.param(["--device", "cuda"], 2, "device: cuda requested for rank 0 on",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
+    pytest.param(["--devices", "cpu,cuda:7"], 2, "device: cuda:7 requested for rank 1 on",
+                 marks=pytest.mark.skipif(torch.cuda.device_count() > 7, reason="this machine has 8 GPUs")),
+    (["--exchange", "nccl", "--device", "cpu"], 2, "exchange: nccl needs every rank on a GPU"),
+    (["--exchange", "mpi"], 1, "exchange: must be one of"),
 ])
 def test_bad_input_one_line_every_rank_exits(tmp_path, args, ranks, message):
     out = tmp_path / "bad.h5"
@@ -145,6 +154,11 @@ def test_info_and_usage():
     proc = run_cli(["info"], ranks=2, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "MPI library:" in proc.stdout and "ranks:         2" in proc.stdout
+    assert "CUDA-aware MPI:" in proc.stdout and "cuDNN" in proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    assert len(rows) == 2 and all(row[5] in ("cpu", "cuda:0") for row in rows), proc.stdout   # every rank's device
+    proc = run_cli(["info", "--devices", "cpu"], ranks=2, timeout=60)
+    assert proc.returncode == 2 and "devices: has 1 entries but there are 2 ranks" in proc.stderr
     proc = run_cli(["frobnicate"], timeout=30)
     assert proc.returncode == 2 and "unknown command" in proc.stderr
 

@@ -50,12 +50,15 @@ def stop_one_rank(tmp_path, args, ranks, victim):
     ("ssgd", "sleep", 2, "waited more than 5 s in the gradient allreduce"),
     ("dbs", "sleep", 4, "waited more than 5 s in the gradient allreduce"),
     ("asgd", "auto", 3, "sent no gradient for more than 5 s"),      # the server notices, while it serves others
+    ("ssgd/gloo", "spin", 2, "waited more than 5 s in the gradient allreduce"),   # torch.distributed's exchange
 ])
 def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path, strategy, policy, ranks, waited_in):
     victim = ranks - 1
     # asgd: no checkpoint between epochs, so that the run stays inside the protocol
     # (the server logs "epoch 1/500 trained" as soon as the epoch's samples are applied).
     extra = ["--checkpoint-every", "0"] if strategy == "asgd" else []
+    strategy, _, exchange = strategy.partition("/")
+    extra += ["--exchange", exchange] if exchange else []
     elapsed, code, err, out = stop_one_rank(tmp_path, ["--strategy", strategy, "--wait-policy", policy, *extra],
                                             ranks, victim)
     assert code != 0, err

@@ -1,0 +1,389 @@
+"""PyTorch DistributedDataParallel over uneven local batches: sample-weighted gradients.
+
+DDP averages the ranks' gradients,
+
+    g_ddp = (1/n) sum_i g_i            (n ranks; g_i = gradient of rank i's mean loss)
+
+which is the gradient of the mean loss over the step's global batch only when every
+local batch has the same size. With dbs-mpi's uneven local batches b_i (HeteroSampler;
+B = sum_i b_i, the last step of an epoch may be partial, a rank may have b_i = 0) that
+gradient is (docs/method.md, "Sample-weighted gradients")
+
+    g = (1/B) sum over the B samples of grad(loss_k) = sum_i (b_i / B) g_i
+
+`sample_weighted(ddp_model)` makes DDP compute g, with a DDP communication hook that
+reduces every gradient bucket as
+
+    bucket_i * b_i  --all_reduce(SUM)-->  sum_i b_i g_i  --divide by B-->  g
+
+A comm hook gets the rank's raw local gradient: DDP divides by the world size only in
+its built-in reduction, never before a registered hook (torch's register_comm_hook:
+"Grad bucket's tensors will not be predivided by world_size"; its default hook divides
+itself: `tensor.div_(group_to_use.size())`), so nothing has to be undone.
+
+Where b_i and B come from (the forward pre-hook that sample_weighted registers on the
+DDP model counts training-mode forwards with grad enabled, the ones a backward follows):
+
+* counted (default): b_i is the leading dimension of the forward's first tensor input
+  (a batch whose first input is not batch-first: set `state.local_batch = n` before
+  the forward). B is summed over the ranks by one more all_reduce of the 1-element
+  tensor [b_i], issued with the step's first bucket, so it overlaps backward; every
+  bucket's division waits for it. A rank may feed an empty batch (b_i = 0): its
+  buckets are zeroed (not multiplied, so a NaN gradient of an empty mean cannot leak).
+  Any uneven sampler works, and no host synchronisation is needed on GPUs.
+* balancer= (for HeteroSampler loops): b_i and B are read from the balancer's table of
+  the step, the table the sampler serves, so no collective is needed for B. This is the
+  mode that makes the zero-sample rank exact: HeteroSampler gives a rank whose share of
+  the last, partial step is 0 one placeholder sample (the step's first), so that every
+  rank runs forward and backward (DDP needs every rank's buckets); counted, it would
+  weigh 1 and enter the gradient twice. The table says b_i = 0: the bucket is zeroed.
+  The forward's batch length is checked against the table ((b_i or 1) samples, a
+  mismatch raises, check_batch=False turns it off). And a HeteroSampler loop needs the
+  balancer's step counter to move on: DistributedOptimizer.step() does it in its own
+  loop; here the hook does, when the step's last bucket is reduced (balancer.record_step,
+  with the step's data, compute and last-collective times, so end_epoch() works and
+  dbs re-plans from measured compute; the loss is not known here: NaN). Emulated speeds
+  (Balancer(speeds=...)) stretch the step's compute before its last bucket starts.
+
+Usage (a plain torch optimizer; every rank):
+
+    comm = dbs_mpi.init()
+    dbs_mpi.ddp.init_process_group(comm)            # nccl on GPUs, gloo on CPUs
+    model = DDP(net)                                # device_ids=[local gpu] on GPUs
+    balancer = dbs_mpi.Balancer(comm, global_batch=512, policy="dbs")
+    dbs_mpi.ddp.sample_weighted(model, balancer=balancer)
+    sampler = dbs_mpi.HeteroSampler(ds, balancer, seed=0)
+    loader = DataLoader(ds, batch_sampler=sampler)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss_fn(model(x), y).backward()         # g = sum_i (b_i / B) g_i in every .grad
+            optimizer.step()
+        balancer.end_epoch()
+
+(With any other uneven sampler: `dbs_mpi.ddp.sample_weighted(model)`, counted.)
+
+Collectives are issued in the same order on every rank (B first, then the buckets in
+order), and each bucket's division waits for B, so gloo's out-of-order completion cannot
+matter. On NCCL every operation stays on the device. One training forward per backward:
+gradient accumulation under DDP's no_sync() sums per-micro-batch mean gradients, which
+no sample weighting can undo, so it raises; a backward that DDP reduces without a
+counted forward before it raises too.
+
+`init_process_group(comm)` starts torch.distributed over the ranks of an MPI
+communicator (rank 0 hosts the TCPStore, its address and port travel by MPI), failing
+on every rank together when it fails on one.
+"""
+import datetime
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import comm as mpi
+from .config import UserError
+from .optimizer import batch_length
+
+LOOPBACK = "127.0.0.1"
+
+
+# --- torch.distributed from an MPI communicator ------------------------------------
+
+def default_backend() -> str:
+    """nccl where torch has it and a GPU is visible, else gloo."""
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def check_backend(backend: str) -> None:
+    """UserError, in one line, for a backend this torch build or machine cannot run.
+    Accepts torch's forms "gloo", "nccl" and "cpu:gloo,cuda:nccl"."""
+    if not dist.is_available():
+        raise UserError("exchange/backend: this torch build has no torch.distributed (torch.distributed.is_available() "
+                        "is False)")
+    for part in backend.lower().split(","):
+        name = part.split(":")[-1].strip()
+        if name not in dist.Backend.backend_list or name == "undefined":
+            raise UserError(f"exchange/backend: unknown torch.distributed backend {name!r} (one of "
+                            f"{', '.join(b for b in dist.Backend.backend_list if b != 'undefined')})")
+        if not dist.is_backend_available(name):
+            raise UserError(f"exchange/backend: {name} is not available in this torch build "
+                            f"(torch.distributed.is_{name}_available() is False)")
+        if name == "nccl" and not torch.cuda.is_available():
+            raise UserError("exchange/backend: nccl needs a GPU, and torch.cuda.is_available() is False on this "
+                            "rank; use gloo on CPU ranks")
+
+
+def master_address(hosts: "list[str]") -> str:
+    """The address the other ranks reach rank 0 at: the loopback when every rank runs on
+    rank 0's host; else $MASTER_ADDR if set, else rank 0's address on the route to the
+    next host (a hostname may resolve to 127.0.1.1), else its hostname's address."""
+    if all(h == hosts[0] for h in hosts):
+        return LOOPBACK
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"]
+    other = next(h for h in hosts if h != hosts[0])
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(other), 9))       # no packet is sent: it only picks a route
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _existing_group(backend: "str | None", world: int, rank: int) -> bool:
+    """True if torch.distributed is initialised already as asked (same world, same rank,
+    same backend if one was named); raises if it is initialised otherwise."""
+    if not dist.is_initialized():
+        return False
+    have_world, have_rank, have_backend = dist.get_world_size(), dist.get_rank(), str(dist.get_backend())
+    if have_world != world or have_rank != rank:
+        raise RuntimeError(f"torch.distributed is already initialised as rank {have_rank} of {have_world}, but "
+                           f"this is rank {rank} of a communicator of {world}: call "
+                           f"dbs_mpi.ddp.destroy_process_group() first, or pass the communicator it was made from")
+    if backend is not None and backend.lower() != have_backend.lower():
+        raise RuntimeError(f"torch.distributed is already initialised with backend {have_backend}, not {backend}: "
+                           f"call dbs_mpi.ddp.destroy_process_group() first, or ask for {have_backend}")
+    return True
+
+
+def _serve(address: str, world: int, timeout: float):
+    """Rank 0: a TCPStore on a free port (the OS picks it: no race with another job)."""
+    return dist.TCPStore(address, 0, world, True, datetime.timedelta(seconds=timeout), wait_for_workers=False)
+
+
+def _join(store, address: str, port: int, backend: str, rank: int, world: int, timeout: float) -> None:
+    if store is None:
+        store = dist.TCPStore(address, port, world, False, datetime.timedelta(seconds=timeout))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout))
+
+
+def init_process_group(comm, backend: "str | None" = None, timeout: float = 600.0):
+    """Collective: torch.distributed over the ranks of `comm` (same ranks, same order);
+    returns the default process group.
+
+    backend: "nccl" (every rank on a GPU: select it first, torch.cuda.set_device or
+    dbs_mpi.devices.select), "gloo", or None: rank 0's default_backend(). timeout:
+    seconds any rendezvous or collective may wait. Already initialised the same way:
+    the existing group is returned. A failure on any rank (a backend this build lacks,
+    a different existing group) raises AgreedError on every rank."""
+    rank, world = comm.Get_rank(), comm.Get_size()
+    existing = mpi.collective(comm, _existing_group, backend, world, rank, timeout=timeout)
+    flags = mpi.allgather_object(comm, existing, timeout, "agreeing whether torch.distributed is initialised")
+    if all(flags):
+        return dist.group.WORLD
+    if any(flags):
+        raise mpi.AgreedError(f"torch.distributed is initialised on rank(s) {[r for r, f in enumerate(flags) if f]} "
+                              f"but not on the others: initialise it on every rank together", 0, rank == 0, world)
+    backend = mpi.bcast_object(comm, backend or default_backend(), timeout=timeout,
+                               what="agreeing on the torch.distributed backend")
+    mpi.collective(comm, check_backend, backend, timeout=timeout)
+    hosts = mpi.hostnames(comm, timeout)
+    address = master_address(hosts) if rank == 0 else None
+    store = mpi.collective(comm, lambda: _serve(address, world, timeout) if rank == 0 else None, timeout=timeout)
+    address, port = mpi.bcast_object(comm, (address, store.port if rank == 0 else None), timeout=timeout,
+                                     what="broadcasting the TCPStore address")
+    mpi.collective(comm, _join, store, address, port, backend, rank, world, timeout, timeout=timeout)
+    return dist.group.WORLD
+
+
+def destroy_process_group() -> None:
+    """Tear torch.distributed's default group down (nothing if it is not initialised)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --- the sample-weighted comm hook --------------------------------------------------
+
+class StepClock:
+    """A step's times at the balancer (balancer mode): data from the last step's end to
+    the first forward; compute from there to the last bucket, stretched there to the
+    emulated speed; collective until the last bucket is reduced, when the step is
+    recorded (the optimizer's update shows in the next step's data time)."""
+
+    def __init__(self, balancer):
+        self.balancer = balancer
+        self.begin = (0.0, 0.0)         # perf_counter and process_time at the step's first forward
+        self.pre_end = 0.0
+        self.last_end = time.perf_counter()
+
+    def start(self) -> None:
+        self.begin = (time.perf_counter(), time.process_time())
+
+    def end_compute(self, device: torch.device) -> None:
+        """On a GPU the compute ends when the device is done (not when backward's last
+        kernel was launched), and emulated speeds stretch that wall time (not CPU time)."""
+        start, cpu = self.begin
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            self.balancer.stretch(time.perf_counter() - start)
+        else:
+            self.balancer.stretch(time.perf_counter() - start, time.process_time() - cpu)
+        self.pre_end = time.perf_counter()
+
+    def end_step(self) -> None:
+        end, start = time.perf_counter(), self.begin[0]
+        self.balancer.record_step(max(start - self.last_end, 0.0), self.pre_end - start, end - self.pre_end, 0.0)
+        self.last_end = end
+
+
+class SampleWeightedState:
+    """What the hook needs for the step under way: the process group, this rank's local
+    batch b_i (`local_batch`, set by the forward pre-hook, or by hand before the
+    forward), and the global batch B of the step (a number from the balancer, or the
+    future of the all_reduce of [b_i]).
+
+    balancer: read b_i and B from its table of the step, and move its step counter on
+    when the step's last bucket is reduced (see the module's docstring). check_batch:
+    with a balancer, check the forward's batch length against the table."""
+
+    def __init__(self, process_group=None, balancer=None, check_batch: bool = True):
+        self.process_group = process_group
+        self.balancer, self.check_batch = balancer, bool(check_batch)
+        self.clock = StepClock(balancer) if balancer is not None else None
+        self._local = None            # b_i of the step under way
+        self._total = None            # B (balancer) or, from the first bucket on, the future of its all_reduce
+        self._armed = False           # a counted forward (or a hand-set local_batch) since the last backward
+        self._by_hand = False         # local_batch was set by hand for this step
+
+    @property
+    def local_batch(self) -> "int | None":
+        """This rank's samples in the step under way (None before the first forward)."""
+        return self._local
+
+    @local_batch.setter
+    def local_batch(self, samples: int) -> None:
+        if self.balancer is not None:
+            raise AttributeError("local_batch comes from the balancer's table of the step; set it by hand only "
+                                 "without a balancer")
+        if int(samples) < 0:
+            raise ValueError(f"local_batch: must be >= 0; got {samples}")
+        self._local, self._armed, self._by_hand = int(samples), True, True
+
+    # --- forward --------------------------------------------------------------------
+    def on_forward(self, module, args, kwargs) -> None:
+        """The DDP model's forward pre-hook: a forward that a reduced backward may follow."""
+        if not module.training or not torch.is_grad_enabled():
+            return
+        if not module.require_backward_grad_sync:
+            raise RuntimeError("sample_weighted: gradient accumulation under DDP's no_sync() is not supported (the "
+                               "accumulated gradient is a sum of per-micro-batch means, which no sample weighting can "
+                               "undo): feed the whole local batch in one forward per backward")
+        seen = batch_length(args, kwargs)
+        if self.balancer is not None:
+            self._arm_from_balancer(seen)
+        elif not self._by_hand:
+            if seen is None:
+                raise RuntimeError("sample_weighted: the DDP model's forward has no batch-first tensor input to count "
+                                   "this rank's samples from; set state.local_batch = <samples> before each forward "
+                                   "(state: what sample_weighted returned)")
+            self._local = seen
+        if not self._armed and self.clock is not None:
+            self.clock.start()
+        self._armed = True
+
+    def _arm_from_balancer(self, seen: "int | None") -> None:
+        b = self.balancer
+        row = b.step_batch_sizes()            # raises, saying what to do, when no epoch is open
+        local = int(row[b.rank])
+        if self.check_batch and seen is not None and seen != (local or 1):
+            raise RuntimeError(
+                f"rank {b.rank}, step {b.step + 1} of epoch {b.open_epoch + 1}: the DDP model got {seen} sample(s), "
+                f"but this rank's local batch is {local} (step's local batches {row.tolist()}), so the gradient "
+                f"would be weighted wrongly. Feed it the batches of dbs_mpi.HeteroSampler (DataLoader(dataset, "
+                f"batch_sampler=sampler)), one forward and backward per batch; pass check_batch=False if the model's "
+                f"first input is not batch-first")
+        self._local, self._total = local, int(row.sum())
+
+    # --- backward (from the hook) ---------------------------------------------------
+    def begin_backward(self, device: torch.device, group) -> None:
+        """The step's first bucket: check a counted forward came first; launch B's sum."""
+        if not self._armed:
+            raise RuntimeError("sample_weighted: DDP is reducing gradients, but no training forward of the DDP model "
+                               "(model.train(), grad enabled) was seen since the last backward, so this rank's "
+                               "local batch is unknown. Register the hook with dbs_mpi.ddp.sample_weighted(model) "
+                               "(it adds the forward pre-hook that counts), and run one forward of the DDP model "
+                               "before each backward, or set state.local_batch by hand")
+        self._armed = self._by_hand = False
+        if self.balancer is None:
+            count = torch.full((1,), float(self._local), dtype=torch.float32, device=device)
+            self._total = dist.all_reduce(count, group=group, async_op=True).get_future()
+
+
+def _divide(reduced: torch.futures.Future, total) -> torch.Tensor:
+    """sum_i b_i g_i / B, in place in the reduced bucket. total: B, or the future of its sum."""
+    buffer = reduced.value()[0]
+    if isinstance(total, int):
+        return buffer.div_(total)
+    count = total.wait()[0]
+    _check_total(count)
+    return buffer.div_(count)
+
+
+def _check_total(count: torch.Tensor) -> None:
+    message = ("sample_weighted: no rank had samples in this step (B = 0): the gradient of the mean loss over no "
+               "samples is undefined; give some rank a non-empty batch")
+    if count.device.type == "cpu":
+        if float(count) <= 0:
+            raise RuntimeError(message)
+    elif hasattr(torch, "_assert_async"):
+        torch._assert_async(count > 0, message)          # checked on the device: no host synchronisation
+
+
+def sample_weighted_hook(state: SampleWeightedState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: the bucket of the gradient sum_i (b_i / B) g_i.
+
+    First bucket of a backward: launch the all_reduce of [b_i] (unless the balancer
+    gives B). Every bucket: multiply by b_i (zero it if b_i = 0), all_reduce (SUM),
+    then divide by B once B's sum is complete."""
+    group = state.process_group
+    buffer = bucket.buffer()
+    if bucket.index() == 0:
+        state.begin_backward(buffer.device, group)
+    clock = state.clock if bucket.is_last() else None
+    if clock is not None:
+        clock.end_compute(buffer.device)
+    if state.local_batch:
+        buffer.mul_(state.local_batch)
+    else:
+        buffer.zero_()
+    total = state._total
+
+    # The callback runs on the backend's thread and must not hold the state (nor anything
+    # else that holds the process group): dropping the group's last reference there
+    # would destroy the group from its own thread (gloo aborts: a thread joins itself).
+    def finish(reduced):
+        out = _divide(reduced, total)
+        if clock is not None:
+            clock.end_step()
+        return out
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(finish)
+
+
+def sample_weighted(ddp_model, process_group=None, *, balancer=None,
+                    check_batch: bool = True) -> SampleWeightedState:
+    """Make `ddp_model` (a DistributedDataParallel) reduce the sample-weighted gradient
+    sum_i (b_i / B) g_i; returns the hook's state.
+
+    process_group: default, the DDP model's. balancer: the dbs_mpi.Balancer whose
+    HeteroSampler feeds the loop (b_i, B from its table: exact for the placeholder sample
+    of a rank without samples, and the balancer's steps move on); without it b_i is
+    counted from the forward. Call it once, before the first backward."""
+    from torch.nn.parallel import DistributedDataParallel
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(f"sample_weighted: expects a torch.nn.parallel.DistributedDataParallel model; got "
+                        f"{type(ddp_model).__name__} (wrap it: DistributedDataParallel(model))")
+    group = process_group if process_group is not None else ddp_model.process_group
+    if balancer is not None and (balancer.world_size, balancer.rank) != (dist.get_world_size(group),
+                                                                         dist.get_rank(group)):
+        raise ValueError(f"sample_weighted: the balancer's communicator (rank {balancer.rank} of "
+                         f"{balancer.world_size}) is not the DDP process group (rank {dist.get_rank(group)} of "
+                         f"{dist.get_world_size(group)}): make both from the same communicator "
+                         f"(dbs_mpi.ddp.init_process_group(comm), Balancer(comm, ...))")
+    state = SampleWeightedState(group, balancer, check_batch)
+    ddp_model.register_forward_pre_hook(state.on_forward, with_kwargs=True)
+    ddp_model.register_comm_hook(state, sample_weighted_hook)
+    return state

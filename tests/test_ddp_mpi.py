@@ -1,0 +1,335 @@
+"""dbs_mpi.ddp under MPI (pytest-mpi): torch DistributedDataParallel on gloo, started
+from the MPI communicator, with the sample-weighted comm hook. Every test holds for any
+number of ranks (run at 1, 2 and 4):
+
+* a comm hook gets DDP's raw local gradient (not divided by the world size);
+* sample_weighted gives every .grad the gradient of the mean loss over the union of
+  the step's samples, step after step with changing uneven batches (an empty batch, a
+  partial step, one bucket and several), and it is not DDP's default average;
+* a HeteroSampler + DataLoader loop with a balancer: exact for the placeholder sample
+  of a rank without samples, over two dbs epochs (the balancer's steps move on);
+* init_process_group and misuses fail loudly, on every rank together.
+
+Every wait is bounded: the TCPStore and gloo time out after TIMEOUT seconds.
+"""
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+
+import dbs_mpi
+from dbs_mpi import allocation, ddp
+from dbs_mpi.sharding import epoch_permutation
+
+TIMEOUT = 60.0
+SPEEDS = [1.0, 0.5, 0.2, 0.07, 0.3, 0.6, 0.9, 0.15]
+CAPS = {"one bucket": 25.0, "several buckets": 0.0001}     # DDP's bucket_cap_mb (rebuilt after the first step)
+TIGHT = dict(rtol=1e-5, atol=1e-6)
+
+
+class Net(nn.Module):
+    """A convolution, a linear head and a scalar parameter (no batch statistics)."""
+
+    def __init__(self, classes=5):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.head = nn.Linear(4 * 6 * 6, classes)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x)).flatten(1)) * self.scale
+
+
+class Boxed:
+    """An input that is not a tensor: nothing to count samples from."""
+
+    def __init__(self, x):
+        self.x = x
+
+
+class BoxedNet(Net):
+    def forward(self, box):
+        return super().forward(box.x if isinstance(box, Boxed) else box)
+
+
+class Pairs(Dataset):
+    def __init__(self, n=150, seed=1, classes=5):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 1, 8, 8, generator=g)
+        self.y = torch.randint(classes, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], int(self.y[i])
+
+
+@pytest.fixture
+def group(comm):
+    group = ddp.init_process_group(comm, "gloo", timeout=TIMEOUT)
+    yield group
+    ddp.destroy_process_group()
+
+
+def models(net_class=Net, **ddp_kwargs):
+    """The same seeded model on every rank: DDP-wrapped, and a plain copy (the reference)."""
+    torch.manual_seed(0)
+    net = net_class()
+    reference = copy.deepcopy(net)
+    return DDP(net, **ddp_kwargs), reference
+
+
+def step_samples(step, total, classes=5):
+    """The union batch of a step: `total` seeded samples, the same on every rank."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(total, 1, 8, 8, generator=g), torch.randint(classes, (total,), generator=g)
+
+
+def my_part(x, y, sizes, rank):
+    start = int(sum(sizes[:rank]))
+    return x[start:start + sizes[rank]], y[start:start + sizes[rank]]
+
+
+def step_sizes(world):
+    """Local batches of every step: uneven, changing; an empty batch; a partial step."""
+    rows = [[3 * i + 2 for i in range(world)],
+            [(5 * i + 1) % 4 + 1 for i in range(world)],
+            [2 * i + 1 for i in range(world)],
+            [1] + [0] * (world - 1)]
+    if world > 1:
+        rows[2][-1] = 0                              # the last rank has no samples in step 3
+    return rows
+
+
+def grads(model):
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def reference_grads(reference, x, y):
+    reference.zero_grad()
+    F.cross_entropy(reference(x), y).backward()
+    return grads(reference)
+
+
+def assert_grads_equal(model, expected):
+    for (name, p), e in zip(model.module.named_parameters(), expected):
+        torch.testing.assert_close(p.grad, e, **TIGHT, msg=lambda m: f"{name}: {m}")
+
+
+def step_and_align(optimizers, model, reference):
+    """Both optimizers' step; the parameters agree; the reference then takes the model's
+    (so that float rounding cannot build up over the steps of a tight comparison)."""
+    for optimizer in optimizers:
+        optimizer.step()
+    with torch.no_grad():
+        for p, q in zip(model.module.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, **TIGHT)
+            q.copy_(p)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_init_process_group_matches_the_communicator(comm):
+    group = ddp.init_process_group(comm, timeout=TIMEOUT)
+    try:
+        assert (dist.get_rank(), dist.get_world_size()) == (comm.Get_rank(), comm.Get_size())
+        assert dist.get_backend() == ddp.default_backend() == "gloo"
+        value = torch.tensor([float(comm.Get_rank() + 1)])
+        dist.all_reduce(value)
+        assert value.item() == comm.Get_size() * (comm.Get_size() + 1) / 2
+        assert ddp.init_process_group(comm, timeout=TIMEOUT) is group        # already there: no second rendezvous
+    finally:
+        ddp.destroy_process_group()
+    assert not dist.is_initialized()
+    ddp.destroy_process_group()                                            # a no-op now
+
+
+@pytest.mark.mpi(min_size=1)
+def test_an_unavailable_backend_fails_on_every_rank(comm):
+    if dist.is_nccl_available() and torch.cuda.is_available():
+        pytest.skip("nccl is available here")
+    with pytest.raises(dbs_mpi.AgreedError, match=r"nccl (is not available|needs a GPU)") as exc:
+        ddp.init_process_group(comm, "nccl", timeout=TIMEOUT)
+    assert exc.value.origin == 0 and exc.value.local == (comm.Get_rank() == 0)
+    assert isinstance(exc.value, dbs_mpi.UserError)
+    with pytest.raises(dbs_mpi.AgreedError, match="unknown torch.distributed backend 'bogus'"):
+        ddp.init_process_group(comm, "bogus", timeout=TIMEOUT)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_group_initialised_otherwise_is_refused_on_every_rank(comm):
+    ddp.init_process_group(MPI.COMM_SELF, "gloo", timeout=TIMEOUT)        # every rank alone
+    try:
+        if comm.Get_size() == 1:
+            assert ddp.init_process_group(comm, timeout=TIMEOUT) is dist.group.WORLD
+        else:
+            with pytest.raises(dbs_mpi.AgreedError, match="already initialised as rank 0 of 1"):
+                ddp.init_process_group(comm, timeout=TIMEOUT)
+    finally:
+        ddp.destroy_process_group()
+
+
+def test_the_master_address(monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert ddp.master_address(["a", "a", "a"]) == "127.0.0.1"
+    assert ddp.master_address(["a", "no-such-host.invalid"]).count(".") == 3
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_comm_hook_gets_the_raw_local_gradient(comm, group):
+    """DDP does not divide by the world size before a registered hook (so the
+    sample-weighted hook must not multiply it back); its default reduction does."""
+    model, reference = models()
+    plain, _ = models()
+
+    def identity(state, bucket):
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+    model.register_comm_hook(None, identity)
+    sizes = [3 * i + 2 for i in range(comm.Get_size())]
+    x, y = my_part(*step_samples(0, sum(sizes)), sizes, comm.Get_rank())
+    F.cross_entropy(model(x), y).backward()
+    assert_grads_equal(model, reference_grads(reference, x, y))
+    F.cross_entropy(plain(x), y).backward()                                # DDP's own reduction: the mean
+    mine = torch.cat([p.grad.reshape(-1) for p in plain.parameters()])
+    total = mine.clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(mine, total / comm.Get_size(), **TIGHT)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("caps", list(CAPS))
+def test_the_gradient_is_the_union_batch_s_step_after_step(comm, group, caps):
+    model, reference = models(bucket_cap_mb=CAPS[caps])
+    state = ddp.sample_weighted(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step, sizes in enumerate(step_sizes(comm.Get_size())):
+        union = step_samples(step, sum(sizes))
+        x, y = my_part(*union, sizes, comm.Get_rank())
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()                            # an empty batch's loss is NaN: zeroed
+        assert state.local_batch == sizes[comm.Get_rank()]
+        assert_grads_equal(model, reference_grads(reference, *union))
+        step_and_align((optimizer, ref_optimizer), model, reference)
+    buckets = model._get_ddp_logging_data()["num_buckets_reduced"]
+    assert (buckets == 1) == (caps == "one bucket"), buckets
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_weighted_gradient_is_not_ddp_s_average(comm, group):
+    """Uneven batches: DDP's default (1/n) sum_i g_i misses the union gradient, the hook hits it."""
+    sizes = [3 * i + 2 for i in range(comm.Get_size())]
+    union = step_samples(0, sum(sizes))
+    x, y = my_part(*union, sizes, comm.Get_rank())
+    weighted, reference = models()
+    ddp.sample_weighted(weighted)
+    default, _ = models()
+    F.cross_entropy(weighted(x), y).backward()
+    F.cross_entropy(default(x), y).backward()
+    expected = reference_grads(reference, *union)
+    assert_grads_equal(weighted, expected)
+    if comm.Get_size() == 1:
+        assert_grads_equal(default, expected)                              # one rank: the same thing
+        return
+    gap = max(float((p.grad - e).abs().max()) for p, e in zip(default.module.parameters(), expected))
+    assert gap > 1e-3, f"DDP's average should differ from the union gradient (max difference {gap})"
+
+
+def uneven_balancer(comm, global_batch, policy="dbs"):
+    speeds = [SPEEDS[i % len(SPEEDS)] for i in range(comm.Get_size())]
+    balancer = dbs_mpi.Balancer(comm, global_batch, policy, speeds=speeds, min_gain=0.0, timeout=TIMEOUT)
+    balancer.batch_sizes = allocation.proportional(global_batch, speeds)
+    return balancer
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_hetero_sampler_loop_with_a_balancer_gives_the_union_gradient(comm, group):
+    data, global_batch = Pairs(150), 48          # 4 steps; the last has 6 samples (some ranks none at 4 ranks)
+    balancer = uneven_balancer(comm, global_batch)
+    sampler = dbs_mpi.HeteroSampler(data, balancer, seed=1)
+    model, reference = models(bucket_cap_mb=CAPS["several buckets"])
+    state = ddp.sample_weighted(model, balancer=balancer)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for epoch in range(2):                       # dbs re-plans the vector after the first epoch
+        sampler.set_epoch(epoch)
+        perm = torch.from_numpy(epoch_permutation(len(data), epoch, 1))
+        for s, (x, y) in enumerate(DataLoader(data, batch_sampler=sampler)):
+            row = balancer.step_batch_sizes().copy()
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert balancer.step == s + 1, "the step's last bucket moves the balancer on"
+            assert state.local_batch == row[comm.Get_rank()] and len(y) == max(row[comm.Get_rank()], 1)
+            union = perm[s * global_batch:(s + 1) * global_batch]
+            assert_grads_equal(model, reference_grads(reference, data.x[union], data.y[union]))
+            step_and_align((optimizer, ref_optimizer), model, reference)
+        stats = balancer.end_epoch()
+        assert stats.steps == 4 and stats.table.sum(axis=1).tolist() == [48, 48, 48, 6]
+        assert (stats.step_compute > 0).all() and np.isnan(stats.step_loss).all()
+        if comm.Get_size() == 4:
+            assert 0 in stats.table[-1], "the last step should leave a rank without samples"
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_batch_that_is_not_the_sampler_s_is_refused_before_the_forward(comm, group):
+    data = Pairs(64)
+    balancer = uneven_balancer(comm, 16, "ssgd")
+    model, _ = models()
+    ddp.sample_weighted(model, balancer=balancer)
+    with pytest.raises(RuntimeError, match="no epoch is open"):
+        model(data.x[:4])
+    batches = iter(DataLoader(data, batch_sampler=dbs_mpi.HeteroSampler(data, balancer)))
+    x, y = next(batches)
+    with pytest.raises(RuntimeError, match="HeteroSampler"):
+        model(torch.cat([x, x[:1]]))                                       # one sample too many
+    F.cross_entropy(model(x), y).backward()                                # the right batch goes through
+    assert balancer.step == 1
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_forward_without_a_batch_first_tensor_needs_the_local_batch_by_hand(comm, group):
+    model, reference = models(BoxedNet)
+    state = ddp.sample_weighted(model)
+    sizes = [2 * i + 1 for i in range(comm.Get_size())]
+    union = step_samples(0, sum(sizes))
+    x, y = my_part(*union, sizes, comm.Get_rank())
+    with pytest.raises(RuntimeError, match="state.local_batch"):
+        model(Boxed(x))
+    state.local_batch = len(x)
+    F.cross_entropy(model(Boxed(x)), y).backward()
+    assert_grads_equal(model, reference_grads(reference, *union))
+    with pytest.raises(AttributeError, match="balancer"):
+        ddp.SampleWeightedState(balancer=uneven_balancer(comm, 16, "ssgd")).local_batch = 3
+
+
+@pytest.mark.mpi(min_size=1)
+def test_misuses_that_would_weight_the_gradient_wrongly_raise(comm, group):
+    """Every rank makes the same mistake, so every rank raises before any collective."""
+    x, y = step_samples(0, 4)
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        ddp.sample_weighted(Net())
+    model, _ = models()
+    ddp.sample_weighted(model)
+    with pytest.raises(RuntimeError, match="no_sync"), model.no_sync():
+        model(x)
+    model.eval()                                                           # DDP reduces, nothing was counted
+    with pytest.raises(RuntimeError, match="no training forward"):
+        F.cross_entropy(model(x), y).backward()
+    empty, _ = models()                                                    # (DDP cannot go on after a failed hook)
+    ddp.sample_weighted(empty)
+    with pytest.raises(RuntimeError, match="no rank had samples"):
+        F.cross_entropy(empty(x[:0]), y[:0]).backward()
+    if comm.Get_size() > 1:
+        alone = dbs_mpi.Balancer(MPI.COMM_SELF, 16, "ssgd")
+        with pytest.raises(ValueError, match="not the DDP process group"):
+            ddp.sample_weighted(models()[0], balancer=alone)
