@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
                    "0 = the case's default")
     p.add_argument("--dataset", default="fashion-mnist", help="training data of the training cases")
     p.add_argument("--data-dir", default="")
+    p.add_argument("--synthetic-shape", default="1,28,28", help="sample shape C,H,W of --dataset synthetic (3,32,32: "
+                   "CIFAR-10-shaped)")
     p.add_argument("--model", default="lenet5", help="model of the training cases")
     p.add_argument("--models", default="lenet5,mlp", help="models of the exchange case")
     p.add_argument("--overlap-models", default="lenet5,mlp,resnet20", help="models of the overlap case (also "
@@ -68,9 +70,14 @@ def _parser() -> argparse.ArgumentParser:
                    "scaling, overlap)")
     p.add_argument("--steps", type=int, default=150, help="timed steps per epoch (ddp, overhead, scaling)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank, the same for every variant")
+    p.add_argument("--device", default="cpu", help="the training cases' device: cpu | auto | cuda | cuda:N "
+                   "(default cpu: the CPU benchmarks)")
+    p.add_argument("--devices", default="", help="per-rank devices of the training cases, e.g. cuda,cpu,cpu")
+    p.add_argument("--exchange", default="auto", help="gradient exchange of the training cases")
     p.add_argument("--iterations", type=int, default=300, help="exchange: timed exchanges per repeat and variant")
     p.add_argument("--strategies", default="ssgd,static,dbs", help="hetero: variants, ssgd first")
-    p.add_argument("--speeds", default="1,0.25", help="hetero: emulated relative speed of every rank")
+    p.add_argument("--speeds", default="1,0.25", help="hetero: emulated relative speed of every rank; \"none\": "
+                   "no emulation (real heterogeneity, e.g. --devices cuda,cpu,cpu), ranks = the job's")
     p.add_argument("--global-batch", type=int, default=512, help="hetero and wait: samples per step over all ranks")
     p.add_argument("--subset", type=int, default=0, help="hetero and wait: first N training samples (0 = all)")
     p.add_argument("--sizes", default="1,2,4", help="scaling: rank counts")
@@ -135,7 +142,10 @@ def _on_first(comm, k: int, fn, *args):
 
 def _config(args, **values):
     base = dict(dataset=args.dataset, model=args.model, data_dir=args.data_dir, epochs=1, test_subset=200,
-                progress=False, threads=args.threads)
+                progress=False, threads=args.threads, device=args.device, exchange=args.exchange,
+                synthetic_shape=args.synthetic_shape)
+    if args.devices:
+        base["devices"] = args.devices
     base.update(values)
     return load_config(None, base)
 
@@ -282,10 +292,11 @@ def _plain_epoch(comm, cfg, train_set, wrap=None, warmup: int = 5) -> float:
     import torch
     import torch.nn.functional as F
 
-    from . import allocation, sharding
+    from . import allocation, devices, sharding
     from .models import build_model
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, train_set.sample_shape, train_set.num_classes)
+    device = devices.select(comm, cfg.device, cfg.devices or None, threads=False)
+    model = build_model(cfg.model, train_set.sample_shape, train_set.num_classes).to(device)
     if wrap is not None:
         model = wrap(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
@@ -293,11 +304,11 @@ def _plain_epoch(comm, cfg, train_set, wrap=None, warmup: int = 5) -> float:
     shard = sharding.epoch_shard(len(train_set), 0, cfg.seed, cfg.global_batch, vector, comm.Get_rank())
 
     def step(idx):
-        x, y = train_set.x[idx], train_set.y[idx]
+        x, y = devices.to_device((train_set.x[idx], train_set.y[idx]), device)
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
-        loss.item()
+        loss.item()                     # (on a GPU: waits for the step, as dbs-mpi's loop does)
         optimizer.step()
 
     for idx in shard[:warmup]:
@@ -306,6 +317,7 @@ def _plain_epoch(comm, cfg, train_set, wrap=None, warmup: int = 5) -> float:
     start = time.perf_counter()
     for idx in shard:
         step(idx)
+    devices.synchronize(device)
     return time.perf_counter() - start
 
 
@@ -314,12 +326,12 @@ def _ddp(comm, args, folder) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from .data import load_dataset
+    from .train import load_data
     repeats = args.repeats or 5
     n = comm.Get_size()
     samples = args.local_batch * n * args.steps
-    cfg = _config(args, strategy="ssgd", global_batch=args.local_batch * n, subset=samples)
-    train_set = load_dataset(cfg.dataset, "train", cfg.data_dir, subset=cfg.subset, seed=cfg.seed)
+    cfg = _config(args, strategy="ssgd", global_batch=args.local_batch * n, subset=samples, synthetic_samples=samples)
+    train_set = load_data(cfg)[0]
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port(comm)}", rank=comm.Get_rank(),
                             world_size=n)
@@ -358,6 +370,8 @@ def format_ddp(report: dict) -> str:
 # --- hetero ----------------------------------------------------------------------------
 
 def case_hetero(comm, args, folder) -> dict:
+    if args.speeds == "none":
+        return _on_first(comm, comm.Get_size(), _hetero, args, folder)
     speeds = [float(s) for s in args.speeds.split(",") if s]
     return _on_first(comm, len(speeds), _hetero, args, folder)
 
@@ -386,22 +400,24 @@ def ideal_epoch_time(record: dict, samples: int, global_batch: int) -> dict:
 def _hetero(comm, args, folder) -> dict:
     strategies = [s for s in args.strategies.split(",") if s]
     repeats = args.repeats or 3
-    base = _config(args, global_batch=args.global_batch, speeds=args.speeds, subset=args.subset, test_subset=1000,
-                   threads=0)
+    base = _config(args, global_batch=args.global_batch, speeds="" if args.speeds == "none" else args.speeds,
+                   subset=args.subset, test_subset=1000, threads=0)
     samples = train_samples(base)
     times = {s: [] for s in strategies}
     ideal = {s: [] for s in strategies}
     parts = {s: [] for s in strategies}
-    vectors = {}
+    vectors, measured = {}, {}
     for rep in range(repeats):
         for strategy in (strategies if rep % 2 == 0 else strategies[::-1]):
             rec = _train_epoch(comm, base.replace(strategy=strategy, seed=rep), folder / f"{strategy}-{rep}.h5")
+            measured[strategy] = np.asarray(rec["speed"], dtype=float).tolist()
             part = ideal_epoch_time(rec, samples, base.global_batch)
             times[strategy].append(float(rec["duration"]))
             ideal[strategy].append(part["ideal"])
             parts[strategy].append(part)
             vectors[strategy] = np.asarray(rec["batch_sizes"]).tolist()
-    speeds = np.array(base.speeds) / max(base.speeds)
+    # mean(v)/min(v): the emulated speeds, or (real heterogeneity) the speeds ssgd measured
+    speeds = np.array(base.speeds) if base.speeds else np.asarray(measured[strategies[0]], dtype=float)
     ideal_ratio = float(speeds.mean() / speeds.min())
     baseline = strategies[0]
     ratios = {s: [b / t for b, t in zip(times[baseline], times[s])] for s in strategies[1:]}
@@ -410,7 +426,8 @@ def _hetero(comm, args, folder) -> dict:
                     _med(ratios[s]) / ideal_ratio, 0.90, ">=") for s in strategies[1:]]
     checks += [check(f"{s} epoch time / (N/sum v_i + comm)", _med(to_ideal[s]), 1.10, "<=")
                for s in strategies if s != "ssgd"]
-    return {"case": "hetero", "speeds": list(base.speeds), "global_batch": base.global_batch, "samples": samples,
+    return {"case": "hetero", "speeds": list(base.speeds) or "measured", "measured_speeds": measured,
+            "devices": list(base.devices) or base.device, "global_batch": base.global_batch, "samples": samples,
             "ideal": ideal_ratio, "world_size": comm.Get_size(), "repeats": repeats, "times": times,
             "batch_sizes": vectors, "ideal_time": ideal, "ideal_parts": parts,
             "oversubscribed": _oversubscribed(comm), "folder": str(folder), "ratios": ratios,
@@ -418,8 +435,10 @@ def _hetero(comm, args, folder) -> dict:
 
 
 def format_hetero(report: dict) -> str:
-    lines = [f"bench hetero: {report['world_size']} ranks, speeds {report['speeds']}, global batch "
-             f"{report['global_batch']}, {report['repeats']} repeats" + _flag(report),
+    measured = {k: [round(v) for v in vs] for k, vs in report.get("measured_speeds", {}).items()}
+    lines = [f"bench hetero: {report['world_size']} ranks, devices {report.get('devices', 'cpu')}, speeds "
+             f"{report['speeds']}, global batch {report['global_batch']}, {report['repeats']} repeats" + _flag(report),
+             f"measured speeds (samples/s of compute, last repeat): {measured}",
              f"{'strategy':<10} {'batch sizes':<22} {'epoch s (median)':>16} {'ideal s':>8} {'all repeats':<28}"]
     for s, ts in report["times"].items():
         lines.append(f"{s:<10} {str(report['batch_sizes'][s]):<22} {_med(ts):>16.3f} "
@@ -447,11 +466,11 @@ def case_overhead(comm, args, folder) -> dict:
 def _overhead(comm, args, folder) -> dict:
     import torch
 
-    from .data import load_dataset
+    from .train import load_data
     repeats = args.repeats or 5
     samples = args.local_batch * args.steps
-    cfg = _config(args, strategy="ssgd", global_batch=args.local_batch, subset=samples)
-    train_set = load_dataset(cfg.dataset, "train", cfg.data_dir, subset=cfg.subset, seed=cfg.seed)
+    cfg = _config(args, strategy="ssgd", global_batch=args.local_batch, subset=samples, synthetic_samples=samples)
+    train_set = load_data(cfg)[0]
     times = {"dbs-mpi": [], "plain": []}
     for rep in range(repeats):
         for v in (("dbs-mpi", "plain") if rep % 2 == 0 else ("plain", "dbs-mpi")):

@@ -21,12 +21,14 @@ parser.add_argument("--global-batch", type=int, default=256, help="samples per s
 parser.add_argument("--speeds", default="", help="emulated relative speed per rank, e.g. 1,0.5")
 parser.add_argument("--workers", type=int, default=2, help="DataLoader worker processes per rank")
 parser.add_argument("--out", default="results/example.h5", help="HDF5 result file (must not exist)")
+parser.add_argument("--device", default="auto", help="auto (a node's GPUs by local rank, then CPU) | cpu | cuda | cuda:N")
 args = parser.parse_args()
 
 comm = dbs_mpi.init()                       # MPI.COMM_WORLD; one process without mpirun works too
+device = dbs_mpi.select_device(comm, args.device)
 torch.manual_seed(0)
 train_set, test_set = Squares("train"), Squares("test")
-model, loss_fn = SmallNet(len(Squares.classes)), torch.nn.CrossEntropyLoss()
+model, loss_fn = SmallNet(len(Squares.classes)).to(device), torch.nn.CrossEntropyLoss()
 dbs_mpi.broadcast_parameters(model, comm)
 
 speeds = [float(s) for s in args.speeds.split(",")] if args.speeds else None
@@ -34,7 +36,7 @@ balancer = dbs_mpi.Balancer(comm, args.global_batch, policy="dbs", speeds=speeds
 balancer.calibrate_model(model, loss_fn, train_set)     # times every rank: fast ranks get more
 sampler = dbs_mpi.HeteroSampler(train_set, balancer, seed=0)
 loader = DataLoader(train_set, batch_sampler=sampler, num_workers=args.workers,
-                    persistent_workers=args.workers > 0)
+                    persistent_workers=args.workers > 0, pin_memory=device.type == "cuda")
 optimizer = dbs_mpi.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=2e-3), model, balancer)
 
 with dbs_mpi.Recorder(comm, args.out, config=vars(args)) as recorder:
@@ -42,6 +44,7 @@ with dbs_mpi.Recorder(comm, args.out, config=vars(args)) as recorder:
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             optimizer.zero_grad()
             loss = loss_fn(model(x), y)
             loss.backward()

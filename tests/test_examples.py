@@ -5,6 +5,7 @@
 * train_resumable.py: a user loop stopped by SIGTERM and started again ends with the
   same model, bit for bit, as one never interrupted (ssgd).
 Each launch is bounded in time, so a hang fails the test."""
+import json
 import os
 import signal
 import subprocess
@@ -53,6 +54,17 @@ def test_api_example_trains_a_user_model_at_two_ranks(tmp_path):
     assert (row["strategy"], row["world_size"], row["epochs_done"]) == ("dbs", 2, 2)
     assert row["final_test_accuracy"] == pytest.approx(data["epoch/test_accuracy"][-1])
     assert len(tables.steps) == data["step/loss"].shape[0] and len(tables.epochs) == 2
+
+
+def test_ddp_example_trains_with_uneven_local_batches(tmp_path):
+    code, stdout, err = finish(launch([EXAMPLES / "train_ddp.py", "--epochs", "2", "--speeds", "1,0.5"]))
+    assert code == 0, err
+    lines = [line for line in stdout.splitlines() if line.startswith("epoch ")]
+    assert [line.split(":")[0] for line in lines] == ["epoch 1", "epoch 2"], stdout     # rank 0 prints, once
+    accuracy = float(lines[-1].split("accuracy ")[1].split("%")[0])
+    assert accuracy > 25, "16 classes: chance is 6%"
+    batches = json.loads(lines[-1].split("local batches ")[1].split(" ->")[0])
+    assert sum(batches) == 256 and batches[0] > batches[1], "rank 1 is emulated at half speed"
 
 
 def test_api_example_runs_as_one_process_without_mpirun(tmp_path):
