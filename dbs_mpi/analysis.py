@@ -165,6 +165,8 @@ def _run_row(name: str, path: Path, run: dict) -> dict:
     world = int(attrs.get("world_size", len(cfg.get("speeds", ())) or 1))
     row["world_size"] = world
     row["hostnames"] = tuple(attrs.get("hostnames", ()))
+    row["rank_devices"] = tuple(attrs.get("rank_devices", ()))      # cpu, cuda:N per rank ("device": the request)
+    row["exchange_used"] = attrs.get("exchange", "")                 # the agreed transport ("exchange": the request)
     row["resumed"] = len(attrs.get("resumed", ()) or ())
     row["speeds"] = _speeds(cfg.get("speeds", ()), world)
     asynchronous = row.get("strategy") in ASYNC_STRATEGIES

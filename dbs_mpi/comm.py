@@ -701,8 +701,13 @@ def init(comm: MPI.Comm | None = None, threads: int | None = None) -> MPI.Comm:
     abort_on_uncaught(comm)
     SUPERVISOR.attach(comm)
     atexit.register(SUPERVISOR.detach)
+    global THREADS_GIVEN
+    THREADS_GIVEN = bool(threads)
     set_torch_threads(threads or threads_per_rank(comm))
     return comm
+
+
+THREADS_GIVEN = False     # init() was given threads: select_device leaves them as they are
 
 
 def thread_limit() -> int | None:

@@ -33,6 +33,7 @@ No MPI here except in `select` (one allgather of every rank's host and visible G
 from __future__ import annotations
 
 import ctypes
+import socket
 
 import torch
 
@@ -110,13 +111,14 @@ def per_rank_specs(device: str, devices, world_size: int) -> list[str]:
     return [check_spec(device)] * world_size
 
 
-def select(comm, device: str = "auto", devices=None, timeout: float = 600.0, threads: bool = True) -> torch.device:
+def select(comm, device: str = "auto", devices=None, timeout: float = 600.0,
+           threads: bool | None = None) -> torch.device:
     """Collective: this rank's torch.device (see the module docstring); every rank fails
     together, one line from the rank that names the problem, if a device does not exist.
     The GPU becomes the rank's current CUDA device. threads: set this rank's torch threads
-    to its share (`cpu_threads`: 1 on a GPU rank, the cores GPU ranks leave on a CPU rank)."""
+    to its share (`cpu_threads`: 1 on a GPU rank, the cores GPU ranks leave on a CPU rank);
+    None: unless dbs_mpi.init(threads=...) was given them."""
     from . import comm as mpi
-    import socket
 
     def choose():
         specs = per_rank_specs(device, devices, comm.Get_size())
@@ -124,15 +126,16 @@ def select(comm, device: str = "auto", devices=None, timeout: float = 600.0, thr
                                           "gathering every rank's GPUs")
         return assign(specs, inventory)
 
-    # One rank checks the specs' syntax before anybody gathers (a bad spec is the same
-    # mistake on every rank); the assignment is computed identically everywhere.
+    # The specs are checked on every rank together before anybody gathers (a rank failing
+    # inside choose() before its allgather would leave the others waiting); the assignment
+    # is then computed identically everywhere, so every rank raises the same error.
     mpi.collective(comm, per_rank_specs, device, devices, comm.Get_size(), timeout=timeout)
     chosen = mpi.collective(comm, choose, timeout=timeout)
     mine = torch.device(chosen[comm.Get_rank()])
     if mine.type == "cuda":
         torch.cuda.set_device(mine)
-    if threads:
-        places = mpi.placement(comm, timeout)
+    places = mpi.placement(comm, timeout)          # collective on every rank, whatever each decides below
+    if threads or (threads is None and not mpi.THREADS_GIVEN):
         mpi.set_torch_threads(cpu_threads(places, chosen, comm.Get_rank(), mpi.thread_limit()))
     return mine
 

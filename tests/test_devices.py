@@ -132,3 +132,21 @@ def test_the_exchange_is_agreed_and_refused_together(comm):
     if not torch.cuda.is_available():
         with pytest.raises(AgreedError, match="nccl needs every rank on a GPU"):
             transport.agree(comm, "nccl", cpu)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_select_gives_cpu_ranks_their_share_of_the_cores_unless_init_was_told(comm, monkeypatch):
+    from dbs_mpi import comm as mpi
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(7)
+        monkeypatch.setattr(mpi, "THREADS_GIVEN", True)            # dbs_mpi.init(threads=7)
+        devices.select(comm, "cpu")
+        assert torch.get_num_threads() == 7
+        monkeypatch.setattr(mpi, "THREADS_GIVEN", False)
+        devices.select(comm, "cpu")
+        places = mpi.placement(comm)
+        assert torch.get_num_threads() == devices.cpu_threads(places, ["cpu"] * comm.Get_size(), comm.Get_rank(),
+                                                              mpi.thread_limit())
+    finally:
+        torch.set_num_threads(before)
