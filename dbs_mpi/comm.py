@@ -263,8 +263,11 @@ class GradientExchange:
                 offset += n
             self.bounds.append((start, offset))
         self.bounds[-1] = (self.bounds[-1][0], self.numel + 1)
-        self._buckets = [self.flat[start:stop] for start, stop in self.bounds]
-        self._final_grads = self.flat[self.bounds[-1][0]:self.numel]
+        # What the weighting pass scales: numpy views on the CPU (a few microseconds less per
+        # step than torch's mul_ on LeNet-5's buffer), tensor slices on a GPU.
+        whole = self.flat.numpy() if self.device.type == "cpu" else self.flat
+        self._buckets = [whole[start:stop] for start, stop in self.bounds]
+        self._final_grads = whole[self.bounds[-1][0]:self.numel]
         self.transport = transports.make(transport, comm, self.flat, self.bounds, timeout, stage)
         self._sizes = [len(indices) for indices in self.layout]
         self.overlap = bool(overlap) and self.world_size > 1 and len(self.layout) > 1
@@ -379,7 +382,7 @@ class GradientExchange:
 
     def _start(self, bucket: int, weight: float) -> None:
         if weight != 1.0 and not self._prescaled:
-            self._buckets[bucket].mul_(weight)
+            _scale(self._buckets[bucket], weight)
         self.transport.stage(bucket)
         self._requests.append(self.transport.start(bucket))
         self._next = bucket + 1
@@ -415,7 +418,7 @@ class GradientExchange:
             while self._next < last:       # not started yet (no backward, unused parameters, no weight given)
                 self._start(self._next, weight)
             if weight != 1.0 and not self._prescaled:
-                self._final_grads.mul_(weight)
+                _scale(self._final_grads, weight)
             transport = self.transport
             transport.stage(last)
             transport.set_loss(loss_share)
@@ -435,6 +438,14 @@ class GradientExchange:
         finally:
             self._requests = []
             self._reset()
+
+
+def _scale(view, weight: float) -> None:
+    """view *= weight, in place (a numpy view of CPU memory, or a tensor on its device)."""
+    if isinstance(view, np.ndarray):
+        np.multiply(view, weight, out=view)
+    else:
+        view.mul_(weight)
 
 
 # --- supervision ----------------------------------------------------------------------
