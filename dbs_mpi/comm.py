@@ -269,8 +269,12 @@ class GradientExchange:
         self._buckets = [whole[start:stop] for start, stop in self.bounds]
         self._final_grads = whole[self.bounds[-1][0]:self.numel]
         self.transport = transports.make(transport, comm, self.flat, self.bounds, timeout, stage)
+        self._gated = isinstance(self.transport, transports._Gated) and self.flat.is_cuda   # requests begin late
         self._sizes = [len(indices) for indices in self.layout]
-        self.overlap = bool(overlap) and self.world_size > 1 and len(self.layout) > 1
+        # On a GPU the hooks run on autograd's device thread: MPI calls from there need
+        # MPI_THREAD_MULTIPLE (mpi4py's default); without it every bucket starts in allreduce().
+        self.overlap = bool(overlap) and self.world_size > 1 and len(self.layout) > 1 and (
+            not self.flat.is_cuda or MPI.Query_thread() == MPI.THREAD_MULTIPLE)
         self._hooks = []
         if self.overlap:
             for index, p in enumerate(self.params):
@@ -394,9 +398,15 @@ class GradientExchange:
         self._progress()
 
     def _progress(self) -> None:
-        """Let MPICH move the buckets in flight on (it does only inside MPI calls)."""
-        while self._oldest < len(self._requests) and self._requests[self._oldest].Test():
+        """Let MPICH move the buckets in flight on (it does only inside MPI calls); on a GPU,
+        begin the collectives of the buckets whose data has become ready, in bucket order."""
+        requests = self._requests
+        while self._oldest < len(requests) and requests[self._oldest].Test():
             self._oldest += 1
+        if self._gated:
+            for r in requests[self._oldest:]:
+                if not r.begin(block=False):
+                    break
 
     def views_intact(self) -> bool:
         """True if every .grad views the buffer (nothing replaced them since the last step)."""
@@ -423,6 +433,9 @@ class GradientExchange:
             transport.stage(last)
             transport.set_loss(loss_share)
             if self.world_size > 1:
+                # Every bucket's collective is under way before the barrier (on a GPU some
+                # wait for their data): all ranks call the collectives in the same order.
+                transport.begin_all(self._requests)
                 if self.sleep_while_waiting:
                     wait(self.comm.Ibarrier(), self.timeout, "the gradient allreduce (waiting for the other ranks)")
                 SUPERVISOR.arm(self.comm, self.timeout, "the gradient allreduce")

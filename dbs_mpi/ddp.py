@@ -92,9 +92,20 @@ LOOPBACK = "127.0.0.1"
 
 # --- torch.distributed from an MPI communicator ------------------------------------
 
-def default_backend() -> str:
-    """nccl where torch has it and a GPU is visible, else gloo."""
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+def agree_backend(reports: list) -> str:
+    """The job's backend from every rank's (requested backend or None, its GPU's identity
+    or None for a CPU rank, whether torch has NCCL). Requests must agree; with none, nccl
+    if every rank has a GPU of its own and NCCL, else gloo (CPU ranks, or ranks sharing a
+    GPU, which NCCL refuses)."""
+    requested = {r for r, _, _ in reports if r is not None}
+    if len(requested) > 1:
+        raise UserError(f"exchange/backend: the ranks asked for different torch.distributed backends "
+                        f"({', '.join(sorted(requested))}); pass the same on every rank, or None to agree on one")
+    if requested:
+        return requested.pop()
+    gpus = [g for _, g, _ in reports]
+    own_gpus = all(g is not None for g in gpus) and len(set(gpus)) == len(gpus)
+    return "nccl" if own_gpus and all(n for _, _, n in reports) else "gloo"
 
 
 def check_backend(backend: str) -> None:
@@ -161,15 +172,17 @@ def _join(store, address: str, port: int, backend: str, rank: int, world: int, t
                             timeout=datetime.timedelta(seconds=timeout))
 
 
-def init_process_group(comm, backend: "str | None" = None, timeout: float = 600.0):
+def init_process_group(comm, backend: "str | None" = None, timeout: float = 600.0, device=None):
     """Collective: torch.distributed over the ranks of `comm` (same ranks, same order);
     returns the default process group.
 
-    backend: "nccl" (every rank on a GPU: select it first, torch.cuda.set_device or
-    dbs_mpi.devices.select), "gloo", or None: rank 0's default_backend(). timeout:
-    seconds any rendezvous or collective may wait. Already initialised the same way:
-    the existing group is returned. A failure on any rank (a backend this build lacks,
-    a different existing group) raises AgreedError on every rank."""
+    backend: "nccl" (every rank on a GPU of its own: select it first,
+    dbs_mpi.select_device), "gloo", or None: agreed from every rank's `device` (default:
+    the current CUDA device where CUDA is available, else the CPU): nccl if every rank
+    has its own GPU, else gloo (`agree_backend`). timeout: seconds any rendezvous or
+    collective may wait. Already initialised the same way: the existing group is
+    returned. A failure on any rank (a backend this build lacks, different requests, a
+    different existing group) raises AgreedError on every rank."""
     rank, world = comm.Get_rank(), comm.Get_size()
     existing = mpi.collective(comm, _existing_group, backend, world, rank, timeout=timeout)
     flags = mpi.allgather_object(comm, existing, timeout, "agreeing whether torch.distributed is initialised")
@@ -178,8 +191,9 @@ def init_process_group(comm, backend: "str | None" = None, timeout: float = 600.
     if any(flags):
         raise mpi.AgreedError(f"torch.distributed is initialised on rank(s) {[r for r, f in enumerate(flags) if f]} "
                               f"but not on the others: initialise it on every rank together", 0, rank == 0, world)
-    backend = mpi.bcast_object(comm, backend or default_backend(), timeout=timeout,
-                               what="agreeing on the torch.distributed backend")
+    reports = mpi.allgather_object(comm, _backend_report(backend, device), timeout,
+                                   "agreeing on the torch.distributed backend")
+    backend = mpi.collective(comm, agree_backend, reports, timeout=timeout)
     mpi.collective(comm, check_backend, backend, timeout=timeout)
     hosts = mpi.hostnames(comm, timeout)
     address = master_address(hosts) if rank == 0 else None
@@ -188,6 +202,16 @@ def init_process_group(comm, backend: "str | None" = None, timeout: float = 600.
                                      what="broadcasting the TCPStore address")
     mpi.collective(comm, _join, store, address, port, backend, rank, world, timeout, timeout=timeout)
     return dist.group.WORLD
+
+
+def _backend_report(backend, device) -> tuple:
+    """This rank's part of `agree_backend`."""
+    from .devices import gpu_identity
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    gpu = gpu_identity(device) if device.type == "cuda" else None
+    return backend, gpu, dist.is_nccl_available()
 
 
 def destroy_process_group() -> None:
@@ -218,7 +242,7 @@ class StepClock:
         kernel was launched), and emulated speeds stretch that wall time (not CPU time)."""
         start, cpu = self.begin
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            torch.cuda.current_stream(device).synchronize()     # the compute, not NCCL's queued buckets
             self.balancer.stretch(time.perf_counter() - start)
         else:
             self.balancer.stretch(time.perf_counter() - start, time.process_time() - cpu)

@@ -60,6 +60,13 @@ def visible_gpus() -> list[str]:
     return ids
 
 
+def gpu_identity(device) -> tuple[str, str]:
+    """(host, UUID) of a GPU device: equal for two ranks on the same GPU."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return socket.gethostname(), visible_gpus()[index]
+
+
 def assign(specs: list[str], inventory: list[tuple[str, list[str]]]) -> list[str]:
     """Every rank's device ("cpu" or "cuda:i", i an index into that rank's visible GPUs).
 
@@ -167,10 +174,12 @@ def cpu_threads(places, device_names: list[str], rank: int, limit: int | None = 
 
 
 def synchronize(device) -> None:
-    """Wait for the work queued on `device` (nothing to wait for on the CPU)."""
+    """Wait for the work queued on `device`'s current stream, the compute (nothing to wait
+    for on the CPU). Not the whole device: NCCL's stream may hold all-reduces of earlier
+    buckets that wait for slower ranks, which is not this rank's compute."""
     device = torch.device(device)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 def describe(device) -> dict:
@@ -220,14 +229,15 @@ def mpi_cuda_aware() -> bool | None:
 
 def to_device(batch, device, non_blocking: bool = True):
     """A batch (tensor, or tuple/list/dict of them) on `device`; a CPU batch bound for a
-    GPU goes through pinned memory with a non-blocking copy (nothing moves on the CPU)."""
+    GPU goes through pinned memory with a non-blocking copy (nothing moves on the CPU;
+    copies to the CPU block, so that the result can be read at once)."""
     device = torch.device(device)
     if isinstance(batch, torch.Tensor):
         if batch.device == device:
             return batch
         if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
             batch = batch.pin_memory()
-        return batch.to(device, non_blocking=non_blocking)
+        return batch.to(device, non_blocking=non_blocking and device.type == "cuda")
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(b, device, non_blocking) for b in batch)
     if isinstance(batch, dict):

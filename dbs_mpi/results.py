@@ -50,8 +50,8 @@ SCHEMA_ATTRIBUTES = {
     "sleep_while_waiting": "true if waiting ranks slept between polls (wait policy) instead of spinning",
     "rank_devices": "every rank's device (cpu, cuda:N), rank order",
     "device_names": "every rank's device name (GPU model, CPU), rank order",
-    "exchange": "how gradients were summed: host (MPI on host memory, GPU buckets staged), cuda-aware, nccl or gloo"
-                " (synchronous strategies)",
+    "exchange": "how gradients were summed: host (MPI on host memory, GPU buckets staged), cuda-aware, nccl, gloo"
+                " or local (one rank: nothing to sum); synchronous strategies",
     "staleness_mean": "asynchronous: mean staleness of all applied gradients (server updates between computing "
                       "and applying)",
     "staleness_max": "asynchronous: largest staleness",

@@ -44,7 +44,49 @@ from .config import EXCHANGES, UserError
 GRACE = 30.0        # seconds torch.distributed waits beyond comm_timeout (see TorchDistributed)
 
 
-class HostMPI:
+class _Gated:
+    """A transport whose bucket b may be reduced only once an event says its data is ready
+    (the host copy, or the kernels that produced it); MPI on `self.views[b]`."""
+
+    def _setup_events(self, buckets: int) -> None:
+        self.ready = [None] * buckets           # bucket b's data is ready when this event has happened
+
+    def _ready(self, b: int, block: bool) -> bool:
+        event = self.ready[b]
+        if event is None:
+            return True
+        if block:
+            event.synchronize()
+        elif not event.query():
+            return False
+        self.ready[b] = None
+        return True
+
+    def start(self, b: int):
+        return _Deferred(self, b)
+
+    def _begin(self, b: int):
+        with _on_device(self.flat):
+            return self.comm.Iallreduce(MPI.IN_PLACE, self.views[b], op=MPI.SUM)
+
+    def begin_all(self, requests) -> None:
+        """Begin every started bucket's collective, in order (before any other collective:
+        every rank must call them in the same order)."""
+        for r in requests:
+            if isinstance(r, _Deferred):
+                r.begin(block=True)
+
+    def reduce(self, b: int, requests) -> None:
+        self.begin_all(requests)
+        self._ready(b, block=True)
+        with _on_device(self.flat):
+            self.comm.Allreduce(MPI.IN_PLACE, self.views[b], op=MPI.SUM)
+
+    def wait(self, requests) -> None:
+        wait_requests(requests)
+
+
+class HostMPI(_Gated):
     """MPI on host memory; stages device (or, with stage=True, any) buffers through a
     host copy (pinned for CUDA)."""
 
@@ -57,7 +99,7 @@ class HostMPI:
         array = self.host.numpy()
         self.array, self.views = array, [array[start:stop] for start, stop in bounds]
         self.side = torch.cuda.Stream(flat.device) if flat.is_cuda else None
-        self.copied = [None] * len(bounds)          # event: bucket b's host copy is complete (CUDA)
+        self._setup_events(len(bounds))            # CUDA: bucket b's host copy is complete
 
     def stage(self, b: int) -> None:
         if not self.staged:
@@ -69,37 +111,13 @@ class HostMPI:
         self.side.wait_stream(torch.cuda.current_stream(self.flat.device))
         with torch.cuda.stream(self.side):
             self.host[start:stop].copy_(self.flat[start:stop], non_blocking=True)
-            self.copied[b] = torch.cuda.Event()
-            self.copied[b].record(self.side)
-
-    def _ready(self, b: int, block: bool) -> bool:
-        event = self.copied[b]
-        if event is None:
-            return True
-        if block:
-            event.synchronize()
-        elif not event.query():
-            return False
-        self.copied[b] = None
-        return True
+            self.ready[b] = torch.cuda.Event()
+            self.ready[b].record(self.side)
 
     def start(self, b: int):
-        if not self.staged or self.side is None:
+        if self.side is None:                      # nothing to wait for: the plain MPI request
             return self.comm.Iallreduce(MPI.IN_PLACE, self.views[b], op=MPI.SUM)
         return _Deferred(self, b)
-
-    def _begin(self, b: int):
-        return self.comm.Iallreduce(MPI.IN_PLACE, self.views[b], op=MPI.SUM)
-
-    def reduce(self, b: int, requests) -> None:
-        for r in requests:                       # every earlier bucket's collective is under way first
-            if isinstance(r, _Deferred):
-                r.begin(block=True)
-        self._ready(b, block=True)
-        self.comm.Allreduce(MPI.IN_PLACE, self.views[b], op=MPI.SUM)
-
-    def wait(self, requests) -> None:
-        wait_requests(requests)
 
     def finish(self) -> None:
         if not self.staged:
@@ -119,45 +137,56 @@ class HostMPI:
         return float(self.array[-1])
 
 
-class CudaAwareMPI:
-    """MPI on device buffers (mpi4py reads the tensors' __cuda_array_interface__)."""
+class CudaAwareMPI(_Gated):
+    """MPI on device buffers: mpi4py takes a torch CUDA tensor through DLPack (without a
+    stream to order against, so the kernels that produced a bucket are waited for first:
+    an event per bucket), on the tensor's GPU as the current device (torch exports only
+    those)."""
 
     name = "cuda-aware"
 
     def __init__(self, comm, flat: torch.Tensor, bounds):
         self.comm, self.flat, self.bounds = comm, flat, bounds
         self.views = [flat[start:stop] for start, stop in bounds]
-        self.produced = [None] * len(bounds)
+        self._setup_events(len(bounds))
 
     def stage(self, b: int) -> None:
-        self.produced[b] = torch.cuda.Event()
-        self.produced[b].record(torch.cuda.current_stream(self.flat.device))
+        self.ready[b] = torch.cuda.Event()
+        self.ready[b].record(torch.cuda.current_stream(self.flat.device))
 
-    def _ready(self, b: int, block: bool) -> bool:
-        event = self.produced[b]
-        if event is None:
-            return True
-        if block:
-            event.synchronize()
-        elif not event.query():
-            return False
-        self.produced[b] = None
-        return True
+    def finish(self) -> None:
+        pass
+
+    def set_loss(self, value: float) -> None:
+        self.flat[-1].fill_(value)
+        self.stage(len(self.bounds) - 1)          # the final bucket's event comes after the loss slot's write
+
+    def loss(self) -> float:
+        return float(self.flat[-1])
+
+
+class Local:
+    """One rank: nothing to sum, nothing to move (the weighting still applies)."""
+
+    name = "local"
+
+    def __init__(self, flat: torch.Tensor):
+        self.flat = flat
+
+    def stage(self, b: int) -> None:
+        pass
 
     def start(self, b: int):
-        return _Deferred(self, b)
+        return _DONE
 
-    def _begin(self, b: int):
-        return self.comm.Iallreduce(MPI.IN_PLACE, self.views[b], op=MPI.SUM)
+    def begin_all(self, requests) -> None:
+        pass
 
     def reduce(self, b: int, requests) -> None:
-        for r in requests:
-            r.begin(block=True)
-        torch.cuda.current_stream(self.flat.device).synchronize()     # the final bucket and the loss slot
-        self.comm.Allreduce(MPI.IN_PLACE, self.views[b], op=MPI.SUM)
+        pass
 
     def wait(self, requests) -> None:
-        wait_requests(requests)
+        pass
 
     def finish(self) -> None:
         pass
@@ -177,7 +206,7 @@ class TorchDistributed:
         self.name, self.flat, self.bounds = backend, flat, bounds
         # torch's own timeout a little later than comm_timeout: the supervisor's deadline
         # ends a stuck step first, with its message naming the ranks that did not arrive
-        self.group = ddp.init_process_group(comm, backend, timeout + GRACE)
+        self.group = ddp.init_process_group(comm, backend, timeout + GRACE, flat.device)
         self.views = [flat[start:stop] for start, stop in bounds]
 
     def stage(self, b: int) -> None:
@@ -185,6 +214,9 @@ class TorchDistributed:
 
     def start(self, b: int):
         return _Work(torch.distributed.all_reduce(self.views[b], group=self.group, async_op=True))
+
+    def begin_all(self, requests) -> None:
+        pass                                     # every bucket's all_reduce began when it was started
 
     def reduce(self, b: int, requests) -> None:
         torch.distributed.all_reduce(self.views[b], group=self.group)
@@ -225,6 +257,25 @@ class _Deferred:
         self.request.Wait()
 
 
+class _Done:
+    """A request that is complete (Local's)."""
+
+    def Test(self) -> bool:
+        return True
+
+    def Wait(self) -> None:
+        pass
+
+
+_DONE = _Done()
+
+
+def _on_device(flat: torch.Tensor):
+    """The flat buffer's GPU as the current device (DLPack exports only those), or nothing."""
+    import contextlib
+    return torch.cuda.device(flat.device) if flat.is_cuda else contextlib.nullcontext()
+
+
 class _Work:
     """A torch.distributed Work with the MPI request's Test()/Wait()."""
 
@@ -251,52 +302,75 @@ def wait_requests(requests) -> None:
         r.Wait()
 
 
-def choose(requested: str, devices: list[str], nccl: bool, cuda_aware: list) -> str:
-    """The job's exchange (the same on every rank): `requested` (EXCHANGES), every rank's
-    device ("cpu" or "cuda:i"), whether torch has NCCL, every rank's MPI CUDA-awareness
-    (True, False, None: unknown). Raises UserError for a request the job cannot honour."""
+def choose(requested: str, gpus: list, nccl: bool, cuda_aware: list) -> str:
+    """The job's exchange (the same on every rank). requested: one of EXCHANGES. gpus: per
+    rank, None for a CPU rank, else the identity of its GPU ((host, UUID): two ranks on
+    one GPU have the same). nccl: torch has NCCL on every GPU rank. cuda_aware: per rank,
+    whether its MPI library is CUDA-aware (True, False, None: unknown). Raises UserError
+    for a request the job cannot honour. One rank: "local" (nothing to sum)."""
+    if requested == "local" and len(gpus) == 1:        # what auto gave one rank (train() agrees before the optimizer)
+        return "local"
     if requested not in EXCHANGES:
         raise UserError(f"exchange: must be one of {', '.join(EXCHANGES)}; got {requested!r}")
-    gpu = [d != "cpu" for d in devices]
+    on_gpu = [g is not None for g in gpus]
+    shared = _shared_gpus(gpus)
     if requested == "auto":
-        if not all(gpu):
+        if len(gpus) == 1:
+            return "local"
+        if not all(on_gpu):
             return "host"
-        if nccl:
+        if nccl and not shared:
             return "nccl"
         return "cuda-aware" if all(c is True for c in cuda_aware) else "host"
     if requested == "nccl":
-        if not all(gpu):
-            cpu = [r for r, g in enumerate(gpu) if not g]
-            raise UserError(f"exchange: nccl needs every rank on a GPU; rank(s) {cpu} compute on the CPU (use "
-                            f"exchange = \"host\" for a job that mixes CPU and GPU ranks)")
-        if not nccl:
-            raise UserError("exchange: nccl is not available in this torch build "
-                            "(torch.distributed.is_nccl_available() is False)")
+        _check_nccl(on_gpu, shared, nccl)
     if requested == "cuda-aware":
-        bad = [r for r, (g, c) in enumerate(zip(gpu, cuda_aware)) if g and c is False]
+        bad = [r for r, (g, c) in enumerate(zip(on_gpu, cuda_aware)) if g and c is False]
         if bad:
             raise UserError(f"exchange: cuda-aware requested, but the MPI library of rank(s) {bad} is not CUDA-aware "
                             f"(MPIX_Query_cuda_support() returns 0); use exchange = \"host\"")
-    if requested == "gloo" and any(gpu):
+    if requested == "gloo" and any(on_gpu):
         raise UserError("exchange: gloo reduces CPU tensors; GPU ranks use nccl, cuda-aware or host")
     return requested
+
+
+def _shared_gpus(gpus: list) -> list[int]:
+    """Ranks whose GPU another rank uses too."""
+    seen = [g for g in gpus if g is not None]
+    return [r for r, g in enumerate(gpus) if g is not None and seen.count(g) > 1]
+
+
+def _check_nccl(on_gpu: list, shared: list, nccl: bool) -> None:
+    if not all(on_gpu):
+        cpu = [r for r, g in enumerate(on_gpu) if not g]
+        raise UserError(f"exchange: nccl needs every rank on a GPU; rank(s) {cpu} compute on the CPU (use "
+                        f"exchange = \"host\" for a job that mixes CPU and GPU ranks)")
+    if shared:
+        raise UserError(f"exchange: nccl takes one rank per GPU, and rank(s) {shared} share a GPU (use exchange = "
+                        f"\"host\" or \"cuda-aware\" for ranks that share GPUs)")
+    if not nccl:
+        raise UserError("exchange: nccl is not available in this torch build "
+                        "(torch.distributed.is_nccl_available() is False)")
 
 
 def agree(comm, requested: str, device: torch.device, timeout: float = 600.0) -> str:
     """Collective: the exchange every rank uses (see `choose`); fails on every rank together."""
     from . import comm as mpi
-    from .devices import mpi_cuda_aware
-    report = (str(device) if device.type == "cuda" else "cpu",
-              device.type == "cuda" and torch.distributed.is_available() and torch.distributed.is_nccl_available(),
-              mpi_cuda_aware() if device.type == "cuda" else None)
+    from .devices import gpu_identity, mpi_cuda_aware
+    cuda = device.type == "cuda"
+    report = (gpu_identity(device) if cuda else None,
+              cuda and torch.distributed.is_available() and torch.distributed.is_nccl_available(),
+              mpi_cuda_aware() if cuda else None)
     reports = mpi.allgather_object(comm, report, timeout, "agreeing on the gradient exchange")
-    devices, nccl, aware = zip(*reports)
-    nccl_everywhere = all(n for d, n in zip(devices, nccl) if d != "cpu") and any(d != "cpu" for d in devices)
-    return mpi.collective(comm, choose, requested, list(devices), nccl_everywhere, list(aware), timeout=timeout)
+    gpus, nccl, aware = (list(column) for column in zip(*reports))
+    nccl_everywhere = all(n for g, n in zip(gpus, nccl) if g is not None)
+    return mpi.collective(comm, choose, requested, gpus, nccl_everywhere, aware, timeout=timeout)
 
 
 def make(name: str, comm, flat: torch.Tensor, bounds, timeout: float = 600.0, stage: bool | None = None):
     """The transport `name` (an agreed choice, not auto) for this rank's buffer."""
+    if name == "local":
+        return Local(flat)
     if name == "host" or (name == "cuda-aware" and not flat.is_cuda):
         return HostMPI(comm, flat, bounds, stage)
     if name == "cuda-aware":

@@ -28,7 +28,7 @@ args = parser.parse_args()
 
 comm = dbs_mpi.init()
 device = dbs_mpi.select_device(comm, args.device)
-dbs_mpi.init_process_group(comm, "nccl" if device.type == "cuda" else "gloo")
+dbs_mpi.init_process_group(comm, device=device)   # nccl if every rank has a GPU of its own, else gloo
 torch.manual_seed(0)                        # the same initial weights on every rank (DDP also broadcasts them)
 train_set, test_set = Squares("train"), Squares("test")
 model = DistributedDataParallel(SmallNet(len(Squares.classes)).to(device),

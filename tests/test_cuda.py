@@ -108,7 +108,7 @@ def test_the_optimizers_clock_and_emulated_speeds_see_the_devices_compute(comm):
     assert np.median(per_step) >= 0.8 * kernel / speeds[comm.Get_rank()]
 
 
-def run_exchange(comm, device, transport, caps=(1, 1), steps=3):
+def run_exchange(comm, device, transport, caps=(1, 1), steps=3, sleep=False):
     """Weighted exchanges of a LeNet-5's gradients on `device`: the reduced gradients."""
     data = load_synthetic("train", 64, (1, 28, 28), 10, seed=3)
     n, rank = comm.Get_size(), comm.Get_rank()
@@ -116,8 +116,8 @@ def run_exchange(comm, device, transport, caps=(1, 1), steps=3):
     start = int(vector[:rank].sum())
     torch.manual_seed(0)
     model = LeNet5().to(device)
-    ex = GradientExchange(comm, model.parameters(), timeout=120, bucket_bytes=caps[0] * 40_000,
-                          first_bucket_bytes=caps[1] * 4_000, transport=transport)
+    ex = GradientExchange(comm, model.parameters(), timeout=120, sleep_while_waiting=sleep,
+                          bucket_bytes=caps[0] * 40_000, first_bucket_bytes=caps[1] * 4_000, transport=transport)
     out = []
     for _ in range(steps):
         weight = vector[rank] / vector.sum()
@@ -132,13 +132,14 @@ def run_exchange(comm, device, transport, caps=(1, 1), steps=3):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("transport", ["host", "cuda-aware", "nccl"])
-def test_gpu_exchanges_give_the_cpus_sum(comm, transport):
+@pytest.mark.parametrize("sleep", [False, True])
+def test_gpu_exchanges_give_the_cpus_sum(comm, transport, sleep):
     if transport == "cuda-aware" and not devices.mpi_cuda_aware():
         pytest.skip("the MPI library is not CUDA-aware (MPIX_Query_cuda_support() is not 1)")
     if transport == "nccl" and comm.Get_size() > torch.cuda.device_count():
         pytest.skip("NCCL takes one rank per GPU; more ranks than GPUs here")
     expected, _ = run_exchange(comm, "cpu", "host")
-    got, ex = run_exchange(comm, gpu_for(comm), transport)
+    got, ex = run_exchange(comm, gpu_for(comm), transport, sleep=sleep)
     assert ex.transport.name == transport and ex.flat.is_cuda
     if comm.Get_size() > 1:
         assert ex.overlap and ex.num_buckets > 2

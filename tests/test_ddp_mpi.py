@@ -140,7 +140,8 @@ def test_init_process_group_matches_the_communicator(comm):
     group = ddp.init_process_group(comm, timeout=TIMEOUT)
     try:
         assert (dist.get_rank(), dist.get_world_size()) == (comm.Get_rank(), comm.Get_size())
-        assert dist.get_backend() == ddp.default_backend() == "gloo"
+        if not torch.cuda.is_available():
+            assert dist.get_backend() == "gloo"                            # CPU ranks agree on gloo
         value = torch.tensor([float(comm.Get_rank() + 1)])
         dist.all_reduce(value)
         assert value.item() == comm.Get_size() * (comm.Get_size() + 1) / 2
@@ -175,6 +176,18 @@ def test_a_group_initialised_otherwise_is_refused_on_every_rank(comm):
                 ddp.init_process_group(comm, timeout=TIMEOUT)
     finally:
         ddp.destroy_process_group()
+
+
+def test_the_backend_is_agreed_from_every_ranks_device():
+    gpu = lambda host, uuid: (host, uuid)
+    own = [(None, gpu("a", "G0"), True), (None, gpu("a", "G1"), True)]
+    assert ddp.agree_backend(own) == "nccl"
+    assert ddp.agree_backend([own[0], (None, gpu("a", "G0"), True)]) == "gloo"          # ranks sharing a GPU
+    assert ddp.agree_backend([own[0], (None, None, True)]) == "gloo"                   # a CPU rank
+    assert ddp.agree_backend([(None, gpu("a", "G0"), False), own[1]]) == "gloo"        # no NCCL on one rank
+    assert ddp.agree_backend([("gloo", gpu("a", "G0"), True), (None, None, True)]) == "gloo"
+    with pytest.raises(dbs_mpi.UserError, match=r"different torch.distributed backends \(gloo, nccl\)"):
+        ddp.agree_backend([("nccl", gpu("a", "G0"), True), ("gloo", None, True)])
 
 
 def test_the_master_address(monkeypatch):

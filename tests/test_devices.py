@@ -62,15 +62,23 @@ def test_cpu_ranks_share_the_cores_gpu_ranks_leave():
 
 
 def test_the_exchange_is_chosen_from_every_ranks_device():
-    cpu, gpu = ["cpu", "cpu"], ["cuda:0", "cuda:1"]
+    cpu = [None, None]
+    gpu = [("n1", "GPU-a"), ("n1", "GPU-b")]
+    shared = [("n1", "GPU-a"), ("n1", "GPU-a")]
+    assert transport.choose("auto", [None], False, [None]) == "local"                  # one rank: nothing to sum
+    assert transport.choose("auto", [("n1", "GPU-a")], True, [None]) == "local"
     assert transport.choose("auto", cpu, False, [None, None]) == "host"
     assert transport.choose("auto", gpu, True, [False, False]) == "nccl"
     assert transport.choose("auto", gpu, False, [True, True]) == "cuda-aware"
     assert transport.choose("auto", gpu, False, [True, None]) == "host"
-    assert transport.choose("auto", ["cuda:0", "cpu"], True, [True, None]) == "host"       # a mixed job
-    assert transport.choose("cuda-aware", ["cuda:0", "cpu"], False, [None, None]) == "cuda-aware"
+    assert transport.choose("auto", [gpu[0], None], True, [True, None]) == "host"       # a mixed job
+    assert transport.choose("auto", shared, True, [None, None]) == "host"               # NCCL refuses shared GPUs
+    assert transport.choose("auto", shared, True, [True, True]) == "cuda-aware"
+    assert transport.choose("cuda-aware", [gpu[0], None], False, [None, None]) == "cuda-aware"
     with pytest.raises(UserError, match=r"nccl needs every rank on a GPU; rank\(s\) \[1\] compute on the CPU"):
-        transport.choose("nccl", ["cuda:0", "cpu"], True, [None, None])
+        transport.choose("nccl", [gpu[0], None], True, [None, None])
+    with pytest.raises(UserError, match=r"nccl takes one rank per GPU, and rank\(s\) \[0, 1\] share a GPU"):
+        transport.choose("nccl", shared, True, [None, None])
     with pytest.raises(UserError, match="nccl is not available in this torch build"):
         transport.choose("nccl", gpu, False, [None, None])
     with pytest.raises(UserError, match=r"the MPI library of rank\(s\) \[0\] is not CUDA-aware"):
@@ -127,7 +135,7 @@ def test_a_missing_gpu_fails_on_every_rank_together(comm):
 def test_the_exchange_is_agreed_and_refused_together(comm):
     from dbs_mpi.comm import AgreedError
     cpu = torch.device("cpu")
-    assert transport.agree(comm, "auto", cpu) == "host"
+    assert transport.agree(comm, "auto", cpu) == ("host" if comm.Get_size() > 1 else "local")
     assert transport.agree(comm, "cuda-aware", cpu) == "cuda-aware"     # CPU ranks then use host memory
     if not torch.cuda.is_available():
         with pytest.raises(AgreedError, match="nccl needs every rank on a GPU"):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 from torch import nn
 
-from dbs_mpi import allocation
+from dbs_mpi import allocation, transport
 from dbs_mpi.comm import FIRST_BUCKET_BYTES, MIB, GradientExchange, bucket_layout
 from dbs_mpi.config import Config
 from dbs_mpi.data import load_synthetic
@@ -210,6 +210,46 @@ def test_staged_and_torch_distributed_transports_give_the_mpi_result(comm, trans
     assert ex.transport.name == transport
     if stage:
         assert ex.transport.staged and ex.transport.host.data_ptr() != ex.flat.data_ptr()
+    expected_losses, expected, _ = run_steps(comm, "reversed", CAPS["one"], vectors, data, steps=3)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+    assert losses == pytest.approx(expected_losses, rel=1e-6)
+
+
+class LateCopies(transport.HostMPI):
+    """A GPU rank's host-staged path on CPU tensors: bucket copies that odd ranks see
+    complete only when they wait for them (even ranks at once), so that their buckets'
+    collectives begin at different times on different ranks."""
+
+    def __init__(self, comm, flat, bounds):
+        super().__init__(comm, flat, bounds, stage=True)
+        self.side = "emulated"                     # start() defers, as on a GPU
+
+    def stage(self, b):
+        start, stop = self.bounds[b]
+        self.host[start:stop].copy_(self.flat[start:stop])
+        self.ready[b] = "copying"
+
+    def _ready(self, b, block):
+        if self.ready[b] is None or block or self.comm.Get_rank() % 2 == 0:
+            self.ready[b] = None
+            return True
+        return False
+
+    def finish(self):
+        self.flat.copy_(self.host)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("sleep", [False, True])
+def test_buckets_that_begin_late_keep_the_order_of_collectives(comm, sleep, monkeypatch):
+    """Deferred bucket collectives (GPU staging) all begin before the sleeping barrier:
+    otherwise one rank's Ibarrier meets another's Iallreduce and the sums are garbage."""
+    monkeypatch.setattr(transport, "make", lambda name, comm, flat, bounds, *a, **k: LateCopies(comm, flat, bounds))
+    data = load_synthetic("train", 64, (1, 28, 28), 10, seed=7)
+    vectors = vectors_for(comm.Get_size())
+    losses, got, ex = run_steps(comm, "reversed", CAPS["tiny"], vectors, data, sleep=sleep, steps=3)
+    assert isinstance(ex.transport, LateCopies) and ex.num_buckets > 2
+    monkeypatch.undo()
     expected_losses, expected, _ = run_steps(comm, "reversed", CAPS["one"], vectors, data, steps=3)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
     assert losses == pytest.approx(expected_losses, rel=1e-6)
