@@ -48,7 +48,8 @@ DDP model counts training-mode forwards with grad enabled, the ones a backward f
 Usage (a plain torch optimizer; every rank):
 
     comm = dbs_mpi.init()
-    dbs_mpi.ddp.init_process_group(comm)            # nccl on GPUs, gloo on CPUs
+    device = dbs_mpi.select_device(comm)
+    dbs_mpi.ddp.init_process_group(comm, device=device)   # nccl: a GPU per rank; else gloo
     model = DDP(net)                                # device_ids=[local gpu] on GPUs
     balancer = dbs_mpi.Balancer(comm, global_batch=512, policy="dbs")
     dbs_mpi.ddp.sample_weighted(model, balancer=balancer)
@@ -225,8 +226,11 @@ def destroy_process_group() -> None:
 class StepClock:
     """A step's times at the balancer (balancer mode): data from the last step's end to
     the first forward; compute from there to the last bucket, stretched there to the
-    emulated speed; collective until the last bucket is reduced, when the step is
-    recorded (the optimizer's update shows in the next step's data time)."""
+    emulated speed; collective until the last bucket's future completes, when the step
+    is recorded (the optimizer's update shows in the next step's data time). On NCCL a
+    future completes when its work is queued, so the collective reads about 0 and the
+    wait for slower ranks shows in the next step's data time; compute, what DBS
+    allocates from, is measured on the compute stream either way."""
 
     def __init__(self, balancer):
         self.balancer = balancer

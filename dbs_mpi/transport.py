@@ -1,38 +1,45 @@
 """Transports: how a gradient bucket's bytes get summed over the ranks, wherever they live.
 
 GradientExchange (comm.py) decides *when* a bucket is reduced and with which weight; a
-transport decides *how*. Four, one per rank, agreed by all ranks at construction
-(`choose`), recorded in the result file (attribute `exchange`):
+transport decides *how*. One per rank, agreed by all ranks at construction (`choose`),
+recorded in the result file (attribute `exchange`):
 
   host        MPI on host memory. On a CPU rank the gradients already live there: the
               collective reads the flat buffer itself, no copies. On a GPU rank every
               bucket is staged: when backward has filled it, a side stream (waiting on
-              an event of the compute stream) copies it into a pinned host buffer while
-              backward goes on; the bucket's MPI allreduce starts once that copy is done,
-              and the sums are copied back the same way. Works with any MPI, and in
-              jobs that mix CPU and GPU ranks.
-  cuda-aware  MPI on device memory: the bucket's device tensor is handed to mpi4py
-              (its __cuda_array_interface__) once the compute stream has produced it
-              (an event, synchronised before the call). Needs an MPI library built with
-              CUDA support (devices.mpi_cuda_aware); CPU ranks of the job use host memory.
+              the compute stream) copies it into a pinned host buffer while backward
+              goes on; the bucket's MPI allreduce begins once that copy is done (checked
+              by the next gradient hook, at the latest before the final bucket), and the
+              sums are copied back on the side stream, which the compute stream waits
+              for. Works with any MPI, and in jobs that mix CPU and GPU ranks.
+  cuda-aware  MPI on device memory: mpi4py takes the bucket's tensor through DLPack
+              (with no stream to order against: the bucket's collective begins once an
+              event after the kernels that produced it has happened), with the tensor's
+              GPU current. Needs an MPI library built with CUDA support
+              (devices.mpi_cuda_aware); CPU ranks of the job use host memory.
   nccl        torch.distributed's NCCL backend, initialised from the MPI communicator
-              (ddp.init_process_group): every rank must be a GPU rank.
+              (ddp.init_process_group): every rank on a GPU of its own (NCCL refuses
+              two ranks on one GPU).
   gloo        torch.distributed's gloo backend on CPU tensors: the nccl path's logic on
               any machine (tests), or a CPU job's alternative to MPI.
+  local       one rank: nothing to sum and nothing to move.
 
-`auto`: host on CPU ranks; on an all-GPU job nccl if torch has it, else cuda-aware if
-the MPI library is CUDA-aware, else host; a job mixing CPU and GPU ranks uses host.
+`auto`: local for one rank; host on CPU ranks and in jobs that mix CPU and GPU ranks;
+on an all-GPU job nccl if torch has it and no two ranks share a GPU, else cuda-aware if
+the MPI library is CUDA-aware, else host.
 
 Every transport offers the same small interface to GradientExchange:
   stage(b)       after bucket b was weighted on the compute stream: begin moving it to
                  where the collective reads it (a no-op where nothing moves)
   start(b)       a request for b's non-blocking sum (Test() / Wait()); it may begin the
                  collective later, when the staging is done, but always in bucket order
-  reduce(b)      the final bucket's blocking sum (everything before it has started)
+  begin_all(requests)  begin every deferred collective, in order: before any other
+                 collective (the sleeping barrier), so all ranks call them in one order
+  reduce(b)      the final bucket's blocking sum (everything before it has begun)
   wait(requests) complete them all; finish() puts the sums where the .grad views are
   set_loss(x) / loss()   the loss slot at the end of the final bucket
 Sample weighting, buckets, the order of collectives and the supervisor's deadlines are
-GradientExchange's, the same for all four.
+GradientExchange's, the same for all of them.
 """
 from __future__ import annotations
 
