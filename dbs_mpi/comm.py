@@ -143,15 +143,26 @@ def bcast_object(comm: MPI.Comm, obj, root: int = 0, timeout: float = 600.0, wha
 def broadcast_parameters(model: torch.nn.Module, comm: MPI.Comm, root: int = 0, timeout: float = 600.0) -> None:
     """Make every rank's parameters and buffers equal to root's (call it once, after
     building the model and before training; bounded like every wait here)."""
+    broadcast_tensors([*model.parameters(), *model.buffers()], comm, root, timeout)
+
+
+def broadcast_tensors(tensors, comm: MPI.Comm, root: int = 0, timeout: float = 600.0) -> float:
+    """Make every rank's `tensors` (on any device) equal to root's, in place; returns the
+    largest absolute difference a rank's values had from root's (0 on root)."""
+    drift = 0.0
     if comm.Get_size() == 1:
-        return
-    for tensor in [*model.parameters(), *model.buffers()]:
+        return drift
+    for tensor in tensors:
         data = tensor.data
         host = data.detach().cpu().contiguous()
+        before = host.clone() if host.is_floating_point() and comm.Get_rank() != root else None
         array = host.numpy() if host.dtype != torch.bfloat16 else host.view(torch.int16).numpy()
         wait(comm.Ibcast(array, root=root), timeout, "broadcasting the parameters")
+        if before is not None and before.numel():
+            drift = max(drift, float((before - host).abs().max()))
         if host.data_ptr() != data.data_ptr():
             data.copy_(host)
+    return drift
 
 
 MIB = 2 ** 20

@@ -298,6 +298,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
             f"of dbs_mpi.HeteroSampler (DataLoader(dataset, batch_sampler=sampler)), one optimizer.step() per "
             f"batch; pass check_batch=False if the model's first input is not batch-first")
 
+    def resync(self, root: int = 0) -> float:
+        """Collective: every rank's parameters, buffers and optimizer state become root's;
+        returns the largest difference any rank had (every rank gets the same number).
+
+        Ranks apply the same reduced gradient, so their replicas stay equal on the same
+        kind of device. A CPU and a GPU round some operations differently (fused
+        multiply-adds, foreach kernels): in a job that mixes them, the replicas drift
+        apart by rounding errors that training can amplify. `dbs-mpi train` calls this
+        at the end of every epoch of such a job."""
+        if self.exchange.busy:
+            raise RuntimeError("resync() between backward() and step(): call it after step()")
+        state = self.optimizer.state
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        for p in self.exchange.params:
+            for key in sorted(state.get(p, {})):
+                if isinstance(state[p][key], torch.Tensor):
+                    tensors.append(state[p][key])
+        drift = mpi.broadcast_tensors(tensors, self.comm, root, self.timeout)
+        return float(mpi.allgather_array(self.comm, [drift], self.timeout).max())
+
     def close(self) -> None:
         """Remove the hooks (the .grad tensors stay views of the exchange buffer)."""
         self._hook.remove()

@@ -207,7 +207,11 @@ class SyncTrainer:
             if stopped and balancer.step_pending:                 # stopped in the middle of the epoch
                 self.save(f"epoch {epoch + 1}, step {balancer.step}", stopped)
                 raise Stopped()
-            self.end_epoch(balancer.end_epoch())
+            stats = balancer.end_epoch()
+            if len(set(run.device_names)) > 1:       # CPUs and GPUs round differently: re-align the replicas
+                drift = optimizer.resync()
+                run.log(f"replicas re-synchronised from rank 0 (largest difference {drift:.2e})")
+            self.end_epoch(stats)
             if stopped or (cfg.checkpoint_every and (epoch + 1) % cfg.checkpoint_every == 0) \
                     or epoch + 1 == cfg.epochs:
                 self.save(f"after epoch {epoch + 1}", stopped)

@@ -163,6 +163,7 @@ def test_a_job_mixing_a_gpu_rank_and_cpu_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr
     run = read_released(out, time.time() + 30)
     assert list(run["attrs"]["rank_devices"]) == ["cuda:0", "cpu", "cpu"] and run["attrs"]["exchange"] == "host"
+    assert proc.stdout.count("replicas re-synchronised from rank 0") == 2      # after each epoch of a mixed job
 
 
 def test_gpu_workers_of_the_parameter_server(tmp_path):

@@ -158,3 +158,31 @@ def test_select_gives_cpu_ranks_their_share_of_the_cores_unless_init_was_told(co
                                                               mpi.thread_limit())
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_resync_makes_drifted_replicas_and_their_optimizer_state_equal_again(comm):
+    import dbs_mpi
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    balancer = dbs_mpi.Balancer(comm, 4 * comm.Get_size(), "ssgd", timeout=60)
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), model, balancer)
+    data = torch.utils.data.TensorDataset(torch.randn(8 * comm.Get_size(), 4), torch.randint(3, (8 * comm.Get_size(),)))
+    sampler = dbs_mpi.HeteroSampler(data, balancer, seed=0)
+    for x, y in torch.utils.data.DataLoader(data, batch_sampler=sampler):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    balancer.end_epoch()
+    with torch.no_grad():                     # what rounding differences would do, exaggerated
+        for p in model.parameters():
+            p.add_(1e-3 * comm.Get_rank())
+            optimizer.state[p]["exp_avg"].add_(0.5 * comm.Get_rank())
+    drift = optimizer.resync()
+    assert drift == pytest.approx(0.5 * (comm.Get_size() - 1), rel=1e-5)     # the largest: the optimizer state's
+    from dbs_mpi.comm import allgather_object
+    mine = [t.detach().clone() for t in model.parameters()] + \
+           [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()] + [model[1].running_mean.clone()]
+    for other in allgather_object(comm, mine):
+        for a, b in zip(mine, other):
+            assert torch.equal(a, b)
