@@ -99,6 +99,25 @@ def setup(comm, cfg: Config) -> Run:
     return Run(comm, cfg, train_set, test_set, model, loss_fn)
 
 
+def place(run: Run) -> list:
+    """Collective: every rank's device, exchange and threads (in `run`), the model on the
+    device with rank 0's weights. Returns every rank's (host, cores). Fails on every rank
+    together, before any file exists, for a device or exchange the job cannot have."""
+    comm, cfg, rank = run.comm, run.cfg, run.comm.Get_rank()
+    run.device = devices.select(comm, cfg.device, server_on_cpu(cfg, comm.Get_size()), cfg.comm_timeout,
+                                threads=False)
+    if cfg.strategy not in ASYNC_STRATEGIES:
+        run.exchange = transport.agree(comm, cfg.exchange, run.device, cfg.comm_timeout)
+    described = devices.all_devices(comm, run.device, cfg.comm_timeout)
+    run.devices, run.device_names = [d["device"] for d in described], [d["name"] for d in described]
+    places = mpi.placement(comm, cfg.comm_timeout)
+    threads = mpi.set_torch_threads(cfg.threads or devices.cpu_threads(places, run.devices, rank, mpi.thread_limit()))
+    run.threads = mpi.allgather_object(comm, threads, cfg.comm_timeout, "gathering every rank's threads")
+    run.model.to(run.device)
+    mpi.broadcast_parameters(run.model, comm, timeout=cfg.comm_timeout)
+    return places
+
+
 def server_on_cpu(cfg: Config, world_size: int):
     """The per-rank device list: cfg's, except that a parameter server (rank 0 of the
     asynchronous strategies) keeps its weights and optimizer on the CPU."""
@@ -130,17 +149,8 @@ def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state:
 
     torch.manual_seed(cfg.seed)
     run = mpi.collective(comm, setup, comm, cfg, timeout=cfg.comm_timeout)
-    run.device = devices.select(comm, cfg.device, server_on_cpu(cfg, comm.Get_size()), cfg.comm_timeout,
-                                threads=False)
-    if cfg.strategy not in ASYNC_STRATEGIES:     # a transport the job cannot have fails before any file exists
-        run.exchange = transport.agree(comm, cfg.exchange, run.device, cfg.comm_timeout)
-    described = devices.all_devices(comm, run.device, cfg.comm_timeout)
-    run.devices, run.device_names = [d["device"] for d in described], [d["name"] for d in described]
-    places = mpi.placement(comm, cfg.comm_timeout)
-    threads = mpi.set_torch_threads(cfg.threads or devices.cpu_threads(places, run.devices, rank, mpi.thread_limit()))
-    run.threads = mpi.allgather_object(comm, threads, cfg.comm_timeout, "gathering every rank's threads")
-    run.model.to(run.device)
-    mpi.broadcast_parameters(run.model, comm, timeout=cfg.comm_timeout)
+    places = place(run)
+    threads = run.threads[rank]
     oversubscribed = mpi.oversubscribed(places)
     run.sleep_wait = mpi.sleep_while_waiting(cfg.wait_policy, places)
     run.log, run.state = log, checkpoint_state

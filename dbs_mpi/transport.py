@@ -73,8 +73,7 @@ class _Gated:
         return _Deferred(self, b)
 
     def _begin(self, b: int):
-        with _on_device(self.flat):
-            return self.comm.Iallreduce(MPI.IN_PLACE, self.views[b], op=MPI.SUM)
+        return self.comm.Iallreduce(MPI.IN_PLACE, self.views[b], op=MPI.SUM)
 
     def begin_all(self, requests) -> None:
         """Begin every started bucket's collective, in order (before any other collective:
@@ -86,8 +85,7 @@ class _Gated:
     def reduce(self, b: int, requests) -> None:
         self.begin_all(requests)
         self._ready(b, block=True)
-        with _on_device(self.flat):
-            self.comm.Allreduce(MPI.IN_PLACE, self.views[b], op=MPI.SUM)
+        self.comm.Allreduce(MPI.IN_PLACE, self.views[b], op=MPI.SUM)
 
     def wait(self, requests) -> None:
         wait_requests(requests)
@@ -126,6 +124,15 @@ class HostMPI(_Gated):
             return self.comm.Iallreduce(MPI.IN_PLACE, self.views[b], op=MPI.SUM)
         return _Deferred(self, b)
 
+    def begin_all(self, requests) -> None:
+        if self.side is not None:
+            super().begin_all(requests)
+
+    def reduce(self, b: int, requests) -> None:
+        if self.side is not None:
+            return super().reduce(b, requests)
+        self.comm.Allreduce(MPI.IN_PLACE, self.views[b], op=MPI.SUM)   # the CPU's path, as short as it was
+
     def finish(self) -> None:
         if not self.staged:
             return
@@ -137,8 +144,15 @@ class HostMPI(_Gated):
         torch.cuda.current_stream(self.flat.device).wait_stream(self.side)
 
     def set_loss(self, value: float) -> None:
-        self._ready(len(self.bounds) - 1, block=True)     # the final bucket's copy brought the slot too
+        if self.side is not None:
+            self._ready(len(self.bounds) - 1, block=True)     # the final bucket's copy brought the slot too
         self.array[-1] = value
+
+    def wait(self, requests) -> None:
+        if self.side is not None:
+            return wait_requests(requests)
+        if requests:
+            MPI.Request.Waitall(requests)
 
     def loss(self) -> float:
         return float(self.array[-1])
@@ -160,6 +174,14 @@ class CudaAwareMPI(_Gated):
     def stage(self, b: int) -> None:
         self.ready[b] = torch.cuda.Event()
         self.ready[b].record(torch.cuda.current_stream(self.flat.device))
+
+    def _begin(self, b: int):
+        with torch.cuda.device(self.flat.device):
+            return super()._begin(b)
+
+    def reduce(self, b: int, requests) -> None:
+        with torch.cuda.device(self.flat.device):
+            super().reduce(b, requests)
 
     def finish(self) -> None:
         pass
@@ -275,12 +297,6 @@ class _Done:
 
 
 _DONE = _Done()
-
-
-def _on_device(flat: torch.Tensor):
-    """The flat buffer's GPU as the current device (DLPack exports only those), or nothing."""
-    import contextlib
-    return torch.cuda.device(flat.device) if flat.is_cuda else contextlib.nullcontext()
 
 
 class _Work:

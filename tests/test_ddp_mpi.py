@@ -20,31 +20,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from mpi4py import MPI
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 import dbs_mpi
 from dbs_mpi import allocation, ddp
 from dbs_mpi.sharding import epoch_permutation
+from test_api_mpi import SPEEDS, UserNet as Net   # a user's model (no batch statistics), uneven speeds
 
 TIMEOUT = 60.0
-SPEEDS = [1.0, 0.5, 0.2, 0.07, 0.3, 0.6, 0.9, 0.15]
 CAPS = {"one bucket": 25.0, "several buckets": 0.0001}     # DDP's bucket_cap_mb (rebuilt after the first step)
 TIGHT = dict(rtol=1e-5, atol=1e-6)
-
-
-class Net(nn.Module):
-    """A convolution, a linear head and a scalar parameter (no batch statistics)."""
-
-    def __init__(self, classes=5):
-        super().__init__()
-        self.conv = nn.Conv2d(1, 4, 3)
-        self.head = nn.Linear(4 * 6 * 6, classes)
-        self.scale = nn.Parameter(torch.ones(1))
-
-    def forward(self, x):
-        return self.head(torch.relu(self.conv(x)).flatten(1)) * self.scale
 
 
 class Boxed:
