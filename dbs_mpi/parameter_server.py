@@ -562,6 +562,8 @@ class Server:
 class Worker:
     """Ranks 1..n-1: wait for work, compute the gradient, push it, repeat until STOP."""
 
+    separate_buffers = False    # True: a GPU worker's copies between messages and model on the CPU too (tests)
+
     def __init__(self, pcomm, cfg, model, train_set, emulator, stop=None, loss_fn=None):
         self.comm, self.cfg, self.model, self.train_set, self.emulator = pcomm, cfg, model, train_set, emulator
         self.loss_fn = loss_fn
@@ -570,14 +572,17 @@ class Worker:
         params = [p for p in model.parameters()]
         self.numel = sum(p.numel() for p in params)
         self.device = model_device(model)
-        on_gpu = self.device.type != "cpu"
-        self.weights = Message(self.numel, on_gpu)    # TAG_WORK lands here
-        self.grad = Message(self.numel, on_gpu)       # pushed as it is
+        cuda = self.device.type == "cuda"
+        self.weights = Message(self.numel, pinned=cuda)    # TAG_WORK lands here
+        self.grad = Message(self.numel, pinned=cuda)       # pushed as it is
         # On the CPU the parameters and their gradients are views of the messages' bodies
         # (no copies); on a GPU they are views of device buffers that the bodies are
         # copied to (weights, after every receive) and from (gradients, before every push).
-        self.device_weights = self.weights.body if not on_gpu else torch.zeros(self.numel, device=self.device)
-        self.device_grad = self.grad.body if not on_gpu else torch.zeros(self.numel, device=self.device)
+        if cuda or self.separate_buffers:
+            self.device_weights = torch.zeros(self.numel, device=self.device)
+            self.device_grad = torch.zeros(self.numel, device=self.device)
+        else:
+            self.device_weights, self.device_grad = self.weights.body, self.grad.body
         bind_parameters(params, self.device_weights)
         bind_gradients(params, self.device_grad)
         self.stats = np.zeros((cfg.epochs, S_VECTOR + pcomm.Get_size() - 1))

@@ -45,7 +45,8 @@ def read_on_root(comm, path):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(240)
-def test_hardsync_matches_synchronous_sgd(comm, shared_tmp, monkeypatch):
+@pytest.mark.parametrize("separate_buffers", [False, True])
+def test_hardsync_matches_synchronous_sgd(comm, shared_tmp, monkeypatch, separate_buffers):
     """n-softsync with n = 1 and waiting replies (hardsync), equal local batches: the
     server's updates are the synchronous path's, step for step, with global batch =
     workers x local batch, over 2 epochs of 11 steps (the last step of each epoch
@@ -59,7 +60,13 @@ def test_hardsync_matches_synchronous_sgd(comm, shared_tmp, monkeypatch):
     of the synchronous step's samples (sharding's permutation) at the server's weights
     of that step, (2) replaying those gradients through the synchronous path's optimizer
     (SGD with momentum and weight decay, one optimizer for the whole run) gives the
-    server's weights after every step, (3) every gradient is fresh."""
+    server's weights after every step, (3) every gradient is fresh.
+
+    separate_buffers: the workers keep the model's weights and gradients apart from the
+    messages and copy between them, as a GPU worker does (its pinned host messages and
+    device buffers), here on the CPU."""
+    from dbs_mpi.parameter_server import Worker
+    monkeypatch.setattr(Worker, "separate_buffers", separate_buffers)
     workers = comm.Get_size() - 1
     local = 20
     cfg = small_config(strategy="nsoftsync", softsync_n=1, softsync_wait=True, global_batch=workers * local,
@@ -79,7 +86,7 @@ def test_hardsync_matches_synchronous_sgd(comm, shared_tmp, monkeypatch):
         return result
 
     monkeypatch.setattr(torch.optim.SGD, "step", recording_step)
-    out = shared_tmp / f"hardsync-{comm.Get_size()}.h5"
+    out = shared_tmp / f"hardsync-{comm.Get_size()}-{separate_buffers}.h5"
     summary = train(comm, cfg, out=str(out), log=quiet)
     run = read_on_root(comm, out)       # the last collective: what follows fails on one rank only
     assert [e["updates"] for e in summary.epochs] == [11, 11]
