@@ -223,8 +223,12 @@ def test_time_budget_stops_early_and_cleanly(comm, shared_tmp):
     summary = train(comm, cfg, out=str(out), log=quiet)
     assert 1 <= len(summary.epochs) < 50
     total = sum(e["duration"] for e in summary.epochs)
-    assert 1.5 <= total < 10, total
+    assert total < 10, total
     run = read_on_root(comm, out)
     if run is not None:
         assert run["attrs"]["status"] == "complete"
         assert run["data"]["update/local_batch"].sum() == run["data"]["epoch/samples"].sum()
+        # The epochs end at the last applied gradient: past the budget, unless the last
+        # epoch closed complete just before it and no gradient of the next one came in
+        # (seen: 1.49994 s; every later request was answered STOP).
+        assert total >= 1.5 or run["data"]["epoch/samples"][-1] == 600, (total, run["data"]["epoch/samples"])
