@@ -21,12 +21,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from mpi4py import MPI
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import dbs_mpi
 from dbs_mpi import allocation, ddp
 from dbs_mpi.sharding import epoch_permutation
-from test_api_mpi import SPEEDS, UserNet as Net   # a user's model (no batch statistics), uneven speeds
+from test_api_mpi import SPEEDS, Pairs, UserNet as Net   # a user's model and data, uneven speeds
 
 TIMEOUT = 60.0
 CAPS = {"one bucket": 25.0, "several buckets": 0.0001}     # DDP's bucket_cap_mb (rebuilt after the first step)
@@ -43,19 +43,6 @@ class Boxed:
 class BoxedNet(Net):
     def forward(self, box):
         return super().forward(box.x if isinstance(box, Boxed) else box)
-
-
-class Pairs(Dataset):
-    def __init__(self, n=150, seed=1, classes=5):
-        g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, 1, 8, 8, generator=g)
-        self.y = torch.randint(classes, (n,), generator=g)
-
-    def __len__(self):
-        return len(self.y)
-
-    def __getitem__(self, i):
-        return self.x[i], int(self.y[i])
 
 
 @pytest.fixture
