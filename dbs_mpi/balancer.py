@@ -32,9 +32,11 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from . import allocation, comm as mpi, sharding
 from .config import UserError
+from .devices import model_device
 from .heterogeneity import Emulator
 from .profiling import StepTimes, model_step, split_wait, time_step
 
@@ -172,16 +174,15 @@ class Balancer:
     def calibration_batches(self) -> tuple[int, int]:
         return calibration_batches(self.global_batch, self.world_size, self.min_local, self.max_local)
 
-    def calibrate(self, step, steps: int = 5, warmup: int = 2, wall_clock: bool = False) -> np.ndarray:
+    def calibrate(self, step, steps: int = 5, warmup: int = 2) -> np.ndarray:
         """Collective. Time `step(b)` (one forward and backward on b samples, on a copy of
         the model: see profiling.model_step) at two local batches on every rank, fit every
         rank's step time, and (static, dbs) allocate the vector from it. Returns the vector.
-        A step on a GPU must synchronise the device before it returns (model_step does);
-        wall_clock=True then has emulated speeds stretch its wall time, not its CPU time."""
+        A step on a GPU must synchronise the device before it returns (model_step does),
+        and the balancer must know the device (`on_device`; calibrate_model tells it)."""
         small, large = self.calibration_batches()
-        stretch = self.emulator.stretch if not wall_clock else (lambda wall, cpu: self.emulator.stretch(wall))
         fit, times = calibrate(self.comm, step, small, large, steps=steps, warmup=warmup,
-                               stretch=stretch, affine=self.affine, timeout=self.timeout)
+                               stretch=self.emulator.stretch, affine=self.affine, timeout=self.timeout)
         self.speed_model = fit
         if self.policy != "ssgd":
             self.batch_sizes = fit.allocate(self.global_batch, self.min_local, self.max_local)
@@ -197,10 +198,14 @@ class Balancer:
         """calibrate() with the usual step: loss_fn(model(x), y).backward() on a copy of
         `model`, x and y the first samples of `dataset` (a map-style dataset)."""
         from .data import first_samples
-        from .devices import model_device
+        self.on_device(model_device(model))
         inputs, targets = first_samples(dataset, self.calibration_batches()[1])
-        return self.calibrate(model_step(model, loss_fn, inputs, targets), steps, warmup,
-                              wall_clock=model_device(model).type == "cuda")
+        return self.calibrate(model_step(model, loss_fn, inputs, targets), steps, warmup)
+
+    def on_device(self, device) -> None:
+        """This rank computes on `device`: on a GPU, emulated speeds stretch the step's wall
+        time (DistributedOptimizer and calibrate_model tell the balancer)."""
+        self.emulator.wall_clock = torch.device(device).type == "cuda"
 
     # --- an epoch -----------------------------------------------------------------
     def begin_epoch(self, epoch: int, num_samples: int, drop_last: bool = False, first_step: int = 0) -> np.ndarray:

@@ -280,7 +280,7 @@ class GradientExchange:
         self._buckets = [whole[start:stop] for start, stop in self.bounds]
         self._final_grads = whole[self.bounds[-1][0]:self.numel]
         self.transport = transports.make(transport, comm, self.flat, self.bounds, timeout, stage)
-        self._gated = isinstance(self.transport, transports._Gated) and self.flat.is_cuda   # requests begin late
+        self._gated = self.transport.deferred        # its requests may begin late (their data on a GPU)
         self._sizes = [len(indices) for indices in self.layout]
         # On a GPU the hooks run on autograd's device thread: MPI calls from there need
         # MPI_THREAD_MULTIPLE (mpi4py's default); without it every bucket starts in allreduce().

@@ -86,6 +86,7 @@ import torch.distributed as dist
 
 from . import comm as mpi
 from .config import UserError
+from .devices import gpu_identity, model_device, synchronize
 from .optimizer import batch_length
 
 LOOPBACK = "127.0.0.1"
@@ -207,7 +208,6 @@ def init_process_group(comm, backend: "str | None" = None, timeout: float = 600.
 
 def _backend_report(backend, device) -> tuple:
     """This rank's part of `agree_backend`."""
-    from .devices import gpu_identity
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
@@ -243,13 +243,11 @@ class StepClock:
 
     def end_compute(self, device: torch.device) -> None:
         """On a GPU the compute ends when the device is done (not when backward's last
-        kernel was launched), and emulated speeds stretch that wall time (not CPU time)."""
+        kernel was launched), and emulated speeds stretch that wall time (the balancer
+        knows the device: sample_weighted tells it)."""
         start, cpu = self.begin
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()     # the compute, not NCCL's queued buckets
-            self.balancer.stretch(time.perf_counter() - start)
-        else:
-            self.balancer.stretch(time.perf_counter() - start, time.process_time() - cpu)
+        synchronize(device)                  # the compute stream, not NCCL's queued buckets
+        self.balancer.stretch(time.perf_counter() - start, time.process_time() - cpu)
         self.pre_end = time.perf_counter()
 
     def end_step(self) -> None:
@@ -411,6 +409,8 @@ def sample_weighted(ddp_model, process_group=None, *, balancer=None,
                          f"{balancer.world_size}) is not the DDP process group (rank {dist.get_rank(group)} of "
                          f"{dist.get_world_size(group)}): make both from the same communicator "
                          f"(dbs_mpi.ddp.init_process_group(comm), Balancer(comm, ...))")
+    if balancer is not None:
+        balancer.on_device(model_device(ddp_model))
     state = SampleWeightedState(group, balancer, check_batch)
     ddp_model.register_forward_pre_hook(state.on_forward, with_kwargs=True)
     ddp_model.register_comm_hook(state, sample_weighted_hook)

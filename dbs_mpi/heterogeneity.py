@@ -51,6 +51,7 @@ class Emulator:
         self.epoch_sleep = 0.0         # extra seconds to sleep over this epoch
         self.step_sleep = 0.0          # ... per step
         self.factor = 1.0 / speed      # compute-time multiplier in this epoch
+        self.wall_clock = False        # a GPU rank: stretch wall time (its CPU time is not its device's work)
 
     @classmethod
     def from_config(cls, cfg, rank: int) -> "Emulator":
@@ -93,8 +94,9 @@ class Emulator:
         the emulated device; returns the seconds slept. With cpu_seconds (the process's
         CPU time over the same interval) the slow-down stretches the smaller of the two:
         the work itself, not the time spent waiting for a core (other ranks on the same
-        cores, other jobs), which a slower device would wait just as long, not 1/s times."""
-        work = compute_seconds if cpu_seconds is None else min(compute_seconds, cpu_seconds)
+        cores, other jobs), which a slower device would wait just as long, not 1/s times.
+        On a GPU rank (wall_clock) the CPU time is launches and waits: the wall time is stretched."""
+        work = compute_seconds if cpu_seconds is None or self.wall_clock else min(compute_seconds, cpu_seconds)
         extra = work * (self.factor - 1.0) + self.step_sleep
         if extra > 0:
             precise_sleep(extra)

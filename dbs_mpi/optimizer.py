@@ -161,6 +161,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              "trainable parameters")
         self.device = params[0].device if params else torch.device("cpu")
         self._cuda = self.device.type == "cuda"
+        balancer.on_device(self.device)
         check_same_parameters(self.comm, params, self.timeout)
         places = mpi.placement(self.comm, self.timeout)
         self.oversubscribed = mpi.oversubscribed(places)
@@ -250,8 +251,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._new_step(self._last_end)      # a refused step leaves nothing behind for the next one
             raise
         began = self._compute_start if self._compute_start is not None else self._last_end
-        # A GPU rank's CPU time is its launches and waits, not its device's work: stretch wall time.
-        cpu = time.process_time() - self._compute_cpu if self._compute_cpu is not None and not self._cuda else None
+        cpu = time.process_time() - self._compute_cpu if self._compute_cpu is not None else None
         self.balancer.stretch(start - began, cpu)
         pre_end = time.perf_counter()
         local = int(row[rank])

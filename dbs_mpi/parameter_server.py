@@ -640,9 +640,7 @@ class Worker:
                 loss = self.loss_fn(self.model(x), y)
                 loss.backward()
                 loss_value = loss.item()       # on a GPU: waits for backward (a true compute time)
-                # a GPU worker's CPU time is not its device's work: its wall time is stretched
-                self.emulator.stretch(time.perf_counter() - t1,
-                                      time.process_time() - cpu if self.device.type == "cpu" else None)
+                self.emulator.stretch(time.perf_counter() - t1, time.process_time() - cpu)
             self.push_copy()
             t2 = time.perf_counter()
             h = self.grad.header
@@ -699,9 +697,8 @@ def initial_vector(run, emulator):
     # local batches; the workers' part of the fit sizes their local batches.
     small, large = calibration_batches(cfg.global_batch, comm.Get_size(), cfg.min_local_batch, max_local)
     step = model_step(run.model, run.loss_fn, *first_samples(run.train_set, large))
-    stretch = emulator.stretch if run.device.type == "cpu" else (lambda wall, cpu: emulator.stretch(wall))
     fit, times = calibrate(comm, step, small, large, steps=cfg.benchmark_steps, warmup=cfg.benchmark_warmup,
-                           stretch=stretch, affine=cfg.dbs_model == "affine", timeout=cfg.comm_timeout)
+                           stretch=emulator.stretch, affine=cfg.dbs_model == "affine", timeout=cfg.comm_timeout)
     run.recorder.writer.write("startup/local_batch", np.array([small, large], dtype=np.int64))
     run.recorder.writer.write("startup/step_time", times)
     speed_model = allocation.SpeedModel(fit.per_sample[1:].copy(), fit.overhead[1:].copy())
@@ -723,6 +720,7 @@ class AsyncTrainer:
         self.path, self.log, self.summary = run.checkpoint_path, run.log, run.summary
         self.writer = run.recorder.writer
         self.emulator = Emulator.from_config(self.cfg, self.comm.Get_rank())
+        self.emulator.wall_clock = run.device.type == "cuda"     # a GPU worker: stretch wall time
 
     def train(self) -> None:
         comm, cfg = self.comm, self.cfg

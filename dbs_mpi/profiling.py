@@ -30,6 +30,8 @@ import time
 import numpy as np
 import torch
 
+from .devices import model_device, synchronize, to_device
+
 PHASES = ("data", "compute", "collective", "update")
 
 
@@ -89,7 +91,6 @@ def model_step(model: torch.nn.Module, loss_fn, inputs, targets):
     """A calibration step for `model`: forward and backward of loss_fn on the first b
     samples of (inputs, targets), on a copy of the model (the real one is not touched),
     on the model's device, which is synchronised at the end of every step."""
-    from .devices import model_device, synchronize, to_device
     probe = copy.deepcopy(model)
     probe.train()
     device = model_device(probe)

@@ -38,6 +38,8 @@ Every transport offers the same small interface to GradientExchange:
   reduce(b)      the final bucket's blocking sum (everything before it has begun)
   wait(requests) complete them all; finish() puts the sums where the .grad views are
   set_loss(x) / loss()   the loss slot at the end of the final bucket
+  deferred       True if start() may return requests that begin later (GradientExchange
+                 then begins the ready ones, in order, whenever it progresses MPI)
 Sample weighting, buckets, the order of collectives and the supervisor's deadlines are
 GradientExchange's, the same for all of them.
 """
@@ -104,6 +106,7 @@ class HostMPI(_Gated):
         array = self.host.numpy()
         self.array, self.views = array, [array[start:stop] for start, stop in bounds]
         self.side = torch.cuda.Stream(flat.device) if flat.is_cuda else None
+        self.deferred = self.side is not None      # a GPU's buckets begin once their host copy is done
         self._setup_events(len(bounds))            # CUDA: bucket b's host copy is complete
 
     def stage(self, b: int) -> None:
@@ -169,6 +172,7 @@ class CudaAwareMPI(_Gated):
     def __init__(self, comm, flat: torch.Tensor, bounds):
         self.comm, self.flat, self.bounds = comm, flat, bounds
         self.views = [flat[start:stop] for start, stop in bounds]
+        self.deferred = True                       # a bucket begins once its kernels are done
         self._setup_events(len(bounds))
 
     def stage(self, b: int) -> None:
@@ -198,6 +202,7 @@ class Local:
     """One rank: nothing to sum, nothing to move (the weighting still applies)."""
 
     name = "local"
+    deferred = False
 
     def __init__(self, flat: torch.Tensor):
         self.flat = flat
@@ -229,6 +234,8 @@ class Local:
 
 class TorchDistributed:
     """torch.distributed (nccl on GPUs, gloo on CPUs) over the same ranks as comm."""
+
+    deferred = False                             # every all_reduce begins when it is started
 
     def __init__(self, comm, flat: torch.Tensor, bounds, backend: str, timeout: float = 600.0):
         from . import ddp

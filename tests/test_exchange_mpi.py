@@ -223,6 +223,7 @@ class LateCopies(transport.HostMPI):
     def __init__(self, comm, flat, bounds):
         super().__init__(comm, flat, bounds, stage=True)
         self.side = "emulated"                     # start() defers, as on a GPU
+        self.deferred = True                       # and the exchange begins the ready ones as it progresses
 
     def stage(self, b):
         start, stop = self.bounds[b]

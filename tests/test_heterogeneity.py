@@ -2,6 +2,7 @@
 import time
 
 import pytest
+import torch
 
 from dbs_mpi.config import Config
 from dbs_mpi.heterogeneity import Emulator
@@ -65,6 +66,23 @@ def test_stretch_takes_the_work_not_the_wait_for_a_core():
     assert e.stretch(0.010, cpu_seconds=0.002) == pytest.approx(3 * 0.002)     # waited 8 ms for a core
     assert e.stretch(0.002, cpu_seconds=0.008) == pytest.approx(3 * 0.002)     # 4 threads busy: the wall time
     assert e.stretch(0.004) == pytest.approx(3 * 0.004)                        # no CPU time given: the wall
+
+
+def test_a_gpu_rank_stretches_its_wall_time():
+    """On a GPU rank the CPU time is kernel launches and waits, not the device's work: the
+    balancer of a model on a GPU sets wall_clock, and the wall time is stretched."""
+    e = Emulator(0, 0.25)
+    e.start_epoch(0, 10)
+    e.wall_clock = True
+    assert e.stretch(0.010, cpu_seconds=0.001) == pytest.approx(3 * 0.010)
+    from mpi4py import MPI
+
+    from dbs_mpi import Balancer
+    balancer = Balancer(MPI.COMM_SELF, 8, "ssgd")
+    balancer.on_device("cuda:0")
+    assert balancer.emulator.wall_clock
+    balancer.on_device(torch.device("cpu"))
+    assert not balancer.emulator.wall_clock
 
 
 def test_distributed_optimizer_stretches_cpu_time_not_waiting():
