@@ -198,8 +198,10 @@ class GradientExchange:
 
     One float32 buffer holds every gradient, bucket after bucket in launch order (inside
     a bucket, parameters keep their registration order), then one slot for the step's
-    loss; each parameter's .grad is a view of its place, so autograd accumulates
-    straight into the buffer (no copies) and the optimizer reads the reduced values.
+    loss and `extra` slots that any rank may fill (the balancer's telemetry: every rank's
+    step time reaches every rank in the same allreduce, no extra collective); each
+    parameter's .grad is a view of its place, so autograd accumulates straight into the
+    buffer (no copies) and the optimizer reads the reduced values.
 
     A step is `zero_grad(weight)` (or `arm(weight)` on already zeroed gradients),
     `backward(loss)` (or loss.backward()), `allreduce(weight, loss_share)`.
@@ -236,7 +238,7 @@ class GradientExchange:
 
     def __init__(self, comm: MPI.Comm, params, timeout: float = 600.0, sleep_while_waiting: bool = False,
                  bucket_bytes: int = BUCKET_BYTES, first_bucket_bytes: int = FIRST_BUCKET_BYTES,
-                 overlap: bool = True, transport: str = "host", stage: bool | None = None):
+                 overlap: bool = True, transport: str = "host", stage: bool | None = None, extra: int = 0):
         from . import transport as transports
         self.comm = comm
         self.timeout = timeout
@@ -256,8 +258,9 @@ class GradientExchange:
                                                              "agreeing on the wait policy"))) \
             if self.world_size > 1 else False
         self.layout = bucket_layout([p.numel() for p in self.params], bucket_bytes, first_bucket_bytes)
-        self.flat = torch.zeros(self.numel + 1, dtype=torch.float32, device=self.device)
-        self.bounds = []                 # (start, stop) of every bucket in flat; the final one ends at the loss slot
+        self.extra_slots = int(extra)
+        self.flat = torch.zeros(self.numel + 1 + self.extra_slots, dtype=torch.float32, device=self.device)
+        self.bounds = []                 # (start, stop) of every bucket in flat; the final one ends with the tail
         self._bucket_of = [0] * len(self.params)
         self._grad_ptr = [0] * len(self.params)
         self._grad_views = [None] * len(self.params)
@@ -273,13 +276,15 @@ class GradientExchange:
                 self._grad_views[index] = p.grad
                 offset += n
             self.bounds.append((start, offset))
-        self.bounds[-1] = (self.bounds[-1][0], self.numel + 1)
+        self.bounds[-1] = (self.bounds[-1][0], self.numel + 1 + self.extra_slots)
         # What the weighting pass scales: numpy views on the CPU (a few microseconds less per
         # step than torch's mul_ on LeNet-5's buffer), tensor slices on a GPU.
         whole = self.flat.numpy() if self.device.type == "cpu" else self.flat
         self._buckets = [whole[start:stop] for start, stop in self.bounds]
         self._final_grads = whole[self.bounds[-1][0]:self.numel]
-        self.transport = transports.make(transport, comm, self.flat, self.bounds, timeout, stage)
+        self.transport = transports.make(transport, comm, self.flat, self.bounds, timeout, stage,
+                                         1 + self.extra_slots)
+        self.extra = None                # the sum of the last step's extra slots (numpy), if there are any
         self._gated = self.transport.deferred        # its requests may begin late (their data on a GPU)
         self._sizes = [len(indices) for indices in self.layout]
         # On a GPU the hooks run on autograd's device thread: MPI calls from there need
@@ -307,8 +312,8 @@ class GradientExchange:
         return len(self.layout)
 
     def bucket_numels(self) -> list[int]:
-        """Gradient elements of every bucket, in launch order (the loss slot not counted)."""
-        return [stop - start for start, stop in self.bounds[:-1]] + [self.bounds[-1][1] - 1 - self.bounds[-1][0]]
+        """Gradient elements of every bucket, in launch order (the loss and extra slots not counted)."""
+        return [stop - start for start, stop in self.bounds[:-1]] + [self.numel - self.bounds[-1][0]]
 
     def gradient(self) -> torch.Tensor:
         """A copy of all gradients, flattened in registration order (like torch.cat of the .grad)."""
@@ -423,12 +428,14 @@ class GradientExchange:
         """True if every .grad views the buffer (nothing replaced them since the last step)."""
         return all(p.grad is not None and p.grad.data_ptr() == ptr for p, ptr in zip(self.params, self._grad_ptr))
 
-    def allreduce(self, weight: float, loss_share: float) -> float:
+    def allreduce(self, weight: float, loss_share: float, extra=None) -> float:
         """flat <- sum over ranks of weight_r * grad_r; returns sum_r loss_share_r.
 
         weight is b_i/B for sample-weighted aggregation (1/n for plain averaging);
         loss_share is loss_i * b_i/B, so the returned value is the global mean loss.
-        Waits for every bucket: afterwards the .grad tensors hold the reduced gradient."""
+        extra: this rank's values of the extra slots (float32, `extra` of them at
+        construction), summed over ranks into self.extra. Waits for every bucket:
+        afterwards the .grad tensors hold the reduced gradient."""
         weight = float(weight)
         if self._weight is not None and weight != self._weight:
             raise RuntimeError(f"allreduce(weight={weight:g}) but zero_grad was given weight {self._weight:g}: "
@@ -442,7 +449,9 @@ class GradientExchange:
                 _scale(self._final_grads, weight)
             transport = self.transport
             transport.stage(last)
-            transport.set_loss(loss_share)
+            if self.extra_slots and (extra is None or len(extra) != self.extra_slots):
+                raise ValueError(f"allreduce: {self.extra_slots} extra values expected (the balancer's telemetry)")
+            transport.set_tail(loss_share, extra if self.extra_slots else None)
             if self.world_size > 1:
                 # Every bucket's collective is under way before the barrier (on a GPU some
                 # wait for their data): all ranks call the collectives in the same order.
@@ -454,14 +463,20 @@ class GradientExchange:
                     transport.reduce(last, self._requests)
                     transport.wait(self._requests)
                     transport.finish()
-                    return transport.loss()
+                    return self._sums(transport)
                 finally:
                     SUPERVISOR.disarm()
             transport.finish()
-            return transport.loss()
+            return self._sums(transport)
         finally:
             self._requests = []
             self._reset()
+
+
+    def _sums(self, transport) -> float:
+        if self.extra_slots:
+            self.extra = transport.extra()
+        return transport.loss()
 
 
 def _scale(view, weight: float) -> None:

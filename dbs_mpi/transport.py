@@ -37,7 +37,9 @@ Every transport offers the same small interface to GradientExchange:
                  collective (the sleeping barrier), so all ranks call them in one order
   reduce(b)      the final bucket's blocking sum (everything before it has begun)
   wait(requests) complete them all; finish() puts the sums where the .grad views are
-  set_loss(x) / loss()   the loss slot at the end of the final bucket
+  set_tail(x, extra)     the loss slot and `extra` more slots (the balancer's telemetry) at
+                 the end of the final bucket, written before its collective
+  loss() / extra()       their sums, after it
   deferred       True if start() may return requests that begin later (GradientExchange
                  then begins the ready ones, in order, whenever it progresses MPI)
 Sample weighting, buckets, the order of collectives and the supervisor's deadlines are
@@ -99,8 +101,9 @@ class HostMPI(_Gated):
 
     name = "host"
 
-    def __init__(self, comm, flat: torch.Tensor, bounds, stage: bool | None = None):
+    def __init__(self, comm, flat: torch.Tensor, bounds, stage: bool | None = None, tail: int = 1):
         self.comm, self.flat, self.bounds = comm, flat, bounds
+        self.loss_at = flat.numel() - tail         # the loss slot; the extra slots follow it
         self.staged = flat.device.type != "cpu" if stage is None else bool(stage)
         self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=flat.is_cuda) if self.staged else flat
         array = self.host.numpy()
@@ -146,10 +149,12 @@ class HostMPI(_Gated):
             self.flat.copy_(self.host, non_blocking=True)
         torch.cuda.current_stream(self.flat.device).wait_stream(self.side)
 
-    def set_loss(self, value: float) -> None:
+    def set_tail(self, value: float, extra=None) -> None:
         if self.side is not None:
-            self._ready(len(self.bounds) - 1, block=True)     # the final bucket's copy brought the slot too
-        self.array[-1] = value
+            self._ready(len(self.bounds) - 1, block=True)     # the final bucket's copy brought the slots too
+        self.array[self.loss_at] = value
+        if extra is not None:
+            self.array[self.loss_at + 1:] = extra
 
     def wait(self, requests) -> None:
         if self.side is not None:
@@ -158,7 +163,10 @@ class HostMPI(_Gated):
             MPI.Request.Waitall(requests)
 
     def loss(self) -> float:
-        return float(self.array[-1])
+        return float(self.array[self.loss_at])
+
+    def extra(self):
+        return self.array[self.loss_at + 1:].copy()
 
 
 class CudaAwareMPI(_Gated):
@@ -169,8 +177,9 @@ class CudaAwareMPI(_Gated):
 
     name = "cuda-aware"
 
-    def __init__(self, comm, flat: torch.Tensor, bounds):
+    def __init__(self, comm, flat: torch.Tensor, bounds, tail: int = 1):
         self.comm, self.flat, self.bounds = comm, flat, bounds
+        self.loss_at = flat.numel() - tail
         self.views = [flat[start:stop] for start, stop in bounds]
         self.deferred = True                       # a bucket begins once its kernels are done
         self._setup_events(len(bounds))
@@ -190,12 +199,15 @@ class CudaAwareMPI(_Gated):
     def finish(self) -> None:
         pass
 
-    def set_loss(self, value: float) -> None:
-        self.flat[-1].fill_(value)
-        self.stage(len(self.bounds) - 1)          # the final bucket's event comes after the loss slot's write
+    def set_tail(self, value: float, extra=None) -> None:
+        _write_tail(self.flat, self.loss_at, value, extra)
+        self.stage(len(self.bounds) - 1)          # the final bucket's event comes after the slots' writes
 
     def loss(self) -> float:
-        return float(self.flat[-1])
+        return float(self.flat[self.loss_at])
+
+    def extra(self):
+        return self.flat[self.loss_at + 1:].cpu().numpy()
 
 
 class Local:
@@ -204,8 +216,8 @@ class Local:
     name = "local"
     deferred = False
 
-    def __init__(self, flat: torch.Tensor):
-        self.flat = flat
+    def __init__(self, flat: torch.Tensor, tail: int = 1):
+        self.flat, self.loss_at = flat, flat.numel() - tail
 
     def stage(self, b: int) -> None:
         pass
@@ -225,11 +237,14 @@ class Local:
     def finish(self) -> None:
         pass
 
-    def set_loss(self, value: float) -> None:
-        self.flat[-1].fill_(value)
+    def set_tail(self, value: float, extra=None) -> None:
+        _write_tail(self.flat, self.loss_at, value, extra)
 
     def loss(self) -> float:
-        return float(self.flat[-1])
+        return float(self.flat[self.loss_at])
+
+    def extra(self):
+        return self.flat[self.loss_at + 1:].cpu().numpy()
 
 
 class TorchDistributed:
@@ -237,9 +252,10 @@ class TorchDistributed:
 
     deferred = False                             # every all_reduce begins when it is started
 
-    def __init__(self, comm, flat: torch.Tensor, bounds, backend: str, timeout: float = 600.0):
+    def __init__(self, comm, flat: torch.Tensor, bounds, backend: str, timeout: float = 600.0, tail: int = 1):
         from . import ddp
         self.name, self.flat, self.bounds = backend, flat, bounds
+        self.loss_at = flat.numel() - tail
         # torch's own timeout a little later than comm_timeout: the supervisor's deadline
         # ends a stuck step first, with its message naming the ranks that did not arrive
         self.group = ddp.init_process_group(comm, backend, timeout + GRACE, flat.device)
@@ -264,11 +280,21 @@ class TorchDistributed:
     def finish(self) -> None:
         pass
 
-    def set_loss(self, value: float) -> None:
-        self.flat[-1].fill_(value)
+    def set_tail(self, value: float, extra=None) -> None:
+        _write_tail(self.flat, self.loss_at, value, extra)
 
     def loss(self) -> float:
-        return float(self.flat[-1])        # waits for the collectives (bounded by the supervisor's deadline)
+        return float(self.flat[self.loss_at])   # waits for the collectives (bounded by the supervisor's deadline)
+
+    def extra(self):
+        return self.flat[self.loss_at + 1:].cpu().numpy()
+
+
+def _write_tail(flat: torch.Tensor, loss_at: int, value: float, extra) -> None:
+    """The loss slot and the extra slots of a buffer on any device."""
+    flat[loss_at].fill_(value)
+    if extra is not None:
+        flat[loss_at + 1:].copy_(torch.from_numpy(extra))
 
 
 class _Deferred:
@@ -397,12 +423,14 @@ def agree(comm, requested: str, device: torch.device, timeout: float = 600.0) ->
     return mpi.collective(comm, choose, requested, gpus, nccl_everywhere, aware, timeout=timeout)
 
 
-def make(name: str, comm, flat: torch.Tensor, bounds, timeout: float = 600.0, stage: bool | None = None):
-    """The transport `name` (an agreed choice, not auto) for this rank's buffer."""
+def make(name: str, comm, flat: torch.Tensor, bounds, timeout: float = 600.0, stage: bool | None = None,
+         tail: int = 1):
+    """The transport `name` (an agreed choice, not auto) for this rank's buffer, whose last
+    `tail` slots are the loss slot and the extra slots."""
     if name == "local":
-        return Local(flat)
+        return Local(flat, tail)
     if name == "host" or (name == "cuda-aware" and not flat.is_cuda):
-        return HostMPI(comm, flat, bounds, stage)
+        return HostMPI(comm, flat, bounds, stage, tail)
     if name == "cuda-aware":
-        return CudaAwareMPI(comm, flat, bounds)
-    return TorchDistributed(comm, flat, bounds, name, timeout)
+        return CudaAwareMPI(comm, flat, bounds, tail)
+    return TorchDistributed(comm, flat, bounds, name, timeout, tail)
