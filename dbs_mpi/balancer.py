@@ -6,8 +6,11 @@ for a policy:
   ssgd    equal local batches, fixed (the baseline every paper compares to)
   static  local batches from the start-up calibration, fixed for the run
           (performance-aware batch sizes, static load balancing)
-  dbs     the same start, then re-planned after every epoch from that epoch's
-          measured compute time (dynamic batch size; allocation.DBSController)
+  dbs     the same start, then re-planned from measured step times (dynamic batch
+          size, dynamic.py): every `interval` steps (default 1) from a robust estimate of
+          every rank's step time, the new vector applying within the epoch; or, with
+          interval="epoch", after every epoch from that epoch's compute time (the DBS
+          paper's rule, dynamic.DBSController)
 
 and the epoch's bookkeeping, in this order on every rank:
 
@@ -17,10 +20,13 @@ and the epoch's bookkeeping, in this order on every rank:
                      (allocation.SpeedModel); static and dbs allocate from it
   begin_epoch(...)   the epoch's table of local batches, step by step (HeteroSampler
                      calls it when iteration starts; sharding.step_batch_sizes)
-  record_step(...)   each step's phase times and global loss (DistributedOptimizer calls it)
+  record_step(...)   each step's phase times and global loss (DistributedOptimizer calls it);
+                     dbs within the epoch: with every rank's step time, which the
+                     optimizer's gradient allreduce carried (telemetry(); no extra
+                     collective), the planner may switch the vector from a later step
   end_epoch()        collective: everybody's step times are all-gathered (one allgather),
-                     split into compute, wait and comm (profiling), and dbs re-plans the
-                     vector for the next epoch; returns the epoch's EpochStats
+                     split into compute, wait and comm (profiling), and dbs once per epoch
+                     re-plans the vector for the next epoch; returns the epoch's EpochStats
 
 Emulated heterogeneity (heterogeneity.Emulator, `speeds=`) lives here too: the
 optimizer asks the balancer to stretch each step's compute before the collective.
@@ -29,12 +35,13 @@ The method, with its formulas: docs/method.md.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from . import allocation, comm as mpi, sharding
+from . import allocation, comm as mpi, dynamic, sharding
 from .config import UserError
 from .devices import model_device
 from .heterogeneity import Emulator
@@ -71,7 +78,7 @@ def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int
 class EpochStats:
     """What one epoch did, on every rank alike (gathered at end_epoch). R ranks, S steps."""
     epoch: int                  # 0-based
-    batch_sizes: np.ndarray     # (R,) the vector the epoch ran with (its full steps)
+    batch_sizes: np.ndarray     # (R,) the vector of the epoch's full steps (the last one's, if dbs changed it)
     table: np.ndarray           # (S, R) local batches actually run (the last step may be partial)
     duration: float             # wall seconds from the epoch's first batch request to its last step (this rank)
     data_time: np.ndarray       # (R,) seconds waiting for batches
@@ -84,7 +91,8 @@ class EpochStats:
     step_comm: np.ndarray       # (S, R)
     step_wait: np.ndarray       # (S, R)
     next_batch_sizes: np.ndarray  # (R,) the vector of the next epoch (dbs may have re-planned)
-    diagnostics: dict = field(default_factory=dict)   # dbs: speed_ratio (R,) measured / predicted
+    diagnostics: dict = field(default_factory=dict)   # dbs per epoch: speed_ratio (R,) measured / predicted
+    changes: list = field(default_factory=list)       # dbs within the epoch: its vector changes (Change)
 
     @property
     def steps(self) -> int:
@@ -99,13 +107,58 @@ class EpochStats:
     def record(self) -> dict:
         """The epoch's row of the result file (results.py), without the test metrics."""
         return dict(train_loss=self.train_loss, duration=self.duration, batch_sizes=self.batch_sizes,
-                    compute_time=self.compute_time, comm_time=self.comm_time, wait_time=self.wait_time,
-                    data_time=self.data_time, speed=self.speed, steps=np.int64(self.steps), **self.diagnostics)
+                    rank_samples=self.table.sum(axis=0).astype(np.int64), compute_time=self.compute_time,
+                    comm_time=self.comm_time, wait_time=self.wait_time, data_time=self.data_time, speed=self.speed,
+                    steps=np.int64(self.steps), **self.diagnostics)
 
     def step_rows(self, epoch_index: int) -> dict:
         """The epoch's rows of step/* in the result file."""
         return dict(loss=self.step_loss, epoch=np.full(self.steps, epoch_index, dtype=np.int64),
-                    compute_time=self.step_compute, comm_time=self.step_comm, wait_time=self.step_wait)
+                    batch_sizes=self.table.astype(np.int64), compute_time=self.step_compute,
+                    comm_time=self.step_comm, wait_time=self.step_wait)
+
+    def replan_rows(self) -> dict:
+        """The epoch's vector changes as rows of replan/* in the result file (none: {})."""
+        if not self.changes:
+            return {}
+        return {name: np.array([getattr(c, name) for c in self.changes]) for name in Change.FIELDS}
+
+
+@dataclass
+class Change:
+    """A vector change within the epoch (dbs with a step interval): where it applied, and
+    the estimate that caused it (this rank's planner's; NaN where a vector was forced)."""
+    FIELDS = ("epoch", "step", "run_step", "decided", "batch_sizes", "per_sample", "overhead",
+              "predicted_before", "predicted_after", "changed")
+    epoch: int                  # 0-based
+    step: int                   # the epoch's first step under the new vector (the epoch's length: the next epoch)
+    run_step: int               # the same, counted over the run
+    decided: int                # the run's step whose times led to it
+    batch_sizes: np.ndarray     # (R,) the new vector
+    per_sample: np.ndarray      # (R,) seconds per sample of the estimate
+    overhead: np.ndarray        # (R,) seconds per step of the estimate
+    predicted_before: float     # seconds per step the estimate predicted for the old vector
+    predicted_after: float      # ... and for the new one
+    changed: np.ndarray         # (R,) ranks whose speed changed (rather than drifted)
+
+    @classmethod
+    def of(cls, switch: dynamic.Switch, epoch: int, run_step: int, next_step: int) -> "Change":
+        p, n = switch.proposal, len(switch.vector)
+        nan = np.full(n, np.nan)
+        return cls(epoch, int(switch.first_step), run_step - next_step + int(switch.first_step), run_step - 2,
+                   switch.vector.copy(), nan if p is None else p.per_sample, nan if p is None else p.overhead,
+                   np.nan if p is None else p.predicted_before, np.nan if p is None else p.predicted_after,
+                   np.zeros(n, bool) if p is None else p.changed)
+
+    def state(self) -> dict:
+        return {name: getattr(self, name) for name in self.FIELDS}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Change":
+        arrays = {"batch_sizes": np.int64, "per_sample": float, "overhead": float, "changed": bool}
+        return cls(**{name: (np.asarray(state[name], dtype=arrays[name]).copy() if name in arrays
+                             else (float(state[name]) if name.startswith("predicted") else int(state[name])))
+                      for name in cls.FIELDS})
 
 
 @dataclass
@@ -118,6 +171,10 @@ class _Epoch:
     start: float                # perf_counter when the epoch (or its resumed part) began
     elapsed_before: float       # seconds of this epoch before a stop (resumed epochs)
     last_end: float             # perf_counter at the end of the last step
+    num_samples: int = 0        # the epoch's training samples (to re-split its steps)
+    drop_last: bool = False
+    handed: int = 0             # steps whose samples this rank's sampler handed out
+    changes: list = field(default_factory=list)   # Change records of this epoch
 
 
 class Balancer:
@@ -126,13 +183,16 @@ class Balancer:
     comm: the ranks that train together. global_batch: B, samples per step over all ranks.
     min_local_batch / max_local_batch: bounds of every local batch of a full step (0: no
     upper bound). dbs_model: "affine" (t = a + c b) or "proportional" (t = c b, the DBS
-    paper's rule); smoothing, follow, min_gain: the DBS controller's damping (see
-    allocation.DBSController). speeds: emulated relative speeds, one per rank (or an
-    `emulator`, for disturbances too). timeout: seconds any collective may wait."""
+    paper's rule) for the start-up fit and the per-epoch rule. interval: dbs re-plans
+    every `interval` steps (default 1), or "epoch" (the DBS paper's rule); window: steps
+    of history the within-epoch estimator keeps per rank. smoothing, follow, min_gain:
+    the controllers' damping (dynamic.py). speeds: emulated relative speeds, one per rank
+    (or an `emulator`, for disturbances too). timeout: seconds any collective may wait."""
 
     def __init__(self, comm, global_batch: int, policy: str = "dbs", *, min_local_batch: int = 1,
                  max_local_batch: int = 0, dbs_model: str = "affine", smoothing: float = 0.5, follow: float = 0.25,
-                 min_gain: float = 0.03, speeds=None, emulator: Emulator | None = None, timeout: float = 600.0):
+                 min_gain: float = 0.03, interval=dynamic.DEFAULT_INTERVAL, window: int = dynamic.WINDOW,
+                 speeds=None, emulator: Emulator | None = None, timeout: float = 600.0):
         if policy not in POLICIES:
             raise UserError(f"policy: must be one of {', '.join(POLICIES)}; got {policy!r}")
         if dbs_model not in ("affine", "proportional"):
@@ -143,6 +203,12 @@ class Balancer:
         self.min_local, self.max_local = int(min_local_batch), int(max_local_batch) or None
         self.affine, self.timeout = dbs_model == "affine", float(timeout)
         self.damping = dict(smoothing=smoothing, follow=follow, min_gain=min_gain)
+        self.interval = dynamic.parse_interval(interval)          # None: once per epoch
+        self.replanner: dynamic.Replanner | None = None
+        if policy == "dbs" and self.interval is not None and self.world_size > 1:
+            self.replanner = dynamic.Replanner(self.rank, self.world_size, self.global_batch, self.min_local,
+                                               self.max_local, interval=self.interval, window=window,
+                                               follow=follow, min_gain=min_gain)
         if speeds is not None and len(speeds) and len(speeds) != self.world_size:
             raise UserError(f"speeds: has {len(speeds)} values but there are {self.world_size} ranks")
         if emulator is None:
@@ -154,16 +220,21 @@ class Balancer:
         self.controller: allocation.DBSController | None = None
         self.startup: dict | None = None      # the calibration: local_batch (2,), step_time (R, 2), batch_sizes
         self.next_epoch = 0                   # epochs ended so far
+        self.run_steps = 0                    # steps taken so far, all epochs
+        self.trained_before = 0.0             # seconds of training in the epochs ended so far
         self._open: _Epoch | None = None
         self._restored: dict | None = None    # a mid-epoch position from load_state_dict
+        self._heard = False                   # within-epoch dbs: step times arrived in the open epoch
+        self._warned = False                  # ... and the warning that none did was given
 
     @classmethod
     def from_config(cls, comm, cfg, emulator: Emulator | None = None) -> "Balancer":
         """The balancer of a dbs-mpi configuration (config.Config) and its emulated speeds."""
         return cls(comm, cfg.global_batch, cfg.strategy, min_local_batch=cfg.min_local_batch,
                    max_local_batch=cfg.max_local_batch, dbs_model=cfg.dbs_model, smoothing=cfg.dbs_smoothing,
-                   follow=cfg.dbs_follow, min_gain=cfg.dbs_min_gain,
-                   emulator=emulator or Emulator.from_config(cfg, comm.Get_rank()), timeout=cfg.comm_timeout)
+                   follow=cfg.dbs_follow, min_gain=cfg.dbs_min_gain, interval=cfg.dbs_interval,
+                   window=cfg.dbs_window, emulator=emulator or Emulator.from_config(cfg, comm.Get_rank()),
+                   timeout=cfg.comm_timeout)
 
     @property
     def local_batch(self) -> int:
@@ -187,9 +258,11 @@ class Balancer:
         if self.policy != "ssgd":
             self.batch_sizes = fit.allocate(self.global_batch, self.min_local, self.max_local)
         if self.policy == "dbs":
-            self.controller = allocation.DBSController(model=fit, global_batch=self.global_batch,
-                                                       min_local=self.min_local, max_local=self.max_local,
-                                                       **self.damping)
+            self.controller = dynamic.DBSController(model=fit, global_batch=self.global_batch,
+                                                    min_local=self.min_local, max_local=self.max_local,
+                                                    **self.damping)
+        if self.replanner is not None:
+            self.replanner.start_from(fit)
         self.startup = {"local_batch": np.array([small, large], dtype=np.int64), "step_time": times,
                         "batch_sizes": self.batch_sizes.copy()}
         return self.batch_sizes
@@ -221,18 +294,23 @@ class Balancer:
         if len(table) == 0:
             raise UserError(f"global_batch: {self.global_batch} is larger than the {num_samples} training samples "
                             f"(with drop_last nothing is left)")
-        times, elapsed, restored = StepTimes(len(table)), 0.0, self._restored
+        times, elapsed, restored, changes = StepTimes(len(table)), 0.0, self._restored, []
         self._restored = None
         if first_step == 0:
             self.emulator.start_epoch(epoch, len(table))
         elif restored is not None and (restored["epoch"], restored["step"]) == (epoch, first_step):
             times.restore(restored["times"])
             elapsed = float(restored["elapsed"])
+            if "table" in restored:                                          # with the epoch's vector changes
+                table = np.asarray(restored["table"], dtype=np.int64).copy()
+            changes = [Change.from_state(c) for c in restored.get("changes", [])]
         else:
             raise RuntimeError(f"begin_epoch at step {first_step} of epoch {epoch + 1}: the balancer's state saved "
                                f"there must be loaded first (load_state_dict)")
         now = time.perf_counter()
-        self._open = _Epoch(epoch, table, times, first_step, now, elapsed, now)
+        self._open = _Epoch(epoch, table, times, first_step, now, elapsed, now, num_samples, drop_last,
+                            changes=changes)
+        self._heard = False
         return table
 
     @property
@@ -266,17 +344,63 @@ class Balancer:
                                f"optimizer.step() per batch of the HeteroSampler, then balancer.end_epoch()")
         return e.table[e.step]
 
+    def hand_out(self, step: int) -> None:
+        """This rank's sampler gives away the samples of the open epoch's `step` (a DataLoader
+        may prefetch them): a new vector never applies to a step handed out."""
+        e = self._open
+        if e is not None and step >= e.handed:
+            e.handed = step + 1
+
+    def telemetry(self, compute_seconds: float) -> np.ndarray | None:
+        """dbs within the epoch: this rank's slots of the step's sum (its compute seconds, its
+        sampler's position, rank 0's proposal), for the gradient allreduce to carry
+        (dynamic.Replanner); None otherwise."""
+        if self.replanner is None:
+            return None
+        return self.replanner.outgoing(compute_seconds, 0 if self._open is None else self._open.handed)
+
+    @property
+    def telemetry_size(self) -> int:
+        """Floats telemetry() returns (0: nothing to carry)."""
+        return 0 if self.replanner is None else self.replanner.size
+
+    def propose(self, vector) -> None:
+        """Ask for another vector (dbs with a step interval): rank 0's request is announced
+        with the next step and applies from the first step no rank has handed out yet."""
+        if self.replanner is None:
+            if self.world_size == 1:
+                return
+            raise RuntimeError("propose() needs policy 'dbs' with a step interval (its steps carry the vector)")
+        self.replanner.propose(vector)
+
     def stretch(self, compute_seconds: float, cpu_seconds: float | None = None) -> float:
         """Sleep as the emulated device would be slower (heterogeneity.Emulator.stretch)."""
         return self.emulator.stretch(compute_seconds, cpu_seconds)
 
     def record_step(self, data: float, pre: float, collective: float, update: float,
-                    loss: float = float("nan")) -> None:
-        """One step's phase times (seconds) on this rank and the step's global loss."""
+                    loss: float = float("nan"), telemetry=None) -> None:
+        """One step's phase times (seconds) on this rank and the step's global loss;
+        telemetry: the sum over ranks of telemetry() that the step's exchange carried."""
         e = self._open
         e.times.record(e.step, data, pre, collective, update, loss)
         e.step += 1
+        self.run_steps += 1
+        if telemetry is not None and self.replanner is not None:
+            self._heard = True
+            switch = self.replanner.incoming(telemetry, e.table[e.step - 1], self.batch_sizes, e.step, self.run_steps)
+            if switch is not None:
+                self._switch(switch)
         e.last_end = time.perf_counter()
+        self.emulator.step_done(self.trained_before + e.elapsed_before + e.last_end - e.start)
+
+    def _switch(self, switch: dynamic.Switch) -> None:
+        """A new vector from the switch's step on (the rest of this epoch, and later ones)."""
+        e = self._open
+        if switch.first_step < len(e.table):
+            rows = sharding.step_batch_sizes(e.num_samples, self.global_batch, switch.vector, e.drop_last)
+            e.table[switch.first_step:] = rows[switch.first_step:]
+        self.batch_sizes = switch.vector.copy()
+        e.changes.append(Change.of(switch, e.epoch, self.run_steps, e.step))
 
     def end_epoch(self) -> EpochStats:
         """Collective: close the open epoch on every rank, gather everybody's step times,
@@ -291,25 +415,34 @@ class Balancer:
         gathered = mpi.allgather_array(self.comm, e.times.as_array(), self.timeout)     # (R, 6, S)
         data_t, compute_t, collective_t, _, pre_t, loss = (gathered[:, i, :] for i in range(6))
         wait_t, comm_t = split_wait(pre_t, collective_t)
-        vector = self.batch_sizes.copy()
+        full = e.table[e.table.sum(axis=1) == self.global_batch]
+        vector = full[-1].copy() if len(full) else self.batch_sizes.copy()
         diagnostics = self._replan(e.table, pre_t.sum(axis=1))
         self._open, self.next_epoch = None, e.epoch + 1
+        self.trained_before += duration
         return EpochStats(
             epoch=e.epoch, batch_sizes=vector, table=e.table, duration=duration, data_time=data_t.sum(axis=1),
             compute_time=compute_t.sum(axis=1), comm_time=comm_t.sum(axis=1), wait_time=wait_t.sum(axis=1),
             speed=e.table.sum(axis=0) / np.maximum(pre_t.sum(axis=1), 1e-12), step_loss=loss[0],
             step_compute=compute_t.T, step_comm=comm_t.T, step_wait=wait_t.T,
-            next_batch_sizes=self.batch_sizes.copy(), diagnostics=diagnostics)
+            next_batch_sizes=self.batch_sizes.copy(), diagnostics=diagnostics, changes=list(e.changes))
 
     def _replan(self, table: np.ndarray, pre_compute: np.ndarray) -> dict:
-        """dbs: the controller's new vector from the epoch's measured compute times."""
-        if self.policy != "dbs":
+        """dbs once per epoch: the controller's new vector from the epoch's measured compute
+        times. Also the fallback of the within-epoch rule when no step times reached the
+        balancer (a loop whose exchange does not carry telemetry(), such as DDP's hook)."""
+        if self.policy != "dbs" or (self.replanner is not None and self._heard):
             return {}
+        if self.replanner is not None and not self._warned:
+            self._warned = True
+            warnings.warn("dbs: no step times reached the balancer during the epoch (this loop's gradient exchange "
+                          "does not carry balancer.telemetry(), e.g. DDP's comm hook), so it re-plans once per epoch; "
+                          "pass interval=\"epoch\" to ask for that", RuntimeWarning, stacklevel=3)
         if self.controller is None:      # not calibrated: start from the first epoch's measurement
             self.speed_model = allocation.SpeedModel.measured(table.sum(axis=0), pre_compute)
-            self.controller = allocation.DBSController(model=self.speed_model, global_batch=self.global_batch,
-                                                       min_local=self.min_local, max_local=self.max_local,
-                                                       **self.damping)
+            self.controller = dynamic.DBSController(model=self.speed_model, global_batch=self.global_batch,
+                                                    min_local=self.min_local, max_local=self.max_local,
+                                                    **self.damping)
         new, ratio = self.controller.update(self.batch_sizes, table, pre_compute)
         # Every rank computed the same vector from the same gathered numbers; rank 0's
         # copy is broadcast anyway so that float quirks can never split the ranks.
@@ -326,11 +459,13 @@ class Balancer:
         e = self._open
         position = None if e is None else {
             "epoch": e.epoch, "step": e.step, "elapsed": e.elapsed_before + e.last_end - e.start,
-            "times": e.times.snapshot(e.step)}
+            "times": e.times.snapshot(e.step), "table": e.table.copy(), "changes": [c.state() for c in e.changes]}
         return {"policy": self.policy, "global_batch": self.global_batch, "world_size": self.world_size,
-                "batch_sizes": self.batch_sizes.copy(), "next_epoch": self.next_epoch,
+                "batch_sizes": self.batch_sizes.copy(), "next_epoch": self.next_epoch, "run_steps": self.run_steps,
+                "trained_before": self.trained_before,
                 "speed_model": self.speed_model.state_dict() if self.speed_model is not None else None,
                 "controller": self.controller.state_dict() if self.controller is not None else None,
+                "replanner": self.replanner.state_dict() if self.replanner is not None else None,
                 "startup": self.startup, "open": position, "emulator": self.emulator.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -343,7 +478,11 @@ class Balancer:
         self.speed_model = None if state["speed_model"] is None else \
             allocation.SpeedModel.from_state(state["speed_model"])
         self.controller = None if state["controller"] is None else \
-            allocation.DBSController.from_state(state["controller"])
+            dynamic.DBSController.from_state(state["controller"])
+        if self.replanner is not None and state.get("replanner") is not None:
+            self.replanner = dynamic.Replanner.from_state(state["replanner"])
+        self.run_steps = int(state.get("run_steps", 0))
+        self.trained_before = float(state.get("trained_before", 0.0))
         self.startup = state["startup"]
         self.emulator.load_state_dict(state["emulator"])
         self._open, self._restored = None, state["open"]

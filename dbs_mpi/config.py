@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import re
 import typing
 from dataclasses import dataclass, field, fields
@@ -46,7 +47,7 @@ DEVICE_SPEC = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")       # devices.py
 @dataclass(frozen=True)
 class Config:
     # --- what to train ---------------------------------------------------------
-    strategy: str = "dbs"            # ssgd (equal local batches) | static (start-up benchmark) | dbs (re-allocated every epoch) | asgd | nsoftsync | dbs-sgd (parameter server)
+    strategy: str = "dbs"            # ssgd (equal local batches) | static (start-up benchmark) | dbs (re-planned from measured step times: every dbs_interval steps, or every epoch) | asgd | nsoftsync | dbs-sgd (parameter server)
     aggregation: str = "weighted"    # weighted: sum_i b_i*g_i / B | mean: (1/n) sum_i g_i
     dataset: str = "fashion-mnist"   # fashion-mnist | mnist | cifar10 | synthetic | MODULE:CALLABLE or file.py:CALLABLE (a factory of the split "train"/"test" returning a map-style Dataset of (tensor, int label))
     data_dir: str = ""               # folder holding <dataset>/ files; "" = $DBS_MPI_DATA_DIR, else ./data
@@ -79,6 +80,8 @@ class Config:
     dbs_smoothing: float = 0.5       # weight of a new measurement when it is within dbs_follow of the model
     dbs_follow: float = 0.25         # relative change of a rank's speed followed at once, unsmoothed
     dbs_min_gain: float = 0.03       # re-allocate only if the predicted step time falls by this share
+    dbs_interval: str = "1"          # dbs re-plans every N steps from a robust estimate of every rank's step time (the new vector applies within the epoch) | epoch: once per epoch from its compute time (the DBS paper's rule)
+    dbs_window: int = 32             # steps of history per rank for dbs's step-time estimate (dbs_interval in steps)
     # --- asynchronous strategies (parameter server: rank 0 serves, the others work) ---
     softsync_n: int = 1              # nsoftsync: the server applies after floor(workers / n) gradients
     staleness_lr: bool = False       # scale the learning rate by 1/staleness (alpha0 where staleness is 0)
@@ -90,6 +93,8 @@ class Config:
     slow_rank: int = -1              # disturbance: this rank is slowed ... (-1 = none)
     slow_factor: float = 1.0         # ... by this factor (compute time x factor) ...
     slow_epochs: tuple = (0, 0)      # ... in epochs [start, stop)
+    slow_steps: tuple = (0, 0)       # ... and in the run's steps [start, stop), counted from 0 over all epochs
+    slow_seconds: tuple = (0.0, 0.0)  # ... and from start to stop seconds of training (from the first step; evaluation and checkpoints not counted)
     sleep_prob: float = 0.0          # DBS paper's disturbance: per epoch and rank, chance that sleeps start
     sleep_seconds: tuple = (5.0, 10.0)  # ... extra sleep per epoch, seconds, uniform in [lo, hi]
     sleep_epochs: tuple = (4, 20)    # ... for this many epochs, uniform in [lo, hi]
@@ -280,10 +285,28 @@ def validate(c: Config) -> None:
         _fail("speeds", f"the slowest rank must be at least 1/1000 as fast as the fastest; got {list(c.speeds)}")
     if len(c.synthetic_shape) != 3 or min(c.synthetic_shape) < 1:
         _fail("synthetic_shape", f"must be three positive integers C,H,W; got {c.synthetic_shape}")
-    for name in ("slow_epochs", "sleep_seconds", "sleep_epochs"):
+    parse_interval(c.dbs_interval)
+    if c.dbs_window < 5:
+        _fail("dbs_window", f"must be at least 5 steps; got {c.dbs_window}")
+    for name in ("slow_epochs", "slow_steps", "slow_seconds", "sleep_seconds", "sleep_epochs"):
         pair = getattr(c, name)
         if len(pair) != 2 or pair[0] < 0 or pair[1] < pair[0]:
             _fail(name, f"must be two numbers lo,hi with 0 <= lo <= hi; got {pair}")
+
+
+def parse_interval(value) -> int | None:
+    """dbs_interval as the balancer takes it: a positive number of steps, or "epoch"
+    (None: the DBS paper's per-epoch rule)."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "epoch":
+            return None
+        if not text.isdigit():
+            _fail("dbs_interval", f"must be a positive number of steps or \"epoch\"; got {value!r}")
+        value = int(text)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        _fail("dbs_interval", f"must be a positive number of steps or \"epoch\"; got {value!r}")
+    return int(value)
 
 
 def check_world(c: Config, world_size: int) -> None:

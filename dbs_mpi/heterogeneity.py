@@ -6,7 +6,9 @@ speed. A rank with relative speed s (0 < s <= 1) behaves as if its device were s
 it computed a step in c seconds it sleeps c * (1/s - 1) more, so its compute time is
 c / s. Sleeping, not spinning, leaves the core to other ranks. Disturbances:
 
-* slow-down: rank `slow_rank` is `slow_factor` times slower in epochs [start, stop);
+* slow-down: rank `slow_rank` is `slow_factor` times slower in epochs [start, stop),
+  in the run's steps [start, stop) (counted over all epochs), and from start to stop
+  seconds of training (`slow_epochs`, `slow_steps`, `slow_seconds`; any of the three);
 * random sleeps (the DBS paper's "irrelevant tasks"): at every epoch, each rank that
   is not disturbed yet starts, with probability `sleep_prob`, a disturbance lasting
   `sleep_epochs` (uniform) epochs, during which it sleeps `sleep_seconds` (uniform)
@@ -35,14 +37,18 @@ def precise_sleep(seconds: float) -> None:
 
 class Emulator:
     def __init__(self, rank: int, speed: float = 1.0, *, seed: int = 0, slow_rank: int = -1,
-                 slow_factor: float = 1.0, slow_epochs=(0, 0), sleep_prob: float = 0.0,
-                 sleep_seconds=(5.0, 10.0), sleep_epochs=(4, 20)):
+                 slow_factor: float = 1.0, slow_epochs=(0, 0), slow_steps=(0, 0), slow_seconds=(0.0, 0.0),
+                 sleep_prob: float = 0.0, sleep_seconds=(5.0, 10.0), sleep_epochs=(4, 20)):
         if speed <= 0:
             raise ValueError(f"speed must be positive, got {speed}")
         self.rank = rank
         self.speed = speed
         self.slow_factor = slow_factor if slow_rank == rank else 1.0
         self.slow_epochs = tuple(slow_epochs)
+        self.slow_steps, self.slow_seconds = tuple(slow_steps), tuple(slow_seconds)
+        self.run_step = 0              # training steps done over the run
+        self.trained = 0.0             # seconds of training done (at the last step's end)
+        self.epoch_slowed = False      # the open epoch is in slow_epochs
         self.sleep_prob = sleep_prob
         self.sleep_seconds = tuple(sleep_seconds)
         self.sleep_epochs = tuple(sleep_epochs)
@@ -57,21 +63,24 @@ class Emulator:
     def from_config(cls, cfg, rank: int) -> "Emulator":
         speed = cfg.speeds[rank] / max(cfg.speeds) if cfg.speeds else 1.0
         return cls(rank, speed, seed=cfg.seed, slow_rank=cfg.slow_rank, slow_factor=cfg.slow_factor,
-                   slow_epochs=cfg.slow_epochs, sleep_prob=cfg.sleep_prob, sleep_seconds=cfg.sleep_seconds,
-                   sleep_epochs=cfg.sleep_epochs)
+                   slow_epochs=cfg.slow_epochs, slow_steps=cfg.slow_steps, slow_seconds=cfg.slow_seconds,
+                   sleep_prob=cfg.sleep_prob, sleep_seconds=cfg.sleep_seconds, sleep_epochs=cfg.sleep_epochs)
 
     def state_dict(self) -> dict:
         """The emulator's position (random stream, disturbance, this epoch's factors):
         plain types only, for checkpoints."""
         return {"rng": self.rng.bit_generator.state, "disturbed_until": int(self.disturbed_until),
                 "factor": float(self.factor), "epoch_sleep": float(self.epoch_sleep),
-                "step_sleep": float(self.step_sleep)}
+                "step_sleep": float(self.step_sleep), "run_step": int(self.run_step), "trained": float(self.trained),
+                "epoch_slowed": bool(self.epoch_slowed)}
 
     def load_state_dict(self, state: dict) -> None:
         self.rng.bit_generator.state = state["rng"]
         self.disturbed_until = int(state["disturbed_until"])
         self.factor, self.epoch_sleep, self.step_sleep = (float(state[k]) for k in
                                                           ("factor", "epoch_sleep", "step_sleep"))
+        self.run_step, self.trained = int(state.get("run_step", 0)), float(state.get("trained", 0.0))
+        self.epoch_slowed = bool(state.get("epoch_slowed", self.factor != 1.0 / self.speed))
 
     @property
     def active(self) -> bool:
@@ -79,8 +88,8 @@ class Emulator:
 
     def start_epoch(self, epoch: int, steps: int) -> None:
         lo, hi = self.slow_epochs
-        slowed = lo <= epoch < hi
-        self.factor = (self.slow_factor if slowed else 1.0) / self.speed
+        self.epoch_slowed = lo <= epoch < hi
+        self._set_factor()
         # One draw per epoch, whatever happens, so the stream does not depend on history.
         u, length, extra = self.rng.random(), self.rng.integers(self.sleep_epochs[0], self.sleep_epochs[1] + 1), \
             self.rng.uniform(*self.sleep_seconds)
@@ -88,6 +97,17 @@ class Emulator:
             self.disturbed_until = epoch + int(length)
         self.epoch_sleep = float(extra) if epoch < self.disturbed_until else 0.0
         self.step_sleep = self.epoch_sleep / max(steps, 1)
+
+    def step_done(self, trained_seconds: float) -> None:
+        """A training step ended, `trained_seconds` into training: the next step's factor."""
+        self.run_step += 1
+        self.trained = float(trained_seconds)
+        self._set_factor()
+
+    def _set_factor(self) -> None:
+        (s0, s1), (t0, t1) = self.slow_steps, self.slow_seconds
+        slowed = self.epoch_slowed or s0 <= self.run_step < s1 or t0 <= self.trained < t1
+        self.factor = (self.slow_factor if slowed else 1.0) / self.speed
 
     def stretch(self, compute_seconds: float, cpu_seconds: float | None = None) -> float:
         """Sleep so that a step that computed for compute_seconds (wall) took as long as on

@@ -24,6 +24,9 @@ step() travels in the same buffer and comes back as the global mean loss.
 It also keeps the clocks (profiling.py): a forward pre-hook on the model marks the
 start of a step's compute (the time before it is data loading), step() marks its end;
 emulated slow-downs are applied there, before the collective. The balancer records them.
+Under dbs with a step interval, every rank's compute time of the step (and what the
+balancer needs to switch vectors safely: balancer.telemetry()) rides in extra slots of
+the same allreduce, so the balancer can re-plan within the epoch at no extra collective.
 
 What users expect, and what fails loudly:
 * zero_grad() in any form works: this object's (gradients zeroed, views kept), the
@@ -168,7 +171,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.exchange = GradientExchange(self.comm, params, self.timeout,
                                          mpi.sleep_while_waiting(wait_policy, places),
                                          bucket_bytes=int(bucket_mb * MIB), first_bucket_bytes=int(first_bucket_mb * MIB),
-                                         transport=transport.agree(self.comm, exchange, self.device, self.timeout))
+                                         transport=transport.agree(self.comm, exchange, self.device, self.timeout),
+                                         extra=balancer.telemetry_size)
         self.sleep_while_waiting = self.exchange.sleep_while_waiting
         self._hook = model.register_forward_pre_hook(_ForwardHook(self), with_kwargs=True)
         self._forward_seen = False          # the hook fires for this model (counts can be checked)
@@ -210,6 +214,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synced = False
         self._row = None                   # the step's local batches, once known
         self._loss = float("nan")
+        self._telemetry = None             # the sum of the ranks' balancer.telemetry() (dbs within the epoch)
 
     def _on_forward(self, module, args, kwargs):
         if module is not self.model or not module.training or not torch.is_grad_enabled():
@@ -256,7 +261,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         pre_end = time.perf_counter()
         local = int(row[rank])
         share = _number(loss) * local / float(np.sum(row)) if loss is not None and local else 0.0
-        global_loss = self.exchange.allreduce(step_weight(row, rank, self.aggregation), share)
+        telemetry = self.balancer.telemetry(pre_end - began)     # dbs: every rank's step time, in the same buffer
+        global_loss = self.exchange.allreduce(step_weight(row, rank, self.aggregation), share, telemetry)
+        self._telemetry = None if telemetry is None else self.exchange.extra
         self._loss = global_loss if loss is not None else float("nan")
         self._times = (began - self._last_end, pre_end - began, time.perf_counter() - pre_end)
         self._synced = True
@@ -278,7 +285,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         end = time.perf_counter()
         self.exchange.flat.zero_()          # the gradients are applied: the next step starts from zero
         data, pre, collective = self._times
-        self.balancer.record_step(data, pre, collective, end - start, self._loss)
+        self.balancer.record_step(data, pre, collective, end - start, self._loss, self._telemetry)
         global_loss = self._loss
         self._new_step(end)
         return global_loss

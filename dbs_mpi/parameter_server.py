@@ -19,7 +19,7 @@ Strategies (what the server does with arriving gradients)
              ssgd path with global batch = the sum of the local batches.
   dbs-sgd    asgd whose local batches are sized from each worker's measured compute
              speed (start-up benchmark, then re-planned at every epoch from the compute
-             times the workers report with their gradients; allocation.DBSController:
+             times the workers report with their gradients; dynamic.DBSController:
              affine step-time model, dead band), so that every worker's iteration takes
              about the same time and no fast worker floods the server: staleness stays
              about lambda - 1 instead of growing with the speed ratio.
@@ -124,7 +124,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import allocation, checkpoint, comm as mpi, sharding
+from . import allocation, checkpoint, comm as mpi, dynamic, sharding
 from .balancer import calibrate, calibration_batches
 from .comm import CommTimeout
 from .config import UserError
@@ -493,7 +493,7 @@ class Server:
             elif k == "vector":
                 value = np.asarray(value, dtype=np.int64).copy()
             elif k == "controller":
-                value = None if value is None else allocation.DBSController.from_state(value)
+                value = None if value is None else dynamic.DBSController.from_state(value)
             elif k == "snapshots":
                 value = {int(e): np.asarray(w).copy() for e, w in value.items()}
             elif k == "measure":
@@ -702,7 +702,7 @@ def initial_vector(run, emulator):
     run.recorder.writer.write("startup/local_batch", np.array([small, large], dtype=np.int64))
     run.recorder.writer.write("startup/step_time", times)
     speed_model = allocation.SpeedModel(fit.per_sample[1:].copy(), fit.overhead[1:].copy())
-    controller = allocation.DBSController(
+    controller = dynamic.DBSController(
         model=speed_model, global_batch=cfg.global_batch, min_local=cfg.min_local_batch, max_local=max_local,
         smoothing=cfg.dbs_smoothing, follow=cfg.dbs_follow, min_gain=cfg.dbs_min_gain)
     return speed_model.allocate(cfg.global_batch, cfg.min_local_batch, max_local), controller

@@ -3,7 +3,7 @@
 The schema is SCHEMA_ATTRIBUTES and SCHEMA_DATASETS below: every dataset is written with
 its `unit` and `description` as HDF5 attributes, and docs/results.md's tables are
 generated from them (`python -m dbs_mpi.results --markdown`; tests/test_docs.py fails
-when the two drift apart). E epochs, R ranks, S steps, U applied gradients, K checkpoints.
+when the two drift apart). E epochs, R ranks, S steps, U applied gradients, V vector changes within epochs, K checkpoints.
 """
 from __future__ import annotations
 
@@ -82,7 +82,10 @@ SCHEMA_DATASETS = {
     "epoch/test_accuracy": ("(E,)", "fraction", "share of the test set classified right, in [0, 1]"),
     "epoch/duration": ("(E,)", "s", "wall seconds of the epoch's training, evaluation and checkpoints excluded"),
     "epoch/eval_time": ("(E,)", "s", "wall seconds of the evaluation after the epoch"),
-    "epoch/batch_sizes": ("(E, R) int", "samples", "local batch of every rank in the epoch's full steps"),
+    "epoch/batch_sizes": ("(E, R) int", "samples", "local batch of every rank in the epoch's full steps (the last "
+                                                  "full step's where `dbs` changed the vector within the epoch: "
+                                                  "`step/batch_sizes` has every step's)"),
+    "epoch/rank_samples": ("(E, R) int", "samples", "training samples every rank computed in the epoch"),
     "epoch/compute_time": ("(E, R)", "s", "seconds of forward, backward, emulated slow-down and update"),
     "epoch/comm_time": ("(E, R)", "s", "seconds moving gradients (the collectives less waiting)"),
     "epoch/wait_time": ("(E, R)", "s", "seconds idle in collectives, waiting for slower ranks"),
@@ -100,9 +103,24 @@ SCHEMA_DATASETS = {
     "epoch/staleness_p99": ("(E,)", "updates", "asynchronous: 99th percentile of staleness"),
     "step/loss": ("(S,)", "loss", "global mean loss of every step"),
     "step/epoch": ("(S,) int", "epoch", "epoch (from 0) of every step"),
+    "step/batch_sizes": ("(S, R) int", "samples", "local batch of every rank in every step"),
     "step/compute_time": ("(S, R)", "s", "compute seconds per step and rank"),
     "step/comm_time": ("(S, R)", "s", "communication seconds per step and rank"),
     "step/wait_time": ("(S, R)", "s", "waiting seconds per step and rank"),
+    "replan/epoch": ("(V,) int", "epoch", "`dbs` within the epoch (a step `dbs_interval`): epoch (from 0) of "
+                                          "every vector change"),
+    "replan/step": ("(V,) int", "step", "the epoch's first step under the new vector (the epoch's step count: "
+                                        "from the next epoch on)"),
+    "replan/run_step": ("(V,) int", "step", "the same step counted over the run (an index into step/*)"),
+    "replan/decided": ("(V,) int", "step", "the run's step whose measured times led to it (its proposal was "
+                                           "announced with the step after)"),
+    "replan/batch_sizes": ("(V, R) int", "samples", "the new vector"),
+    "replan/per_sample": ("(V, R)", "s", "the estimate that caused it: seconds per sample of every rank (NaN: a "
+                                         "vector given by hand, `Balancer.propose`)"),
+    "replan/overhead": ("(V, R)", "s", "... and seconds of fixed cost per step"),
+    "replan/predicted_before": ("(V,)", "s", "step time (slowest rank) the estimate predicted for the old vector"),
+    "replan/predicted_after": ("(V,)", "s", "... and for the new one"),
+    "replan/changed": ("(V, R) int", "bool", "1 for a rank whose speed changed (followed at once), 0 for drift"),
     "checkpoint/seconds": ("(K,)", "s", "seconds rank 0 spent writing each checkpoint"),
     "checkpoint/position": ("(K, 2) int", "(epoch, step)", "where each checkpoint continues; asynchronous runs: "
                                                            "(epoch, samples of it already applied)"),
@@ -188,10 +206,10 @@ class RunWriter:
 
     @classmethod
     def reopen(cls, path, attrs: dict, world_size: int, epochs: int, steps: int,
-               updates: int | None = None) -> "RunWriter":
+               updates: int | None = None, replans: int | None = None) -> "RunWriter":
         """Continue a stopped run's file: rows past the checkpoint (`epochs` epochs,
-        `steps` steps, `updates` applied gradients of an asynchronous run) are dropped,
-        so no epoch or update is duplicated or missing."""
+        `steps` steps, `updates` applied gradients of an asynchronous run, `replans`
+        vector changes) are dropped, so no epoch or update is duplicated or missing."""
         import h5py
         self = cls.__new__(cls)
         self.path = Path(path)
@@ -203,7 +221,7 @@ class RunWriter:
         f = self.file
         if int(f.attrs.get("world_size", -1)) != world_size:
             raise UserError(f"resume: {self.path} was written by {f.attrs.get('world_size')} ranks, not {world_size}")
-        for group, keep in (("epoch", epochs), ("step", steps), ("update", updates)):
+        for group, keep in (("epoch", epochs), ("step", steps), ("update", updates), ("replan", replans)):
             if keep is None:
                 continue
             for name in list(f.get(group, {})):
@@ -245,14 +263,17 @@ class RunWriter:
         self.file.create_dataset(name, data=np.asarray(data))
         self._describe(name)
 
-    def append_epoch(self, epoch: dict, steps: dict) -> None:
-        """epoch: name -> value or per-rank vector for one epoch; steps: name -> per-step rows."""
+    def append_epoch(self, epoch: dict, steps: dict, replans: dict | None = None) -> None:
+        """epoch: name -> value or per-rank vector for one epoch; steps: name -> per-step rows;
+        replans: name -> rows of the epoch's vector changes."""
         for name, value in epoch.items():
             value = np.asarray(value)
             self._append(f"epoch/{name}", value[None], value.dtype if value.dtype.kind in "iu" else np.float64)
-        for name, rows in steps.items():
-            rows = np.asarray(rows)
-            self._append(f"step/{name}", rows, rows.dtype if rows.dtype.kind in "iu" else np.float64)
+        for group, rows_of in (("step", steps), ("replan", replans or {})):
+            for name, rows in rows_of.items():
+                rows = np.asarray(rows)
+                kind = np.int64 if rows.dtype.kind in "iub" else np.float64
+                self._append(f"{group}/{name}", rows, kind)
         self.file.flush()
 
     def read_epochs(self) -> list[dict]:
@@ -322,13 +343,14 @@ class Recorder:
                  **(attrs or {})}
         rank, world = comm.Get_rank(), comm.Get_size()
         self.attrs = attrs
-        self.records = dict(resume) if resume else {"epochs": 0, "steps": 0}
+        self.records = dict(resume) if resume else {"epochs": 0, "steps": 0, "replans": 0}
 
         def open_file():
             if rank != 0:
                 return NullWriter()
             if resume:
-                return RunWriter.reopen(path, attrs, world, resume["epochs"], resume["steps"], resume.get("updates"))
+                return RunWriter.reopen(path, attrs, world, resume["epochs"], resume["steps"], resume.get("updates"),
+                                        resume.get("replans", 0))
             return RunWriter(path, attrs, world)
         self.writer = mpi.collective(comm, open_file, timeout=timeout)
         # If the job fails on any rank while rank 0 is alive, rank 0 marks the file failed
@@ -351,9 +373,11 @@ class Recorder:
         epoch's record (the same on every rank)."""
         record = {**stats.record(), "test_loss": float(test_loss), "test_accuracy": float(test_accuracy),
                   "eval_time": float(eval_time), **extra}
-        self.writer.append_epoch(record, stats.step_rows(self.records["epochs"]))
+        replans = stats.replan_rows() if hasattr(stats, "replan_rows") else {}
+        self.writer.append_epoch(record, stats.step_rows(self.records["epochs"]), replans)
         self.records = {**self.records, "epochs": self.records["epochs"] + 1,
-                        "steps": self.records["steps"] + stats.steps}
+                        "steps": self.records["steps"] + stats.steps,
+                        "replans": self.records.get("replans", 0) + len(replans.get("step", ()))}
         return record
 
     def state_dict(self) -> dict:

@@ -80,9 +80,11 @@ class HeteroSampler(Sampler):
     reads its b_i samples of it (epoch_shard), so the union of the ranks' batches does not
     depend on the vector: allocation invariance holds for any map-style Dataset. Every
     rank yields the same number of batches, ceil(N / B) (N // B with drop_last), whatever
-    the vector. Iterating opens the epoch at the balancer, which fixes the epoch's vector;
-    iterating again while that epoch is open (the loop broke out of it) goes on from the
-    next step not yet taken.
+    the vector. Iterating opens the epoch at the balancer; each step's local batches are
+    read from the balancer's table when the step is handed out (the balancer is told, so
+    that dbs changes the vector only from a step no rank has handed out yet, however far
+    a DataLoader prefetches). Iterating again while that epoch is open (the loop broke
+    out of it) goes on from the next step not yet taken.
 
     A rank whose share of the last, partial step is 0 gets one placeholder sample (the
     step's first), so that no batch is empty and the loop body is the same on every rank;
@@ -116,6 +118,7 @@ class HeteroSampler(Sampler):
         perm = epoch_permutation(self.num_samples, epoch, self.seed)
         rank, global_batch = self.balancer.rank, self.balancer.global_batch
         for s in range(first, len(table)):
+            b.hand_out(s)                   # from here on, dbs leaves step s's vector alone
             row = table[s]
             start = s * global_batch + int(row[:rank].sum())
             count = int(row[rank])

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import allocation, sharding
+from . import allocation, dynamic, sharding
 from .balancer import calibration_batches
 from .heterogeneity import Emulator
 from .machine import Machine, ModelCost
@@ -271,9 +271,9 @@ def first_vector(job: Job, n: int, fit: allocation.SpeedModel) -> np.ndarray:
     return fit.allocate(job.global_batch, *bounds)
 
 
-def dbs_controller(job: Job, fit: allocation.SpeedModel) -> allocation.DBSController:
+def dbs_controller(job: Job, fit: allocation.SpeedModel) -> dynamic.DBSController:
     """The engine's DBS controller with the job's damping, starting from the calibration's fit."""
-    return allocation.DBSController(model=fit, global_batch=job.global_batch, min_local=job.min_local_batch,
+    return dynamic.DBSController(model=fit, global_batch=job.global_batch, min_local=job.min_local_batch,
                                     max_local=job.max_local_batch or None, smoothing=job.dbs_smoothing,
                                     follow=job.dbs_follow, min_gain=job.dbs_min_gain)
 

@@ -126,11 +126,23 @@ def test_ssgd_splits_equally_and_static_follows_speed(comm, shared_tmp):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_dbs_follows_a_slowdown(comm, shared_tmp):
-    """Rank 0 becomes 4x slower from epoch 1: DBS moves samples away from it at once."""
+@pytest.mark.parametrize("interval", ["epoch", "1"])
+def test_dbs_follows_a_slowdown(comm, shared_tmp, interval):
+    """Rank 0 becomes 4x slower from epoch 1 (10 steps an epoch): DBS moves samples away
+    from it, in the next epoch (per-epoch rule) or within the slowed epoch."""
     n = comm.Get_size()
     cfg = small_config(n, strategy="dbs", epochs=3, global_batch=128, synthetic_samples=1280,
-                       slow_rank=0, slow_factor=4.0, slow_epochs=(1, 3), benchmark_steps=3)
-    summary = train(comm, cfg, out=str(shared_tmp / "slow.h5"), log=quiet)
+                       slow_rank=0, slow_factor=4.0, slow_epochs=(1, 3), benchmark_steps=3, dbs_interval=interval)
+    out = shared_tmp / f"slow-{interval}.h5"
+    summary = train(comm, cfg, out=str(out), log=quiet)
     b = [e["batch_sizes"] for e in summary.epochs]
-    assert b[2][0] < b[1][0] * 0.6, f"rank 0's local batch should drop after the slowdown: {[x.tolist() for x in b]}"
+    first = 2 if interval == "epoch" else 1           # the first epoch whose last steps have the new vector
+    assert b[first][0] < b[first - 1][0] * 0.6, \
+        f"rank 0's local batch should drop after the slowdown: {[x.tolist() for x in b]}"
+    comm.Barrier()
+    if comm.Get_rank() == 0 and interval != "epoch":
+        data = read_run(out)["data"]
+        moved = data["replan/step"][data["replan/epoch"] == 1]
+        assert len(moved) and moved[0] < 10, f"the vector should change within epoch 2: {data['replan/step']}"
+        rows = data["step/batch_sizes"]
+        assert rows.shape == (30, n) and (rows.sum(axis=1) == 128).all()

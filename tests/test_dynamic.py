@@ -1,0 +1,243 @@
+"""The within-epoch DBS rule (dynamic.py): pure code, no MPI.
+
+The estimator on known sequences (an outlier step, a persistent 4x change and its end,
+steady noise, a fit over two local batches), and the planner in a closed loop that
+carries a proposal the way the balancer does: decided after step s, announced with step
+s + 1, in force from step s + 2 (no prefetching).
+"""
+import numpy as np
+import pytest
+
+from dbs_mpi import dynamic
+from dbs_mpi.allocation import SpeedModel
+from dbs_mpi.dynamic import RECENT, StepPlanner, StepTimeEstimator
+
+B = 512
+
+
+def model_of(per_sample, overhead):
+    return SpeedModel(np.asarray(per_sample, float), np.asarray(overhead, float))
+
+
+def steps_at(estimator, batches, seconds, count):
+    for _ in range(count):
+        estimator.observe(batches, seconds)
+
+
+def test_the_first_step_at_a_new_local_batch_is_not_a_measurement():
+    truth = model_of([1e-4], [1e-3])
+    est = StepTimeEstimator(truth)
+    batches = [100] * 10 + [200] * 3
+    for k, b in enumerate(batches):
+        first = k == 0 or b != batches[k - 1]                # the run's first step, the allocator's first touch
+        est.observe([b], truth.predict([b]) * (3.0 if first else 1.0))
+    assert np.count_nonzero(np.isfinite(est.seconds)) == len(batches) - 2
+    assert np.nanmax(est.seconds / truth.predict(est.batches)) == pytest.approx(1.0)
+    assert not est.update().any()
+
+
+def test_one_slow_step_does_not_move_the_estimate():
+    truth = model_of([1e-4, 1e-4], [1e-3, 1e-3])
+    est = StepTimeEstimator(truth)
+    b = np.array([256, 256])
+    steps_at(est, b, truth.predict(b), 20)
+    est.observe(b, truth.predict(b) * [10.0, 1.0])           # a GC pause, a page-fault storm
+    steps_at(est, b, truth.predict(b), 2)
+    assert not est.update().any()
+    np.testing.assert_allclose(est.model.predict(b), truth.predict(b), rtol=0.02)
+
+
+def test_a_persistent_change_is_seen_after_three_steps_and_its_end_too():
+    truth = model_of([1e-4, 1e-4], [1e-3, 1e-3])
+    est = StepTimeEstimator(truth)
+    b = np.array([256, 256])
+    steps_at(est, b, truth.predict(b), 20)
+    slow = truth.predict(b) * [4.0, 1.0]
+    seen = []
+    for k in range(RECENT):
+        est.observe(b, slow)
+        seen.append(bool(est.update()[0]))
+    assert seen.index(True) == 2, seen                        # the third slow step (median of five)
+    np.testing.assert_allclose(est.model.predict(b)[0], slow[0], rtol=0.02)
+    seen = []
+    for k in range(RECENT):
+        est.observe(b, truth.predict(b))
+        seen.append(bool(est.update()[0]))
+    assert seen.index(True) == 2, seen
+    np.testing.assert_allclose(est.model.predict(b)[0], truth.predict(b)[0], rtol=0.02)
+
+
+def test_steady_noise_never_reads_as_a_change():
+    rng = np.random.default_rng(0)
+    truth = model_of([1e-4, 2e-4, 4e-4], [1e-3, 2e-3, 1e-3])
+    est = StepTimeEstimator(truth)
+    b = np.array([300, 150, 62])
+    for _ in range(2000):
+        est.observe(b, truth.predict(b) * rng.lognormal(0.0, 0.08, 3))
+        assert not est.update().any()
+    np.testing.assert_allclose(est.model.predict(b), truth.predict(b), rtol=0.05)
+
+
+def test_two_local_batches_give_back_the_fixed_and_per_sample_cost():
+    truth = model_of([1e-4], [5e-3])
+    est = StepTimeEstimator(model_of([1.3e-4], [0.0]))        # a wrong start: no fixed cost
+    rng = np.random.default_rng(1)
+    for b in [40] * 16 + [160] * 16:
+        est.observe([b], truth.predict([b]) * rng.lognormal(0.0, 0.01))
+    est.update()
+    np.testing.assert_allclose(est.model.per_sample, truth.per_sample, rtol=0.1)
+    np.testing.assert_allclose(est.model.overhead, truth.overhead, rtol=0.1)
+
+
+def test_outliers_are_left_out_of_the_fit():
+    truth = model_of([1e-4], [5e-3])
+    est = StepTimeEstimator(model_of([1.2e-4], [1e-3]))
+    batches = ([40] * 8 + [160] * 8) * 2                      # the first step at a new batch is not used
+    for k, b in enumerate(batches):
+        t = truth.predict([b]) * (8.0 if k in (3, 13, 29) else 1.0)
+        est.observe([b], t)
+    est.update()
+    np.testing.assert_allclose(est.model.per_sample, truth.per_sample, rtol=0.02)
+    np.testing.assert_allclose(est.model.overhead, truth.overhead, rtol=0.02)
+
+
+def test_estimator_state_round_trips():
+    est = StepTimeEstimator(model_of([1e-4, 2e-4], [1e-3, 0.0]), window=8)
+    steps_at(est, [10, 20], [2e-3, 4e-3], 5)
+    copy = StepTimeEstimator.from_state(est.state_dict())
+    assert np.array_equal(copy.batches, est.batches, equal_nan=True) and copy.next == est.next
+    np.testing.assert_array_equal(copy.update(), est.update())
+    np.testing.assert_allclose(copy.model.per_sample, est.model.per_sample)
+
+
+# --- the planner in a closed loop ---------------------------------------------------------
+
+class Machine:
+    """Ranks whose true step time is a_i(s) + c_i(s) b at step s, with noise."""
+
+    def __init__(self, per_sample, overhead, noise=0.0, seed=0):
+        self.per_sample, self.overhead = np.asarray(per_sample, float), np.asarray(overhead, float)
+        self.noise, self.rng = noise, np.random.default_rng(seed)
+        self.events = []                  # (first step, last step + 1, rank, factor, extra seconds)
+
+    def slow(self, rank, start, stop, factor=1.0, extra=0.0):
+        self.events.append((start, stop, rank, factor, extra))
+
+    def times(self, step, batches):
+        c, a = self.per_sample.copy(), self.overhead.copy()
+        for start, stop, rank, factor, extra in self.events:
+            if start <= step < stop:
+                c[rank] *= factor
+                a[rank] = a[rank] * factor + extra
+        t = a + c * np.asarray(batches, float)
+        return t * self.rng.lognormal(0.0, self.noise, len(t)) if self.noise else t
+
+
+def closed_loop(machine, steps, start=None, **kw):
+    """Every step's vector, as the balancer runs the planner: a proposal made after step s
+    is announced with step s + 1 and applies from step s + 2."""
+    truth = model_of(machine.per_sample, machine.overhead)
+    planner = StepPlanner(truth, B, **kw)
+    vector = truth.allocate(B) if start is None else np.asarray(start)
+    pending, announced = None, None
+    vectors = []
+    for s in range(steps):
+        if announced is not None and announced[0] == s:
+            vector = announced[1]
+        vectors.append(vector.copy())
+        times = machine.times(s, vector)
+        if pending is not None:                              # it travels with this step's exchange
+            announced, pending = (dynamic.switch_step(s + 1, [s + 1]), pending), None
+            planner.scheduled(announced[0])
+        planner.observe(vector, times)
+        proposal = planner.plan(announced[1] if announced is not None and announced[0] > s else vector)
+        if proposal is not None:
+            pending = proposal.vector
+    return np.array(vectors)
+
+
+def first_step(vectors, start, condition):
+    for s in range(start, len(vectors)):
+        if condition(vectors[s]):
+            return s - start
+    return None
+
+
+def test_a_4x_slowdown_is_followed_within_five_steps_and_given_back_as_fast():
+    machine = Machine([1e-4, 1e-4], [5e-4, 5e-4], noise=0.03)
+    machine.slow(rank=1, start=100, stop=200, factor=4.0)
+    vectors = closed_loop(machine, 300)
+    fair = vectors[99][1]
+    assert abs(fair - 256) <= 8
+    follow = first_step(vectors, 100, lambda v: v[1] < 0.5 * fair)
+    back = first_step(vectors, 200, lambda v: v[1] > 0.85 * fair)
+    assert follow is not None and follow <= 5, follow
+    assert back is not None and back <= 5, back
+    slowed = vectors[110:200, 1]
+    assert abs(np.median(slowed) - 512 / 5) <= 10             # 1 : 1/4 of the work
+
+
+def test_under_steady_noise_the_vector_stays_put():
+    machine = Machine([1e-4, 2e-4, 4e-4, 1e-4], [5e-4, 5e-4, 5e-4, 5e-4], noise=0.05, seed=3)
+    vectors = closed_loop(machine, 3000)
+    moved = np.abs(np.diff(vectors, axis=0)).sum(axis=1) / 2     # samples that changed rank per step
+    assert np.count_nonzero(moved) <= 10, np.flatnonzero(moved)
+    assert moved.sum() / len(moved) < 0.005 * B
+
+
+def test_a_single_slow_step_on_any_rank_leaves_the_vector_alone():
+    machine = Machine([1e-4, 1e-4, 1e-4], [5e-4, 5e-4, 5e-4])
+    for s in range(20, 400, 37):
+        machine.slow(rank=s % 3, start=s, stop=s + 1, factor=10.0)
+    vectors = closed_loop(machine, 400)
+    assert (vectors == vectors[0]).all()
+
+
+def test_a_tiny_batch_is_neither_starved_by_its_fixed_cost_nor_overshoots_when_it_ends():
+    # rank 2 gets an extra fixed cost (the paper's sleeps) that cuts it to a few samples;
+    # once the sleeps end it must get its work back without a jump past its fair share
+    machine = Machine([1e-4, 1e-4, 1e-4, 1e-4], [2e-3, 2e-3, 2e-3, 2e-3])
+    machine.slow(rank=2, start=50, stop=150, extra=0.012)
+    vectors = closed_loop(machine, 260)
+    fair = 128
+    assert vectors[140, 2] <= 45, vectors[140]                # the optimum is 38: most work went elsewhere
+    after = vectors[150:, 2]
+    assert after.max() <= 1.25 * fair, after.max()           # no overshoot
+    back = first_step(vectors, 150, lambda v: abs(v[2] - fair) <= 0.1 * fair)
+    assert back is not None and back <= 30, back
+
+
+def test_interval_spaces_the_planning():
+    machine = Machine([1e-4, 1e-4], [5e-4, 5e-4])
+    machine.slow(rank=1, start=40, stop=1000, factor=4.0)
+    fast = first_step(closed_loop(machine, 120, interval=1), 40, lambda v: v[1] < 150)
+    slow = first_step(closed_loop(machine, 120, interval=16), 40, lambda v: v[1] < 150)
+    assert fast < slow <= fast + 16
+
+
+def test_planner_state_round_trips():
+    machine = Machine([1e-4, 2e-4], [5e-4, 5e-4])
+    planner = StepPlanner(model_of(machine.per_sample, machine.overhead), B, interval=2)
+    for s in range(7):
+        planner.observe([300, 212], machine.times(s, [300, 212]))
+    copy = StepPlanner.from_state(planner.state_dict())
+    a, b = planner.plan([300, 212]), copy.plan([300, 212])
+    assert (a is None) == (b is None)
+    if a is not None:
+        np.testing.assert_array_equal(a.vector, b.vector)
+
+
+@pytest.mark.parametrize("text, steps", [("epoch", None), ("1", 1), ("25", 25), (8, 8)])
+def test_interval_parses(text, steps):
+    assert dynamic.parse_interval(text) == steps
+
+
+@pytest.mark.parametrize("bad", ["0", "-3", "1.5", "every", 0, True, 2.0])
+def test_a_bad_interval_is_one_line(bad):
+    with pytest.raises(dynamic.UserError, match="dbs_interval"):
+        dynamic.parse_interval(bad)
+
+
+def test_switch_step_waits_for_samples_already_handed_out():
+    assert dynamic.switch_step(5, [5, 5]) == 5
+    assert dynamic.switch_step(5, [9, 6]) == 9                # a DataLoader prefetched up to step 8
