@@ -31,11 +31,11 @@ ROOT = _root()
 GRID = Path(os.environ.get("DBS_MPI_GRID") or ROOT / "results" / "grid")
 FIGURES = Path(os.environ.get("DBS_MPI_FIGURES") or ROOT / "analysis" / "figures")
 
-COLOURS = {"ssgd": "#7f7f7f", "static": "#1f77b4", "dbs": "#d62728",
+COLOURS = {"ssgd": "#7f7f7f", "static": "#1f77b4", "dbs": "#d62728", "dbs-epoch": "#e377c2",
            "asgd": "#9467bd", "nsoftsync": "#2ca02c", "dbs-sgd": "#ff7f0e",
            "weighted": "#d62728", "mean": "#1f77b4"}
-ORDER = ["ssgd", "static", "dbs", "asgd", "nsoftsync", "dbs-sgd"]
-LABELS = {"nsoftsync": "1-softsync"}
+ORDER = ["ssgd", "static", "dbs-epoch", "dbs", "asgd", "nsoftsync", "dbs-sgd"]
+LABELS = {"nsoftsync": "1-softsync", "dbs-epoch": "dbs, per epoch", "dbs": "dbs"}
 PHASE_COLOURS = {"compute": "#4c72b0", "comm": "#dd8452", "wait": "#c44e52", "data": "#8c8c8c"}
 
 

@@ -6,6 +6,8 @@
     t.epochs    # one row per (run, epoch)
     t.ranks     # one row per (run, epoch, rank)
     t.steps     # one row per (run, step), synchronous strategies
+    t.vectors   # one row per (run, step, rank): every step's local batches
+    t.replans   # one row per vector change within an epoch (dbs with a step interval)
     t.updates   # one row per applied gradient, asynchronous strategies
 
 Every table has a `run` column (the file's path below the folder, without `.h5`), so
@@ -20,6 +22,11 @@ time at the end of the epoch (cumulative durations); in `steps` it is the traini
 at the end of the step, each epoch's duration spread over its steps in proportion to the
 steps' measured times (compute + communication + wait, mean over ranks); in `updates` it
 is the server's clock when the gradient was applied (`update/time`).
+
+`variant` is the strategy, except that dbs under the DBS paper's per-epoch rule
+(`dbs_interval = "epoch"`, and every run recorded before the option existed) is
+`dbs-epoch`; `dbs` re-plans within the epoch. Runs recorded before step/batch_sizes
+existed get their epoch's vector for every step in `vectors`.
 
 Speeds: `speeds` is the configuration's tuple (relative, () = all equal);
 `heterogeneity` = mean(v)/min(v) over the ranks that compute (every rank for the
@@ -39,7 +46,7 @@ from . import allocation
 from .config import ASYNC_STRATEGIES
 
 # Columns copied from `runs` into every other table, for grouping without a join.
-KEY_COLUMNS = ("strategy", "aggregation", "seed", "world_size", "experiment", "case")
+KEY_COLUMNS = ("strategy", "variant", "aggregation", "seed", "world_size", "experiment", "case")
 
 # Root attributes of a result file that become columns of `runs` (when present).
 ATTR_COLUMNS = ("status", "strategy", "aggregation", "dataset", "model", "world_size", "num_parameters", "versions",
@@ -56,6 +63,8 @@ class Tables:
     ranks: pd.DataFrame
     steps: pd.DataFrame
     updates: pd.DataFrame
+    vectors: pd.DataFrame = None
+    replans: pd.DataFrame = None
 
     def run(self, name: str) -> pd.Series:
         """The `runs` row of one run (by its name)."""
@@ -169,6 +178,9 @@ def _run_row(name: str, path: Path, run: dict) -> dict:
     row["exchange_used"] = attrs.get("exchange", "")                 # the agreed transport ("exchange": the request)
     row["resumed"] = len(attrs.get("resumed", ()) or ())
     row["speeds"] = _speeds(cfg.get("speeds", ()), world)
+    row["dbs_interval"] = str(cfg.get("dbs_interval", "epoch"))      # runs before the option: once per epoch
+    row["variant"] = "dbs-epoch" if row.get("strategy") == "dbs" and row["dbs_interval"] == "epoch" \
+        else row.get("strategy", "")
     asynchronous = row.get("strategy") in ASYNC_STRATEGIES
     row["asynchronous"] = asynchronous
     row["heterogeneity"] = ideal_speedup(row["speeds"], skip_server=asynchronous and len(row["speeds"]) > 1)
@@ -227,7 +239,7 @@ def _step_rows(name: str, data: dict) -> pd.DataFrame:
         return pd.DataFrame()
     loss, epoch = data["step/loss"], data["step/epoch"]
     n = loss.shape[0]
-    parts = [data[k] for k in ("step/compute_time", "step/comm_time", "step/wait_time") if k in data]
+    parts = [data[k] for k in ("step/data_time", "step/compute_time", "step/comm_time", "step/wait_time") if k in data]
     step_time = sum(p for p in parts).mean(axis=1) if parts else np.ones(n)
     wall = np.zeros(n)
     durations = data.get("epoch/duration", np.zeros(0))
@@ -242,6 +254,38 @@ def _step_rows(name: str, data: dict) -> pd.DataFrame:
     index_in_epoch = pd.Series(epoch).groupby(epoch).cumcount().to_numpy()
     return pd.DataFrame({"run": [name] * n, "step": np.arange(n), "epoch": epoch, "step_in_epoch": index_in_epoch,
                          "loss": loss, "step_time": step_time, "wall_time": wall})
+
+
+def _vector_rows(name: str, data: dict) -> pd.DataFrame:
+    """Every step's local batch per rank (older files: the epoch's vector for every step)."""
+    if "step/epoch" not in data:
+        return pd.DataFrame()
+    epoch = data["step/epoch"]
+    if "step/batch_sizes" in data:
+        batches = data["step/batch_sizes"]
+    elif "epoch/batch_sizes" in data and len(epoch):
+        batches = data["epoch/batch_sizes"][np.minimum(epoch, len(data["epoch/batch_sizes"]) - 1)]
+    else:
+        return pd.DataFrame()
+    steps, ranks = batches.shape
+    in_epoch = pd.Series(epoch).groupby(epoch).cumcount().to_numpy()
+    return pd.DataFrame({"run": [name] * (steps * ranks), "step": np.repeat(np.arange(steps), ranks),
+                         "epoch": np.repeat(epoch, ranks), "step_in_epoch": np.repeat(in_epoch, ranks),
+                         "rank": np.tile(np.arange(ranks), steps), "batch_size": batches.reshape(-1)})
+
+
+def _replan_rows(name: str, data: dict) -> pd.DataFrame:
+    """One row per vector change: where it applied, when it was decided, the new vector
+    (a tuple), the predicted step times and the ranks whose speed changed."""
+    if "replan/run_step" not in data:
+        return pd.DataFrame()
+    n = data["replan/run_step"].shape[0]
+    cols = {"run": [name] * n}
+    for field in ("epoch", "step", "run_step", "decided", "predicted_before", "predicted_after"):
+        cols[field] = data[f"replan/{field}"]
+    cols["batch_sizes"] = [tuple(int(b) for b in row) for row in data["replan/batch_sizes"]]
+    cols["changed_ranks"] = [tuple(np.flatnonzero(row).tolist()) for row in data["replan/changed"]]
+    return pd.DataFrame(cols)
 
 
 def _update_rows(name: str, data: dict) -> pd.DataFrame:
@@ -277,7 +321,7 @@ def load(folder, statuses=("complete",), strict: bool = False) -> Tables:
     Unreadable files are skipped with a warning (raise with strict=True)."""
     import warnings
     root = Path(folder) if Path(folder).is_dir() else Path(folder).parent
-    runs, epochs, ranks, steps, updates = [], [], [], [], []
+    runs, epochs, ranks, steps, updates, vectors, replans = [], [], [], [], [], [], []
     for path in find_runs(folder):
         try:
             run = read_file(path)
@@ -294,6 +338,8 @@ def load(folder, statuses=("complete",), strict: bool = False) -> Tables:
         ranks.append(_rank_rows(name, run["data"]))
         steps.append(_step_rows(name, run["data"]))
         updates.append(_update_rows(name, run["data"]))
+        vectors.append(_vector_rows(name, run["data"]))
+        replans.append(_replan_rows(name, run["data"]))
     runs_df = pd.DataFrame(runs)
     if runs_df.empty:
         runs_df = pd.DataFrame(columns=["run", "path", *KEY_COLUMNS])
@@ -308,7 +354,8 @@ def load(folder, statuses=("complete",), strict: bool = False) -> Tables:
             ["run", *[c for c in KEY_COLUMNS if c in runs_df], *[c for c in df.columns if c != "run"]]]
 
     return Tables(runs=runs_df, epochs=combine(epochs, ["epoch"]), ranks=combine(ranks, ["epoch", "rank"]),
-                  steps=combine(steps, ["step"]), updates=combine(updates, ["gradient"]))
+                  steps=combine(steps, ["step"]), updates=combine(updates, ["gradient"]),
+                  vectors=combine(vectors, ["step", "rank"]), replans=combine(replans, ["run_step"]))
 
 
 # --- derived tables the figures use -------------------------------------------------
@@ -335,7 +382,7 @@ def speedup(tables: Tables, baseline: str = "ssgd", strategy: str = "dbs",
     cols = [c for c in group if c in runs]
     base = runs[runs.strategy == baseline].set_index(cols)[[time_column, "run"]]
     other = runs[runs.strategy == strategy].set_index(cols)
-    joined = other[[time_column, "heterogeneity", "run", "global_batch"]].join(
+    joined = other[[time_column, "heterogeneity", "run", "global_batch", "variant"]].join(
         base.rename(columns={time_column: "baseline_time", "run": "baseline_run"}), how="inner")
     joined = joined.rename(columns={time_column: "time", "heterogeneity": "proportional_ideal"})
     joined["speedup"] = joined["baseline_time"] / joined["time"]

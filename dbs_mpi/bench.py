@@ -17,8 +17,12 @@ honest figure. Results go to HDF5 under results/bench/.
   overlap   gradient buckets reduced during backward vs one bucket after it (is
             overlap worth it here?), 2 ranks, lean step loop
   wait      epoch time with wait_policy spin vs sleep, 3-4 ranks on a 2-core node
-  all       exchange, ddp, hetero, overhead, scaling, overlap, wait (`make bench`,
-            mpirun -n 4): one table at the end
+  tracking  a rank slowed 4x (emulated) or sharing its core with a CPU hog (real) in the
+            middle of epochs: ssgd, dbs and the per-epoch rule side by side; the stretch's
+            time against the ideal, steps to follow and to give back, the vector's
+            movement under steady speeds (bench_tracking.py)
+  all       exchange, ddp, hetero, overhead, scaling, overlap, wait, tracking (`make
+            bench`, mpirun -n 4): one table at the end
 
 A case that needs k ranks runs on the first k ranks of the job (a sub-communicator:
 library code takes any communicator); the other ranks wait in a sleeping barrier that
@@ -37,14 +41,14 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from . import comm as mpi
+from . import bench_tracking as tracking, comm as mpi
 from .config import UserError
 from .config import load as load_config
 
 IDLE_POLL = 0.01            # seconds between polls of a rank that sits a case out
 CHUNK = 10                  # overlap: steps of one variant before the next variant runs
 OVERLAP_BUDGET = 10.0       # overlap: seconds per model and repeat after which no new chunk starts
-CASES = ("exchange", "ddp", "hetero", "overhead", "scaling", "overlap", "wait")
+CASES = ("exchange", "ddp", "hetero", "overhead", "scaling", "overlap", "wait", "tracking")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -85,6 +89,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--first-bucket-kb", type=float, default=16, help="overlap: first-bucket cap, KiB")
     p.add_argument("--wait-speeds", default="1,0.25,0.25,0.25", help="wait: speeds (their count = ranks used)")
     p.add_argument("--wait-strategies", default="ssgd,dbs", help="wait: strategies")
+    p.add_argument("--tracking-steps", default="30,90", help="tracking: the run's steps [A,B) in which rank 1 "
+                   "is slowed")
+    p.add_argument("--tracking-factor", type=float, default=4.0, help="tracking: the emulated slow-down")
+    p.add_argument("--tracking-epochs", type=int, default=3, help="tracking: epochs of every run")
+    p.add_argument("--scenarios", default="emulated,contention", help="tracking: emulated and/or contention")
     p.add_argument("--out-dir", default="results/bench", help="folder of the result files")
     return p
 
@@ -387,8 +396,10 @@ def ideal_epoch_time(record: dict, samples: int, global_batch: int) -> dict:
     optimiser update and data time (means over ranks). v_i is rank i's measured speed
     in this epoch (samples per second of pre-collective compute)."""
     from . import sharding
-    vector = np.asarray(record["batch_sizes"])
-    per_rank = sharding.step_batch_sizes(samples, global_batch, vector).sum(axis=0)
+    if "rank_samples" in record:                  # dbs may have changed the vector within the epoch
+        per_rank = np.asarray(record["rank_samples"])
+    else:
+        per_rank = sharding.step_batch_sizes(samples, global_batch, np.asarray(record["batch_sizes"])).sum(axis=0)
     speed = np.asarray(record["speed"], dtype=float)
     update = np.asarray(record["compute_time"], dtype=float) - per_rank / np.maximum(speed, 1e-12)
     compute = samples / float(speed.sum())
@@ -684,12 +695,83 @@ def format_wait(report: dict) -> str:
     return "\n".join(lines)
 
 
+# --- tracking (dbs within the epoch) -------------------------------------------------------
+
+def case_tracking(comm, args, folder) -> dict:
+    return _on_first(comm, 2, _tracking, args, folder)
+
+
+def _tracking(comm, args, folder) -> dict:
+    repeats = args.repeats or 3
+    start, stop = (int(s) for s in args.tracking_steps.split(","))
+    base = _config(args, global_batch=args.global_batch, subset=args.subset or 20000, test_subset=200,
+                   epochs=args.tracking_epochs, threads=0)
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    out = {"case": "tracking", "world_size": comm.Get_size(), "global_batch": base.global_batch, "repeats": repeats,
+           "steps": [start, stop], "factor": args.tracking_factor, "epochs": base.epochs,
+           "steps_per_epoch": _steps(base), "oversubscribed": _oversubscribed(comm), "scenarios": {}, "checks": []}
+    for scenario in scenarios:
+        extra = tracking.scenario_options(scenario, (start, stop), args.tracking_factor)
+        runs = {v: [] for v in tracking.VARIANTS}
+        for rep in range(repeats):
+            names = list(tracking.VARIANTS) if rep % 2 == 0 else list(tracking.VARIANTS)[::-1]
+            for variant in names:
+                path = folder / f"tracking-{scenario}-{variant}-{rep}.h5"
+                _train_epoch(comm, base.replace(**tracking.VARIANTS[variant], **extra, seed=rep), path)
+                if comm.Get_rank() == 0:
+                    runs[variant].append(tracking.step_record(path))
+        if comm.Get_rank() == 0:
+            summary = tracking.summarize(runs, start, stop, args.tracking_factor if scenario == "emulated" else None)
+            out["scenarios"][scenario] = summary
+            out["checks"] += _tracking_checks(scenario, summary)
+    return out
+
+
+def _steps(cfg) -> int:
+    from . import sharding
+    return sharding.steps_per_epoch(train_samples(cfg), cfg.global_batch, cfg.drop_last)
+
+
+def _tracking_checks(scenario: str, summary: dict) -> list[dict]:
+    m = summary["metrics"]
+    med = lambda v, key: tracking.median_of([r[key] for r in m[v]])       # noqa: E731
+    return [check(f"{scenario}: stretch dbs/ssgd (ideal {summary['ideal']:.2f})", _med(summary["stretch_ratio"]["dbs"]),
+                  summary["ideal"] * 1.25 + 0.05),
+            check(f"{scenario}: steps to follow, dbs", med("dbs", "follow"), 8),
+            check(f"{scenario}: steps to give back, dbs", med("dbs", "give_back"), 8),
+            check(f"{scenario}: after / before the stretch, dbs", med("dbs", "after"), 1.10),
+            check(f"{scenario}: after / before the stretch, dbs-epoch", med("dbs-epoch", "after"), None),
+            check(f"{scenario}: stretch dbs-epoch/ssgd", _med(summary["stretch_ratio"]["dbs-epoch"]), None)]
+
+
+def format_tracking(report: dict) -> str:
+    start, stop = report["steps"]
+    lines = [f"bench tracking: {report['world_size']} ranks, global batch {report['global_batch']}, "
+             f"{report['epochs']} epochs of {report['steps_per_epoch']} steps, rank {tracking.SLOW_RANK} slowed in "
+             f"steps [{start}, {stop}), {report['repeats']} repeats" + _flag(report)]
+    for scenario, summary in report["scenarios"].items():
+        lines.append(f"{scenario}: speeds in the stretch {np.round(summary['speeds'], 3).tolist()}, ideal stretch "
+                     f"ratio min(v)/mean(v) = {summary['ideal']:.3f}, ideal share of rank {tracking.SLOW_RANK} "
+                     f"{summary['share']:.3f}")
+        lines.append(f"  {'variant':<10} {'stretch s':>10} {'/ ssgd':>7} {'follow':>7} {'back':>6} {'after':>6} "
+                     f"{'moves':>6} {'moved/step':>10} {'slowed b':>8}")
+        for variant, runs in summary["metrics"].items():
+            ratio = summary["stretch_ratio"].get(variant)
+            med = lambda key: tracking.median_of([r[key] for r in runs])   # noqa: E731
+            lines.append(f"  {variant:<10} {med('stretch_seconds'):>10.3f} "
+                         f"{(_med(ratio) if ratio else 1.0):>7.3f} {med('follow'):>7.1f} {med('give_back'):>6.1f} "
+                         f"{med('after'):>6.3f} {med('moves'):>6.1f} {med('moved_per_step'):>10.5f} "
+                         f"{med('slowed_batch'):>8.1f}")
+    lines.append("  (medians over repeats; follow/back: steps; inf: never)")
+    return "\n".join(lines)
+
+
 # --- running and writing --------------------------------------------------------------------
 
 RUNNERS = {"exchange": case_exchange, "ddp": case_ddp, "hetero": case_hetero, "overhead": case_overhead,
-           "scaling": case_scaling, "overlap": case_overlap, "wait": case_wait}
+           "scaling": case_scaling, "overlap": case_overlap, "wait": case_wait, "tracking": case_tracking}
 FORMATTERS = {"exchange": format_exchange, "ddp": format_ddp, "hetero": format_hetero, "overhead": format_overhead,
-              "scaling": format_scaling, "overlap": format_overlap, "wait": format_wait}
+              "scaling": format_scaling, "overlap": format_overlap, "wait": format_wait, "tracking": format_tracking}
 # `make bench` (all): shorter hetero and wait runs than their stand-alone defaults
 ALL_DEFAULTS = {"subset": 20000}
 
@@ -718,15 +800,32 @@ def write_report(reports: list[dict], path: Path, attrs: dict) -> None:
             g.attrs["check_names"] = json.dumps([c["name"] for c in r["checks"]])
 
 
+def _check_tracking(args) -> None:
+    try:
+        start, stop = (int(s) for s in args.tracking_steps.split(","))
+    except ValueError:
+        raise UserError(f"tracking-steps: two step numbers A,B; got {args.tracking_steps!r}") from None
+    if not tracking.AROUND <= start < stop:
+        raise UserError(f"tracking-steps: need {tracking.AROUND} <= A < B (steps before A are the baseline); got "
+                        f"{args.tracking_steps!r}")
+    unknown = set(args.scenarios.split(",")) - set(tracking.SCENARIOS)
+    if unknown:
+        raise UserError(f"scenarios: {', '.join(sorted(unknown))} unknown; use {', '.join(tracking.SCENARIOS)}")
+    if not args.tracking_factor >= 1:
+        raise UserError(f"tracking-factor: must be at least 1; got {args.tracking_factor}")
+
+
 def required_ranks(args) -> dict:
     """Ranks every chosen case needs at least (scaling and wait use what there is)."""
     speeds = [s for s in args.speeds.split(",") if s]
-    need = {"exchange": 2, "ddp": 2, "hetero": len(speeds), "overhead": 1, "scaling": 1, "overlap": 2, "wait": 2}
+    need = {"exchange": 2, "ddp": 2, "hetero": len(speeds), "overhead": 1, "scaling": 1, "overlap": 2, "wait": 2,
+            "tracking": 2}
     return {c: need[c] for c in (CASES if args.case == "all" else [args.case])}
 
 
 def _setup(argv, world_size: int):
     args = _parser().parse_args(argv)
+    _check_tracking(args)
     for case, k in required_ranks(args).items():
         if world_size < k:
             raise UserError(f"bench {case} needs {k} ranks, the job has {world_size}: "

@@ -98,6 +98,8 @@ class Config:
     sleep_prob: float = 0.0          # DBS paper's disturbance: per epoch and rank, chance that sleeps start
     sleep_seconds: tuple = (5.0, 10.0)  # ... extra sleep per epoch, seconds, uniform in [lo, hi]
     sleep_epochs: tuple = (4, 20)    # ... for this many epochs, uniform in [lo, hi]
+    contention_rank: int = -1        # real contention: a busy process shares this rank's core ... (-1 = none)
+    contention_steps: tuple = (0, 0)  # ... in the run's steps [start, stop) (not emulated: the OS shares the core)
     # --- run-time ----------------------------------------------------------------
     device: str = "auto"             # auto: a node's ranks take its GPUs by local rank while there are GPUs, the others the CPU | cpu | cuda (visible GPU local rank mod count) | cuda:N
     devices: tuple = ()              # per-rank devices, e.g. cuda,cuda,cpu (overrides device); () = device on every rank
@@ -288,7 +290,7 @@ def validate(c: Config) -> None:
     parse_interval(c.dbs_interval)
     if c.dbs_window < 5:
         _fail("dbs_window", f"must be at least 5 steps; got {c.dbs_window}")
-    for name in ("slow_epochs", "slow_steps", "slow_seconds", "sleep_seconds", "sleep_epochs"):
+    for name in ("slow_epochs", "slow_steps", "slow_seconds", "sleep_seconds", "sleep_epochs", "contention_steps"):
         pair = getattr(c, name)
         if len(pair) != 2 or pair[0] < 0 or pair[1] < pair[0]:
             _fail(name, f"must be two numbers lo,hi with 0 <= lo <= hi; got {pair}")
@@ -321,8 +323,9 @@ def check_world(c: Config, world_size: int) -> None:
     if c.max_local_batch and c.global_batch > world_size * c.max_local_batch:
         _fail("global_batch", f"{c.global_batch} is larger than ranks x max_local_batch = "
                               f"{world_size} x {c.max_local_batch}")
-    if c.slow_rank >= world_size:
-        _fail("slow_rank", f"is {c.slow_rank} but ranks are 0..{world_size - 1}")
+    for name in ("slow_rank", "contention_rank"):
+        if getattr(c, name) >= world_size:
+            _fail(name, f"is {getattr(c, name)} but ranks are 0..{world_size - 1}")
     if c.strategy in ASYNC_STRATEGIES and world_size < 2:
         _fail("strategy", f"{c.strategy} needs at least 2 ranks (rank 0 serves the parameters, the others work); "
                           f"run it under mpirun -n 2 or more")

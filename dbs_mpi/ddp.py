@@ -42,7 +42,10 @@ DDP model counts training-mode forwards with grad enabled, the ones a backward f
   balancer's step counter to move on: DistributedOptimizer.step() does it in its own
   loop; here the hook does, when the step's last bucket is reduced (balancer.record_step,
   with the step's data, compute and last-collective times, so end_epoch() works and
-  dbs re-plans from measured compute; the loss is not known here: NaN). Emulated speeds
+  dbs re-plans from measured compute; the loss is not known here: NaN). Under dbs with
+  a step interval, every rank's compute time of the step reaches every rank in one more
+  small all_reduce issued with the last bucket (balancer.telemetry()), so the vector is
+  re-planned within the epoch as in DistributedOptimizer's loop. Emulated speeds
   (Balancer(speeds=...)) stretch the step's compute before its last bucket starts.
 
 Usage (a plain torch optimizer; every rank):
@@ -250,9 +253,25 @@ class StepClock:
         self.balancer.stretch(time.perf_counter() - start, time.process_time() - cpu)
         self.pre_end = time.perf_counter()
 
-    def end_step(self) -> None:
+    def telemetry(self, device: torch.device, group):
+        """dbs within the epoch: the future of the sum of every rank's balancer.telemetry()
+        (its compute time of this step, its sampler's position, rank 0's proposal); None
+        where the balancer needs none. Issued with the last bucket, in the same order on
+        every rank."""
+        values = self.balancer.telemetry(self.pre_end - self.begin[0])
+        if values is None:
+            return None
+        tensor = torch.from_numpy(values).to(device)
+        return dist.all_reduce(tensor, group=group, async_op=True).get_future()
+
+    def end_step(self, telemetry=None) -> None:
+        """The step is over (its last bucket's future completed): record it, with the sum of
+        telemetry if any. DDP waits for this before backward() returns, so a new vector is
+        in the balancer's table before the loop asks the sampler for more."""
         end, start = time.perf_counter(), self.begin[0]
-        self.balancer.record_step(max(start - self.last_end, 0.0), self.pre_end - start, end - self.pre_end, 0.0)
+        summed = None if telemetry is None else telemetry.wait()[0].cpu().numpy()
+        self.balancer.record_step(max(start - self.last_end, 0.0), self.pre_end - start, end - self.pre_end, 0.0,
+                                  telemetry=summed)
         self.last_end = end
 
 
@@ -370,8 +389,10 @@ def sample_weighted_hook(state: SampleWeightedState, bucket: dist.GradBucket) ->
     if bucket.index() == 0:
         state.begin_backward(buffer.device, group)
     clock = state.clock if bucket.is_last() else None
+    telemetry = None
     if clock is not None:
         clock.end_compute(buffer.device)
+        telemetry = clock.telemetry(buffer.device, group)
     if state.local_batch:
         buffer.mul_(state.local_batch)
     else:
@@ -384,7 +405,7 @@ def sample_weighted_hook(state: SampleWeightedState, bucket: dist.GradBucket) ->
     def finish(reduced):
         out = _divide(reduced, total)
         if clock is not None:
-            clock.end_step()
+            clock.end_step(telemetry)
         return out
     return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(finish)
 

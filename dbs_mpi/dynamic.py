@@ -64,6 +64,10 @@ TINY_SHARE = 0.5      # a rank whose per-sample share of its step time is below 
 REFIT = 8             # steps: the whole window is re-estimated at least this often (drift)
 DEFAULT_INTERVAL = 1  # steps between re-plans (chosen by measurement: docs/method.md, section 5)
 MAD_SIGMA = 1.4826    # MAD of a normal distribution, in standard deviations
+MEDIAN_SE = 1.2533    # standard error of a median of k normal values, in sigma / sqrt(k)
+SIGMA_WEIGHT = 0.25   # weight of a new window's spread in the smoothed spread of a rank's steps
+CHANGE_Z = 5.0        # a change of level is at least this many standard errors of the recent median
+GAIN_Z = 3.0          # a new vector must gain at least this many standard errors of the estimate
 
 
 def best_step_time(model: SpeedModel, global_batch: int) -> float:
@@ -108,6 +112,8 @@ class StepTimeEstimator:
         self.seconds = np.full((self.window, ranks), np.nan)
         self.next = 0                                            # the ring row the next step goes to
         self.last_batches = np.full(ranks, np.nan)               # the last step's local batches
+        self.sigma = np.zeros(ranks)                             # robust spread of log(t / model(b)) per rank
+        self.count = np.zeros(ranks, dtype=np.int64)             # steps in the window per rank
 
     def observe(self, batches, seconds) -> None:
         """One step: every rank's local batch and its measured compute seconds. Not a
@@ -133,7 +139,8 @@ class StepTimeEstimator:
         b, t = self.batches[rows], self.seconds[rows]
         ratio = t / (self.model.overhead + self.model.per_sample * b)
         level = _median(ratio, np.isfinite(ratio))
-        return bool(np.any(np.abs(level - 1.0) >= self.follow))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return bool(np.any(np.abs(np.log(level)) >= self._threshold()))
 
     def update(self) -> np.ndarray:
         """Re-estimate every rank's model from the window; returns the ranks (bool) whose
@@ -146,23 +153,40 @@ class StepTimeEstimator:
         recent = valid & (from_end <= self.recent)
         level = _median(ratio, recent)
         fitted = self._fit(b, t, ratio, valid)
+        self.count = valid.sum(axis=0)
+        # the steps' spread, smoothed over re-estimates (a window's own is itself noisy); a
+        # rank with few steps in its window (after a change) keeps its last
+        sigma = np.where(self.sigma > 0, (1 - SIGMA_WEIGHT) * self.sigma + SIGMA_WEIGHT * fitted["sigma"],
+                         fitted["sigma"])
+        self.sigma = np.where(self.count >= 2 * self.recent, sigma, self.sigma)
+        threshold = self._threshold()
         # A step time that moved with the local batch is the line's shape, not a new speed:
         # a change is one that neither the current model nor the window's fit explains.
         with np.errstate(invalid="ignore", divide="ignore"):
             level_fit = _median(t / (fitted["overhead"] + fitted["per_sample"] * b), recent)
-        explained = fitted["ok"] & (np.abs(level_fit - 1.0) < self.follow)
-        changed = (recent.sum(axis=0) >= self.recent) & (np.abs(level - 1.0) >= self.follow) & ~explained
+            explained = fitted["ok"] & (np.abs(np.log(level_fit)) < threshold)
+            changed = (recent.sum(axis=0) >= self.recent) & (np.abs(np.log(level)) >= threshold) & ~explained
         scale = np.where(changed, level, fitted["scale"])
         fit = fitted["ok"] & ~changed
         self.model = SpeedModel(per_sample=np.where(fit, fitted["per_sample"], c * scale),
                                 overhead=np.where(fit, fitted["overhead"], a * scale))
         if changed.any():                    # forget the steps of the old speed, keep the new one's
             with np.errstate(invalid="ignore", divide="ignore"):
-                same = recent & (np.abs(ratio / level - 1.0) < self.follow)
+                same = recent & (np.abs(np.log(ratio / level)) < threshold)
             stale = ~same & changed
             self.batches[rows] = np.where(stale, np.nan, b)
             self.seconds[rows] = np.where(stale, np.nan, t)
+            self.count = np.where(changed, same.sum(axis=0), self.count)
         return changed
+
+    def _threshold(self) -> np.ndarray:
+        """Per rank, the smallest change of level (log) that is a change of speed: `follow`,
+        or CHANGE_Z standard errors of a median of RECENT steps where the steps are noisier."""
+        return np.maximum(math.log1p(self.follow), CHANGE_Z * MEDIAN_SE * self.sigma / math.sqrt(self.recent))
+
+    def uncertainty(self) -> np.ndarray:
+        """Per rank, the standard error of the model's level (log) from the window's noise."""
+        return self.sigma / np.sqrt(np.maximum(self.count, 1))
 
     def _fit(self, b, t, ratio, valid) -> dict:
         """The steady rule: twice, a line (or, where the local batches do not spread, a
@@ -180,7 +204,11 @@ class StepTimeEstimator:
             inlier = valid & (deviation <= np.maximum(OUTLIER * MAD_SIGMA * mad, math.log1p(NOISE_FLOOR)))
         count = inlier.sum(axis=0)
         mean_log = np.where(inlier, log_ratio, 0.0).sum(axis=0) / np.maximum(count, 1)
-        return {"scale": np.where(count >= self.recent, np.exp(mean_log), 1.0), **self._line(b, t, inlier)}
+        kept = np.where(inlier, residual, 0.0)
+        spread = np.sqrt(np.maximum((kept ** 2).sum(0) - kept.sum(0) ** 2 / np.maximum(count, 1), 0.0)
+                         / np.maximum(count - 1, 1))
+        return {"scale": np.where(count >= self.recent, np.exp(mean_log), 1.0), "sigma": spread,
+                **self._line(b, t, inlier)}
 
     def _line(self, b, t, mask) -> dict:
         """Least-squares t = a + c b per rank over the masked steps (0 <= a <= FIXED_MAX
@@ -202,7 +230,8 @@ class StepTimeEstimator:
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "window": self.window, "recent": self.recent,
                 "follow": self.follow, "batches": self.batches.copy(), "seconds": self.seconds.copy(),
-                "next": int(self.next), "last_batches": self.last_batches.copy()}
+                "next": int(self.next), "last_batches": self.last_batches.copy(), "sigma": self.sigma.copy(),
+                "count": self.count.copy()}
 
     @classmethod
     def from_state(cls, state: dict) -> "StepTimeEstimator":
@@ -212,6 +241,8 @@ class StepTimeEstimator:
         self.seconds = np.asarray(state["seconds"], float).copy()
         self.next = int(state["next"])
         self.last_batches = np.asarray(state["last_batches"], float).copy()
+        self.sigma = np.asarray(state["sigma"], float).copy()
+        self.count = np.asarray(state["count"], np.int64).copy()
         return self
 
 
@@ -240,7 +271,7 @@ class StepPlanner:
         self.step = 0                   # steps observed
         self.since_plan = 0             # steps observed since the last planning
         self.since_refit = 0            # steps observed since the window was last re-estimated
-        self.hold_until = RECENT        # no planning before this step (the first steps; a move under way)
+        self.hold_until = 2 * RECENT    # no planning before this step (the first steps; a move under way)
 
     @property
     def model(self) -> SpeedModel:
@@ -266,11 +297,14 @@ class StepPlanner:
         model = self.estimator.model
         current = np.asarray(current, dtype=np.int64)
         before = float(model.predict(current).max())
-        if best_step_time(model, self.global_batch) >= before * (1.0 - self.min_gain):
+        gain = self.min_gain
+        if not changed.any():            # drift: a move must also beat the estimate's own noise
+            gain = max(gain, -math.expm1(-GAIN_Z * float(self.estimator.uncertainty().max())))
+        if best_step_time(model, self.global_batch) >= before * (1.0 - gain):
             return None                                    # no vector can pass the dead band
         candidate = model.allocate(self.global_batch, self.min_local, self._growth_limit(current, model))
         after = float(model.predict(candidate).max())
-        if after > before * (1.0 - self.min_gain) or np.array_equal(candidate, current):
+        if after > before * (1.0 - gain) or np.array_equal(candidate, current):
             return None
         self.hold_until = self.step + 1                    # until the announcement says when it applies
         return Proposal(candidate, model.per_sample.copy(), model.overhead.copy(), before, after, changed)

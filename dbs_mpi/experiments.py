@@ -101,8 +101,8 @@ def load_grid(path=DEFAULT_GRID, scale: str = "small") -> list[Run]:
             raise UserError(f"grid: {name}: vary must map option names to non-empty lists")
         keys = list(vary)
         for combo in itertools.product(*(vary[k] for k in keys)):
-            case_values = dict(zip(keys, combo))
-            case = "-".join(_label(v) for v in combo)
+            case_values, labels = _case(name, keys, combo)
+            case = "-".join(labels)
             seeds = values.get("seeds", [0])
             if not isinstance(seeds, list) or not seeds:
                 raise UserError(f"grid: {name}: seeds must be a non-empty list")
@@ -113,6 +113,23 @@ def load_grid(path=DEFAULT_GRID, scale: str = "small") -> list[Run]:
                 names.add(run.name)
                 runs.append(run)
     return runs
+
+
+def _case(experiment: str, keys, combo) -> tuple[dict, list]:
+    """(options, labels) of one combination of `vary`: a plain value sets its key; a table
+    is a bundle of options labelled by its `name` (e.g. {name = "dbs-epoch", strategy =
+    "dbs", dbs_interval = "epoch"} among strategies)."""
+    options, labels = {}, []
+    for key, value in zip(keys, combo):
+        if isinstance(value, dict):
+            if not isinstance(value.get("name"), str) or not value["name"]:
+                raise UserError(f"grid: {experiment}: a table in vary.{key} needs a name (its case's label)")
+            options.update({k: v for k, v in value.items() if k != "name"})
+            labels.append(value["name"])
+        else:
+            options[key] = value
+            labels.append(_label(value))
+    return options, labels
 
 
 def _make_run(experiment: str, case: str, seed: int, values: dict) -> Run:

@@ -15,10 +15,16 @@ c / s. Sleeping, not spinning, leaves the core to other ranks. Disturbances:
   extra seconds per epoch, spread evenly over that epoch's steps.
 
 Real heterogeneity (a busy core, a slower node) is measured the same way and needs none
-of this. No MPI here: the draws are seeded by (seed, rank), so runs are reproducible.
+of this; to make some on purpose, `Contention` starts a real CPU hog on a rank's core
+for a stretch of steps (nothing emulated: the operating system shares the core). No MPI
+here: the draws are seeded by (seed, rank), so runs are reproducible.
 """
 from __future__ import annotations
 
+import atexit
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -38,7 +44,8 @@ def precise_sleep(seconds: float) -> None:
 class Emulator:
     def __init__(self, rank: int, speed: float = 1.0, *, seed: int = 0, slow_rank: int = -1,
                  slow_factor: float = 1.0, slow_epochs=(0, 0), slow_steps=(0, 0), slow_seconds=(0.0, 0.0),
-                 sleep_prob: float = 0.0, sleep_seconds=(5.0, 10.0), sleep_epochs=(4, 20)):
+                 sleep_prob: float = 0.0, sleep_seconds=(5.0, 10.0), sleep_epochs=(4, 20),
+                 contention_rank: int = -1, contention_steps=(0, 0)):
         if speed <= 0:
             raise ValueError(f"speed must be positive, got {speed}")
         self.rank = rank
@@ -49,6 +56,7 @@ class Emulator:
         self.run_step = 0              # training steps done over the run
         self.trained = 0.0             # seconds of training done (at the last step's end)
         self.epoch_slowed = False      # the open epoch is in slow_epochs
+        self.contention = Contention(*contention_steps) if contention_rank == rank else None
         self.sleep_prob = sleep_prob
         self.sleep_seconds = tuple(sleep_seconds)
         self.sleep_epochs = tuple(sleep_epochs)
@@ -64,7 +72,8 @@ class Emulator:
         speed = cfg.speeds[rank] / max(cfg.speeds) if cfg.speeds else 1.0
         return cls(rank, speed, seed=cfg.seed, slow_rank=cfg.slow_rank, slow_factor=cfg.slow_factor,
                    slow_epochs=cfg.slow_epochs, slow_steps=cfg.slow_steps, slow_seconds=cfg.slow_seconds,
-                   sleep_prob=cfg.sleep_prob, sleep_seconds=cfg.sleep_seconds, sleep_epochs=cfg.sleep_epochs)
+                   sleep_prob=cfg.sleep_prob, sleep_seconds=cfg.sleep_seconds, sleep_epochs=cfg.sleep_epochs,
+                   contention_rank=cfg.contention_rank, contention_steps=cfg.contention_steps)
 
     def state_dict(self) -> dict:
         """The emulator's position (random stream, disturbance, this epoch's factors):
@@ -99,10 +108,13 @@ class Emulator:
         self.step_sleep = self.epoch_sleep / max(steps, 1)
 
     def step_done(self, trained_seconds: float) -> None:
-        """A training step ended, `trained_seconds` into training: the next step's factor."""
+        """A training step ended, `trained_seconds` into training: the next step's factor
+        (and the contention's start or end)."""
         self.run_step += 1
         self.trained = float(trained_seconds)
         self._set_factor()
+        if self.contention is not None:
+            self.contention.at(self.run_step)
 
     def _set_factor(self) -> None:
         (s0, s1), (t0, t1) = self.slow_steps, self.slow_seconds
@@ -122,3 +134,56 @@ class Emulator:
             precise_sleep(extra)
             return extra
         return 0.0
+
+
+HOG = """
+import os, time
+parent = os.getppid()
+while os.getppid() == parent:          # a busy loop that ends with its rank, whatever happens
+    end = time.perf_counter() + 0.05
+    while time.perf_counter() < end:
+        pass
+"""
+
+
+class Contention:
+    """Real contention for the run's steps [start, stop): a busy process on this rank's
+    first core, the rank pinned to the same core meanwhile (so the operating system gives
+    each about half of it); afterwards the process is stopped and the rank's affinity
+    restored. The process also ends by itself when its rank is gone."""
+
+    def __init__(self, start: int, stop: int):
+        self.start, self.stop = int(start), int(stop)
+        self.process: subprocess.Popen | None = None
+        self.affinity: set | None = None
+
+    def at(self, step: int) -> None:
+        """The next step is `step` (of the run): start or stop the hog if it is time."""
+        if self.start <= step < self.stop and self.process is None:
+            self._begin()
+        elif not self.start <= step < self.stop and self.process is not None:
+            self.end()
+
+    def _begin(self) -> None:
+        self.affinity = os.sched_getaffinity(0)
+        core = {min(self.affinity)}
+        os.sched_setaffinity(0, core)
+        self.process = subprocess.Popen([sys.executable, "-c", HOG], stdin=subprocess.DEVNULL)
+        os.sched_setaffinity(self.process.pid, core)
+        atexit.register(self.end)
+
+    def end(self) -> None:
+        if self.process is not None:
+            atexit.unregister(self.end)
+            self.process.kill()
+            self.process.wait(timeout=10)
+            self.process = None
+        if self.affinity is not None:
+            os.sched_setaffinity(0, self.affinity)
+            self.affinity = None
+
+    def __del__(self):
+        try:
+            self.end()
+        except Exception:   # interpreter shutdown
+            pass

@@ -82,10 +82,11 @@ class Network:
         return self.alpha + nbytes * self.beta
 
 
-def buckets(numel: int, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0) -> list[float]:
+def buckets(numel: int, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0, extra: int = 0) -> list[float]:
     """Bytes of every gradient bucket of a model with `numel` parameters (DDP's caps; the
-    loss slot in the last): one bucket per cap-sized run of the flat buffer."""
-    total, first, cap = 4.0 * (numel + 1), first_bucket_mb * 2 ** 20, bucket_mb * 2 ** 20
+    loss slot and `extra` telemetry slots in the last): one bucket per cap-sized run of
+    the flat buffer."""
+    total, first, cap = 4.0 * (numel + 1 + extra), first_bucket_mb * 2 ** 20, bucket_mb * 2 ** 20
     if not cap or total <= (first or total):
         return [total]
     out, left = [first], total - first
@@ -163,11 +164,13 @@ class Job:
     dbs_smoothing: float = 0.5
     dbs_follow: float = 0.25
     dbs_min_gain: float = 0.03
+    dbs_interval: str = "1"          # dbs: re-plan every N steps, or "epoch"
+    dbs_window: int = 32
     benchmark_steps: int = 5
     softsync_n: int = 1
     softsync_wait: bool = False
     seed: int = 0
-    disturbances: dict = field(default_factory=dict)   # slow_rank, slow_factor, slow_epochs, sleep_*
+    disturbances: dict = field(default_factory=dict)   # slow_rank, slow_factor, slow_epochs/steps/seconds, sleep_*
     data_per_sample: float = 0.0     # seconds of reading one sample
     bucket_mb: float = 25.0
     first_bucket_mb: float = 1.0
@@ -291,34 +294,86 @@ def startup_fit(job: Job, startup: dict, ranks: int) -> allocation.SpeedModel | 
 def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0.03, seed: int = 0,
                   load: float = 1.0, vector=None, fit=None) -> Result:
     """ssgd, static or dbs, epoch by epoch and step by step. vector / fit: the start-up
-    calibration's outcome if known (a replay), else the calibration is simulated."""
+    calibration's outcome if known (a replay), else the calibration is simulated. dbs
+    re-plans with the engine's controller: every epoch, or with the engine's Replanner at
+    its step interval, the vector applying from the step after its announcement (the
+    simulated ranks prefetch nothing)."""
     rng = np.random.default_rng(seed)
     n = cluster.size
     compute, emus, result = Compute(job, cluster, noise, rng, load), emulators(job, n), Result()
     if fit is None:
         fit = simulated_calibration(job, cluster, compute, emus)
     vector = np.asarray(vector if vector is not None else first_vector(job, n, fit), dtype=np.int64)
-    controller = dbs_controller(job, fit) if job.strategy == "dbs" else None
-    comm = network.exchange(n, buckets(job.model.numel, job.bucket_mb, job.first_bucket_mb), cluster.sleeping,
+    replanner = step_replanner(job, fit, n)
+    controller = dbs_controller(job, fit) if job.strategy == "dbs" and replanner is None else None
+    extra = 0 if replanner is None else replanner.size
+    comm = network.exchange(n, buckets(job.model.numel, job.bucket_mb, job.first_bucket_mb, extra), cluster.sleeping,
                             cluster.crowded)
     if n > 1:          # what real steps take beyond the model (machine.py: measured once per machine)
         comm += job.residual.get("sync_crowded" if cluster.crowded else "sync", 0.0)
-    update = compute.update()
+    clock = _SyncClock(compute, emus, comm, compute.update(), replanner)
     for epoch in range(job.epochs):
         table = sharding.step_batch_sizes(job.samples, job.global_batch, vector, job.drop_last)
         for e in emus:
             e.start_epoch(epoch, len(table))
-        factor, sleep = np.array([e.factor for e in emus]), np.array([e.step_sleep for e in emus])
-        pre = np.array([compute.pre(row, factor, sleep) for row in table])      # (steps, ranks)
-        slowest = pre.max(axis=1)
-        result.epoch_time.append(float((slowest + comm + update).sum()))
         result.batch_sizes.append(vector.tolist())
-        result.compute += float(pre.sum() + update * pre.size)
+        pre = clock.epoch(table, job)                                       # (steps, ranks)
+        vector = clock.vector if clock.vector is not None else vector
+        slowest = pre.max(axis=1)
+        result.epoch_time.append(float((slowest + comm + clock.update).sum()))
+        result.compute += float(pre.sum() + clock.update * pre.size)
         result.wait += float((slowest[:, None] - pre).sum())
         result.comm += float(comm * pre.size)
         if controller is not None:
             vector, _ = controller.update(vector, table, pre.sum(axis=0))
     return result
+
+
+def step_replanner(job: Job, fit: allocation.SpeedModel, ranks: int) -> dynamic.Replanner | None:
+    """The engine's within-epoch Replanner (rank 0's: the one whose proposals count), or None."""
+    interval = dynamic.parse_interval(job.dbs_interval)
+    if job.strategy != "dbs" or interval is None or ranks == 1:
+        return None
+    return dynamic.Replanner(0, ranks, job.global_batch, job.min_local_batch, job.max_local_batch or None,
+                             model=fit, interval=interval, window=job.dbs_window, follow=job.dbs_follow,
+                             min_gain=job.dbs_min_gain)
+
+
+class _SyncClock:
+    """The steps of an epoch in simulated time: every rank's pre-collective seconds, the
+    emulator's per-step windows, and (dbs within the epoch) the Replanner fed with what
+    the engine's allreduce carries, its switches applied to the epoch's table."""
+
+    def __init__(self, compute: Compute, emus, comm: float, update: float, replanner):
+        self.compute, self.emus, self.comm, self.update, self.replanner = compute, emus, comm, update, replanner
+        self.trained, self.run_steps, self.vector = 0.0, 0, None
+
+    def epoch(self, table: np.ndarray, job: Job) -> np.ndarray:
+        pre = np.zeros(table.shape)
+        for s in range(len(table)):
+            factor = np.array([e.factor for e in self.emus])
+            pre[s] = self.compute.pre(table[s], factor, np.array([e.step_sleep for e in self.emus]))
+            self.trained += float(pre[s].max() + self.comm + self.update)
+            self.run_steps += 1
+            for e in self.emus:
+                e.step_done(self.trained)
+            if self.replanner is not None:
+                self._replan(table, s, pre[s], job)
+        return pre
+
+    def _replan(self, table: np.ndarray, s: int, seconds: np.ndarray, job: Job) -> None:
+        r, n = self.replanner, table.shape[1]
+        announced = np.zeros(n) if r.announce is None else r.announce.astype(float)
+        r.announce = None
+        summed = np.concatenate([seconds, np.full(n, s + 1.0), announced])       # nobody prefetches
+        current = self.vector if self.vector is not None else table[0]
+        switch = r.incoming(summed, table[s], current, s + 1, self.run_steps)
+        if switch is None:
+            return
+        self.vector = switch.vector
+        if switch.first_step < len(table):
+            rows = sharding.step_batch_sizes(job.samples, job.global_batch, switch.vector, job.drop_last)
+            table[switch.first_step:] = rows[switch.first_step:]
 
 
 # --- the asynchronous strategies (the parameter server) -------------------------------------
@@ -492,18 +547,25 @@ class _AsyncLoop:
 
 # --- replays and projections ----------------------------------------------------------------
 
+# What a run recorded before these options existed did (dbs re-planned once per epoch).
+LEGACY = {"dbs_interval": "epoch", "dbs_window": 32, "slow_steps": (0, 0), "slow_seconds": (0.0, 0.0)}
+
+
 def job_from_config(cfg: dict, model: ModelCost, data_per_sample: float) -> Job:
     from .data import SPLIT_SIZES
     samples = SPLIT_SIZES.get(cfg["dataset"], {}).get("train", cfg.get("synthetic_samples", 0))
     if cfg.get("subset"):
         samples = min(samples, cfg["subset"])
+    cfg = {**LEGACY, **cfg}
     disturbances = {k: tuple(cfg[k]) if isinstance(cfg[k], list) else cfg[k]
-                    for k in ("slow_rank", "slow_factor", "slow_epochs", "sleep_prob", "sleep_seconds", "sleep_epochs")}
+                    for k in ("slow_rank", "slow_factor", "slow_epochs", "slow_steps", "slow_seconds", "sleep_prob",
+                              "sleep_seconds", "sleep_epochs")}
     return Job(strategy=cfg["strategy"], model=model, samples=samples, global_batch=cfg["global_batch"],
                epochs=cfg["epochs"], speeds=tuple(cfg.get("speeds") or ()), drop_last=cfg["drop_last"],
                min_local_batch=cfg["min_local_batch"], max_local_batch=cfg["max_local_batch"],
                dbs_model=cfg["dbs_model"], dbs_smoothing=cfg["dbs_smoothing"], dbs_follow=cfg["dbs_follow"],
-               dbs_min_gain=cfg["dbs_min_gain"], benchmark_steps=cfg["benchmark_steps"],
+               dbs_min_gain=cfg["dbs_min_gain"], dbs_interval=str(cfg["dbs_interval"]), dbs_window=cfg["dbs_window"],
+               benchmark_steps=cfg["benchmark_steps"],
                softsync_n=cfg["softsync_n"], softsync_wait=cfg["softsync_wait"], seed=cfg["seed"],
                disturbances=disturbances, data_per_sample=data_per_sample, bucket_mb=cfg["bucket_mb"],
                first_bucket_mb=cfg["first_bucket_mb"])
@@ -620,7 +682,7 @@ def _speeds_file(path: Path) -> np.ndarray:
 def projection(machine: Machine, speeds, strategy: str = "dbs", model: str = "resnet20", epochs: int = 3,
                samples: int = 50000, global_batch: int = 0, local_batch: int = 32, network=NETWORKS["ib-100g"],
                algorithm: str = "auto", ranks_per_node: int = 1, compute_scale: float = 1.0, noise: float = 0.03,
-               seed: int = 0) -> dict:
+               seed: int = 0, dbs_interval: str = "1") -> dict:
     """A run at scale: one rank per device of relative speed `speeds[i]` (1 = the fastest,
     which computes `compute_scale` times as fast as the machine's core), `ranks_per_node`
     ranks per node, each with its own cores; network = (alpha, beta)."""
@@ -628,7 +690,7 @@ def projection(machine: Machine, speeds, strategy: str = "dbs", model: str = "re
     ranks = len(speeds)
     global_batch = global_batch or local_batch * ranks
     job = Job(strategy=strategy, model=machine.models[model], samples=samples, global_batch=global_batch,
-              epochs=epochs, seed=seed)     # no residual: it is this machine's, not the projected cluster's
+              epochs=epochs, seed=seed, dbs_interval=str(dbs_interval))   # no residual: that is this machine's
     alpha, beta = network
     cluster = Cluster(nodes=np.arange(ranks) // ranks_per_node, cores=ranks_per_node, device=speeds * compute_scale)
     start = time.perf_counter()
@@ -646,7 +708,8 @@ def project(args, machine: Machine) -> dict:
     network = NETWORKS[args.network] if args.network in NETWORKS else tuple(map(float, args.network.split(",")))
     return projection(machine, speeds_from(args, args.ranks), args.strategy, args.model, args.epochs, args.samples,
                       args.global_batch, args.local_batch, network, args.algorithm, args.ranks_per_node,
-                      args.compute_scale, DEFAULT_NOISE if args.noise is None else args.noise, args.seed)
+                      args.compute_scale, DEFAULT_NOISE if args.noise is None else args.noise, args.seed,
+                      args.dbs_interval)
 
 
 # --- the command ---------------------------------------------------------------------------
@@ -677,6 +740,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--noise", type=float, metavar="SIGMA", help="lognormal sigma of every compute time (default: "
                    f"the machine file's for a replay, {DEFAULT_NOISE} for a projection)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dbs-interval", default="1", metavar="N|epoch", help="projection: dbs re-plans every N steps, "
+                   "or once per epoch (as `dbs-mpi train`)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -731,6 +796,7 @@ def _check_values(args, machine: Machine) -> None:
         raise UserError(f"noise: must be 0 or more, got {args.noise}")
     if not args.speed_spread >= 1:
         raise UserError(f"speed-spread: must be at least 1 (speeds log-uniform in [1/R, 1]), got {args.speed_spread}")
+    dynamic.parse_interval(args.dbs_interval)                       # one line naming dbs_interval
     if args.network not in NETWORKS:
         try:
             alpha, beta = (float(v) for v in args.network.split(","))

@@ -243,3 +243,33 @@ def test_measured_ideal_speedup_from_step_times():
     # equal speeds, batches barely moved: proportional per rank, ideal about 1
     assert analysis.measured_ideal_speedup([50, 50], [0.06, 0.06], [51, 49], [0.061, 0.059], 100) == \
         pytest.approx(1.0, abs=0.02)
+
+
+def test_vectors_and_replans_show_changes_within_epochs(tmp_path):
+    cfg = Config(strategy="dbs", speeds=(1.0, 1.0), epochs=2)
+    w = RunWriter(tmp_path / "within.h5", dict(config=cfg.to_json(), strategy="dbs", world_size=2,
+                                               hostnames=["h", "h"]), 2)
+    tables = [np.array([[256, 256], [256, 256], [400, 112], [400, 112]]), np.array([[400, 112]] * 3 + [[100, 28]])]
+    for e, table in enumerate(tables):
+        steps = len(table)
+        replans = {} if e else dict(epoch=np.array([0]), step=np.array([2]), run_step=np.array([2]),
+                                    decided=np.array([0]), batch_sizes=np.array([[400, 112]]),
+                                    per_sample=np.array([[1e-4, 4e-4]]), overhead=np.zeros((1, 2)),
+                                    predicted_before=np.array([0.1]), predicted_after=np.array([0.05]),
+                                    changed=np.array([[False, True]]))
+        w.append_epoch(dict(duration=1.0, batch_sizes=table[-2], rank_samples=table.sum(axis=0), steps=np.int64(steps)),
+                       dict(loss=np.ones(steps), epoch=np.full(steps, e), batch_sizes=table,
+                            compute_time=np.full((steps, 2), 0.1)), replans)
+    w.close(STATUS_COMPLETE)
+    write_sync(tmp_path / "legacy.h5", strategy="dbs", speeds=(1.0, 0.25))
+    t = analysis.load(tmp_path)
+    runs = t.runs.set_index("run")
+    assert runs.loc["within"].variant == "dbs" and runs.loc["within"].dbs_interval == "1"
+    v = t.vectors[t.vectors.run == "within"].pivot(index="step", columns="rank", values="batch_size")
+    assert v.values.tolist() == np.concatenate(tables).tolist()
+    assert t.vectors[t.vectors.run == "within"].step_in_epoch.max() == 3
+    r = t.replans
+    assert r.run.tolist() == ["within"] and r.step.tolist() == [2] and r.batch_sizes.tolist() == [(400, 112)]
+    assert r.changed_ranks.tolist() == [(1,)] and r.variant.tolist() == ["dbs"]
+    legacy = t.vectors[t.vectors.run == "legacy"]           # no step/batch_sizes: the epoch's vector
+    assert set(legacy.batch_size) == {400, 112} and len(legacy) == 3 * 4 * 2

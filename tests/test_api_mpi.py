@@ -176,6 +176,60 @@ def test_allocation_invariance_through_a_dataloader_with_workers(comm, shared_tm
     torch.testing.assert_close(many, single, rtol=1e-4, atol=2e-5)
 
 
+def train_with_forced_changes(comm, dataset, epochs, workers, proposals):
+    """dbs with a step interval and vectors forced mid-epoch (proposals: (epoch, step) ->
+    vector, asked for before that step); the final parameters and every epoch's stats."""
+    torch.manual_seed(0)
+    model = UserNet(classes=len(dataset.classes))
+    dbs_mpi.broadcast_parameters(model, comm)
+    balancer = dbs_mpi.Balancer(comm, 8, "dbs", interval=1)
+    sampler = dbs_mpi.HeteroSampler(dataset, balancer, seed=4)
+    extra = dict(num_workers=workers, prefetch_factor=4, persistent_workers=True) if workers else {}
+    loader = DataLoader(dataset, batch_sampler=sampler, **extra)
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                                             balancer)
+    stats = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for s, (x, y) in enumerate(loader):
+            if (epoch, s) in proposals:
+                balancer.propose(proposals[epoch, s])
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        stats.append(balancer.end_epoch())
+    return flat_params(model), stats
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_vectors_changed_mid_epoch_keep_allocation_invariance(comm, shared_tmp, workers):
+    """15 steps an epoch; two DataLoader workers with prefetch_factor 4 hand out 8 steps
+    ahead, so a vector asked for at step s applies only from a step no rank handed out."""
+    root = shared_tmp / "folder"
+    if comm.Get_rank() == 0:
+        write_folder(root)
+    comm.Barrier()
+    dataset, n = LazyFolder(root), comm.Get_size()
+    rng = np.random.default_rng(n)
+    proposals = {key: allocation.round_preserving_sum(1 + 7 * rng.dirichlet(np.ones(n)) * (8 - n) / 7, 8)
+                 for key in [(0, 1), (0, 9), (1, 3), (2, 14)]}
+    many, stats = train_with_forced_changes(comm, dataset, 3, workers, proposals)
+    single, _ = train_with_forced_changes(MPI.COMM_SELF, dataset, 3, workers, {})
+    torch.testing.assert_close(many, single, rtol=1e-4, atol=2e-5)
+    for s in stats:
+        assert (s.table.sum(axis=1)[:-1] == 8).all() and s.table.sum() == len(dataset)
+    if n == 1:
+        return
+    changes = [(s.epoch, c.step, c.batch_sizes.tolist()) for s in stats for c in s.changes]
+    ahead = 8 if workers else 0                   # steps a rank's sampler is ahead of its training
+    assert changes[0] == (0, 2 + ahead, proposals[0, 1].tolist()), changes
+    assert (stats[0].table[:2 + ahead] == stats[0].table[0]).all()
+    assert (stats[0].table[2 + ahead:-1] == proposals[0, 1]).all() or len(changes) > 1 and changes[1][0] == 0
+    assert any(e == 2 and step >= 15 for e, step, _ in changes), "a vector asked for at an epoch's last step " \
+        "applies from the next epoch"
+
+
 ZERO_GRAD_FORMS = {
     "ours": lambda opt, model: opt.zero_grad(),
     "ours, set_to_none=False": lambda opt, model: opt.zero_grad(set_to_none=False),
@@ -332,6 +386,62 @@ def test_a_weights_only_checkpoint_continues_the_run_bit_for_bit(comm, shared_tm
     assert planner is not None and again[2].batch_sizes.tolist() == balancer.batch_sizes.tolist()
     if within:
         assert planner.step == balancer.replanner.planner.step == balancer.run_steps == 3 * 7
+
+
+def forced_steps(parts, data, epoch, proposals, stop_after=None):
+    """The loop of epoch `epoch` (from where the sampler is), asking for proposals[(epoch,
+    step)] before that step and, with stop_after, also after that step (then it stops)."""
+    model, optimizer, balancer, sampler = parts
+    sampler.set_epoch(epoch)
+    for x, y in DataLoader(data, batch_sampler=sampler):
+        step = balancer.step
+        if (epoch, step) in proposals:
+            balancer.propose(proposals[epoch, step])
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step(loss=loss)
+        if step == stop_after:
+            balancer.propose(proposals[epoch, "after"])        # announced only with the next step
+            return None
+    return balancer.end_epoch()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_checkpoint_in_an_epoch_whose_vector_changed_continues_bit_for_bit(comm, shared_tmp):
+    """dbs within the epoch, vectors forced (the planner's dead band passes nothing): a
+    checkpoint after step 4 of epoch 2, whose vector changed at step 2, with a proposal
+    asked for after step 4 that only the next step announces, continues bit for bit."""
+    data, n = Pairs(150), comm.Get_size()                     # 7 steps of 24 an epoch
+    rng = np.random.default_rng(3)
+    vectors = [allocation.round_preserving_sum(1 + 23 * rng.dirichlet(np.ones(n)) * (24 - n) / 23, 24)
+               for _ in range(3)]
+    proposals = {(1, 1): vectors[0], (1, "after"): vectors[1], (2, 0): vectors[2]}
+    parts = make_parts(comm, data)
+    model, optimizer, balancer, sampler = parts
+    forced_steps(parts, data, 0, proposals)
+    assert forced_steps(parts, data, 1, proposals, stop_after=4) is None
+    path = shared_tmp / "changed.ckpt"
+    dbs_mpi.save_checkpoint(comm, path, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                         "sampler": sampler.state_dict()},
+                            {"balancer": balancer.state_dict(), "rng": torch.get_rng_state()})
+    original = [forced_steps(parts, data, 1, proposals), forced_steps(parts, data, 2, proposals)]
+
+    state = dbs_mpi.load_checkpoint(path)
+    again = make_parts(comm, data)
+    for part, key in zip(again, ("model", "optimizer", None, "sampler")):
+        part.load_state_dict(state[key] if key else state["per_rank"][comm.Get_rank()]["balancer"])
+    torch.set_rng_state(state["per_rank"][comm.Get_rank()]["rng"])
+    resumed = [forced_steps(again, data, 1, proposals), forced_steps(again, data, 2, proposals)]
+    assert torch.equal(flat_params(again[0]), flat_params(model))
+    for a, b in zip(original, resumed):
+        np.testing.assert_array_equal(a.table, b.table)
+        assert [(c.step, c.batch_sizes.tolist()) for c in a.changes] == \
+            [(c.step, c.batch_sizes.tolist()) for c in b.changes]
+    if n > 1:
+        assert [(c.step, c.batch_sizes.tolist()) for c in original[0].changes] == \
+            [(2, vectors[0].tolist()), (6, vectors[1].tolist())]
+        assert original[1].changes[0].step == 1
 
 
 @pytest.mark.mpi(min_size=1)

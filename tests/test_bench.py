@@ -115,3 +115,51 @@ def test_rank_requirements_are_checked_before_anything_runs():
     assert bench._setup(["overhead"], 1).case == "overhead"
     with pytest.raises(UserError):
         bench._setup(["nonsense"], 4)
+
+
+def fake_tracking_run(follow, give_back, slowed=100, steps=120, start=30, stop=90, seconds=(0.02, 0.05)):
+    """A 2-rank run's step record: rank 1 at 256 until `follow` steps after start, then
+    `slowed` until `give_back` steps after stop."""
+    batches = np.tile([256, 256], (steps, 1))
+    moved = slice(start + follow, stop + give_back)
+    batches[moved] = [512 - slowed, slowed]
+    seconds_per_step = np.full(steps, seconds[0])
+    seconds_per_step[start:stop] = seconds[1]
+    compute = np.column_stack([batches[:, 0] * 1e-4, batches[:, 1] * np.where(
+        (np.arange(steps) >= start) & (np.arange(steps) < stop), 4e-4, 1e-4)])
+    return {"batches": batches, "seconds": seconds_per_step, "compute": compute}
+
+
+def test_tracking_figures_from_step_records():
+    from dbs_mpi import bench_tracking as tracking
+    run = fake_tracking_run(follow=4, give_back=5)
+    m = tracking.run_metrics(run, 30, 90, share=0.2)
+    assert (m["follow"], m["give_back"]) == (4, 5)
+    assert m["stretch_seconds"] == pytest.approx(60 * 0.05)
+    assert m["after"] == pytest.approx(1.0) and m["moves"] == 0 and m["moved_per_step"] == 0.0
+    never = tracking.run_metrics(fake_tracking_run(follow=200, give_back=0), 30, 90, share=0.2)
+    assert never["follow"] is None and tracking.median_of([None, 3, 4]) == 4.0
+    np.testing.assert_allclose(tracking.measured_speeds(run, 30, 90), [10000, 2500])
+    runs = {"ssgd": [fake_tracking_run(200, 0, seconds=(0.02, 0.1))], "dbs": [run], "dbs-epoch": [run]}
+    summary = tracking.summarize(runs, 30, 90, factor=4.0)
+    assert summary["ideal"] == pytest.approx(0.4) and summary["share"] == pytest.approx(0.2)
+    assert summary["stretch_ratio"]["dbs"] == [pytest.approx(0.5)]
+    measured = tracking.summarize(runs, 30, 90, factor=None)      # the speeds ssgd measured: 1 : 0.25
+    assert measured["ideal"] == pytest.approx(0.4)
+
+
+def test_tracking_report_formats_and_checks():
+    from dbs_mpi import bench_tracking as tracking
+    runs = {"ssgd": [fake_tracking_run(200, 0, seconds=(0.02, 0.1))] * 2,
+            "dbs": [fake_tracking_run(4, 5)] * 2, "dbs-epoch": [fake_tracking_run(10, 30)] * 2}
+    summary = tracking.summarize(runs, 30, 90, factor=4.0)
+    report = {"case": "tracking", "world_size": 2, "global_batch": 512, "repeats": 2, "steps": [30, 90],
+              "factor": 4.0, "epochs": 3, "steps_per_epoch": 40, "oversubscribed": False,
+              "scenarios": {"emulated": summary}, "checks": bench._tracking_checks("emulated", summary)}
+    text = bench.format_tracking(report)
+    assert text.startswith("bench tracking") and "ideal stretch ratio min(v)/mean(v) = 0.400" in text
+    assert [c["met"] for c in report["checks"]][:4] == [True, True, True, True]
+    with pytest.raises(UserError, match="tracking-steps"):
+        bench._setup(["tracking", "--tracking-steps", "5,90"], 2)
+    with pytest.raises(UserError, match="scenarios"):
+        bench._setup(["tracking", "--scenarios", "emulated,storm"], 2)

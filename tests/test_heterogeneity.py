@@ -124,3 +124,49 @@ def test_distributed_optimizer_stretches_cpu_time_not_waiting():
     assert len(stretched) == 2
     assert all(wall >= 0.2 and slept < wall for wall, slept in stretched), \
         f"(wall, slept) {stretched}: the wait was stretched as if it were compute"
+
+
+def test_steps_and_seconds_windows_slow_the_slow_rank_only():
+    slow = Emulator(1, 1.0, slow_rank=1, slow_factor=4.0, slow_steps=(2, 4), slow_seconds=(10.0, 12.0))
+    other = Emulator(0, 1.0, slow_rank=1, slow_factor=4.0, slow_steps=(2, 4))
+    factors = []
+    for e in (slow, other):
+        e.start_epoch(0, 10)
+        seen = [e.factor]
+        for step, trained in enumerate([1.0, 2.0, 3.0, 4.0, 10.5, 11.0, 12.5]):
+            e.step_done(trained)
+            seen.append(e.factor)
+        factors.append(seen)
+    #            steps 0    1    2    3    4    5 (10.5 s) 6 (11 s) 7 (12.5 s)
+    assert factors[0] == [1.0, 1.0, 4.0, 4.0, 1.0, 4.0, 4.0, 1.0]
+    assert factors[1] == [1.0] * 8
+    restored = Emulator(1, 1.0, slow_rank=1, slow_factor=4.0, slow_steps=(2, 4))
+    restored.load_state_dict(slow.state_dict())
+    assert (restored.run_step, restored.trained, restored.factor) == (7, 12.5, 1.0)
+
+
+def test_contention_is_a_real_process_on_the_rank_s_core_for_its_steps():
+    import os
+
+    from dbs_mpi.heterogeneity import Contention
+    before = os.sched_getaffinity(0)
+    contention = Contention(1, 3)
+    contention.at(0)
+    assert contention.process is None
+    contention.at(1)
+    try:
+        pid = contention.process.pid
+        core = {min(before)}
+        assert os.sched_getaffinity(0) == core and os.sched_getaffinity(pid) == core
+        start = time.process_time()
+        time.sleep(0.3)
+        with open(f"/proc/{pid}/stat") as f:                     # it computes: utime + stime in clock ticks
+            fields = f.read().rsplit(")", 1)[1].split()
+        assert int(fields[11]) + int(fields[12]) > 0
+        assert time.process_time() - start < 0.1
+        contention.at(2)
+        assert contention.process is not None
+    finally:
+        contention.at(3)
+    assert contention.process is None and os.sched_getaffinity(0) == before
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
