@@ -114,6 +114,8 @@ class StepTimeEstimator:
         self.last_batches = np.full(ranks, np.nan)               # the last step's local batches
         self.sigma = np.zeros(ranks)                             # robust spread of log(t / model(b)) per rank
         self.count = np.zeros(ranks, dtype=np.int64)             # steps in the window per rank
+        self.bound = self._threshold()                           # a change of level, log (see _threshold)
+        self.side = np.zeros((self.window, ranks), dtype=np.int8)   # +1 / -1: that step was beyond the bound
 
     def observe(self, batches, seconds) -> None:
         """One step: every rank's local batch and its measured compute seconds. Not a
@@ -125,7 +127,13 @@ class StepTimeEstimator:
         self.last_batches = b
         self.batches[self.next] = np.where(valid, b, np.nan)
         self.seconds[self.next] = np.where(valid, t, np.nan)
+        self.side[self.next] = self._sides(self.batches[self.next], self.seconds[self.next])
         self.next = (self.next + 1) % self.window
+
+    def _sides(self, b, t) -> np.ndarray:
+        """+1 where a step was slower than the model by the bound or more, -1 faster, else 0."""
+        log_ratio = np.log(t / (self.model.overhead + self.model.per_sample * b))      # NaN where no step
+        return (log_ratio >= self.bound).astype(np.int8) - (log_ratio <= -self.bound).astype(np.int8)
 
     def _ordered(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Row indices, batches and seconds of the window, oldest first."""
@@ -133,18 +141,21 @@ class StepTimeEstimator:
         return rows, self.batches[rows], self.seconds[rows]
 
     def moved(self) -> bool:
-        """Cheap, every step: has some rank's level (median ratio of its last RECENT steps)
-        moved by `follow` from its model? (update() then tells a change from a shape.)"""
+        """Cheap, every step: has some rank's level (the median ratio of its last RECENT
+        steps) moved by the bound from its model? That is: more than half of those steps
+        beyond it on the same side. (update() then tells a change from a shape.)"""
         rows = (self.next - 1 - np.arange(self.recent)) % self.window
-        b, t = self.batches[rows], self.seconds[rows]
-        ratio = t / (self.model.overhead + self.model.per_sample * b)
-        level = _median(ratio, np.isfinite(ratio))
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return bool(np.any(np.abs(np.log(level)) >= self._threshold()))
+        side = self.side[rows]
+        half = np.isfinite(self.seconds[rows]).sum(axis=0)
+        return bool(np.any((2 * (side > 0).sum(axis=0) > half) | (2 * (side < 0).sum(axis=0) > half)))
 
     def update(self) -> np.ndarray:
         """Re-estimate every rank's model from the window; returns the ranks (bool) whose
         speed changed (followed at once)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self._update()
+
+    def _update(self) -> np.ndarray:
         rows, b, t = self._ordered()
         a, c = self.model.overhead, self.model.per_sample
         ratio = t / (a + c * b)
@@ -160,23 +171,24 @@ class StepTimeEstimator:
                          fitted["sigma"])
         self.sigma = np.where(self.count >= 2 * self.recent, sigma, self.sigma)
         threshold = self._threshold()
-        # A step time that moved with the local batch is the line's shape, not a new speed:
-        # a change is one that neither the current model nor the window's fit explains.
-        with np.errstate(invalid="ignore", divide="ignore"):
+        changed = (recent.sum(axis=0) >= self.recent) & (np.abs(np.log(level)) >= threshold)
+        if (changed & fitted["ok"]).any():
+            # A step time that moved with the local batch is the line's shape, not a new
+            # speed: a change is one that neither the model nor the window's line explains.
             level_fit = _median(t / (fitted["overhead"] + fitted["per_sample"] * b), recent)
-            explained = fitted["ok"] & (np.abs(np.log(level_fit)) < threshold)
-            changed = (recent.sum(axis=0) >= self.recent) & (np.abs(np.log(level)) >= threshold) & ~explained
+            changed &= ~(fitted["ok"] & (np.abs(np.log(level_fit)) < threshold))
         scale = np.where(changed, level, fitted["scale"])
         fit = fitted["ok"] & ~changed
         self.model = SpeedModel(per_sample=np.where(fit, fitted["per_sample"], c * scale),
                                 overhead=np.where(fit, fitted["overhead"], a * scale))
         if changed.any():                    # forget the steps of the old speed, keep the new one's
-            with np.errstate(invalid="ignore", divide="ignore"):
-                same = recent & (np.abs(np.log(ratio / level)) < threshold)
+            same = recent & (np.abs(np.log(ratio / level)) < threshold)
             stale = ~same & changed
             self.batches[rows] = np.where(stale, np.nan, b)
             self.seconds[rows] = np.where(stale, np.nan, t)
             self.count = np.where(changed, same.sum(axis=0), self.count)
+        self.bound = threshold
+        self.side = self._sides(self.batches, self.seconds)
         return changed
 
     def _threshold(self) -> np.ndarray:
@@ -192,12 +204,13 @@ class StepTimeEstimator:
         """The steady rule: twice, a line (or, where the local batches do not spread, a
         level) through the steps kept so far and the outliers out by their distance from
         it; then the line through the rest, and the rest's mean ratio."""
-        with np.errstate(invalid="ignore", divide="ignore"):
-            log_ratio = np.log(np.where(valid, ratio, np.nan))
+        log_ratio = np.log(np.where(valid, ratio, np.nan))
+        spread = np.where(valid, b, -np.inf).max(axis=0) >= SPREAD * np.where(valid, b, np.inf).min(axis=0)
         inlier = valid
         for _ in range(2):
-            line = self._line(b, t, inlier)
-            with np.errstate(invalid="ignore", divide="ignore"):
+            residual = log_ratio
+            if spread.any():
+                line = self._line(b, t, inlier)
                 residual = np.where(line["ok"], np.log(t / (line["overhead"] + line["per_sample"] * b)), log_ratio)
             deviation = np.abs(residual - _median(residual, inlier))
             mad = np.nan_to_num(_median(deviation, inlier))
@@ -205,10 +218,11 @@ class StepTimeEstimator:
         count = inlier.sum(axis=0)
         mean_log = np.where(inlier, log_ratio, 0.0).sum(axis=0) / np.maximum(count, 1)
         kept = np.where(inlier, residual, 0.0)
-        spread = np.sqrt(np.maximum((kept ** 2).sum(0) - kept.sum(0) ** 2 / np.maximum(count, 1), 0.0)
-                         / np.maximum(count - 1, 1))
-        return {"scale": np.where(count >= self.recent, np.exp(mean_log), 1.0), "sigma": spread,
-                **self._line(b, t, inlier)}
+        sigma = np.sqrt(np.maximum((kept ** 2).sum(0) - kept.sum(0) ** 2 / np.maximum(count, 1), 0.0)
+                        / np.maximum(count - 1, 1))
+        line = self._line(b, t, inlier) if spread.any() else \
+            {"ok": np.zeros(len(count), bool), "per_sample": np.ones(len(count)), "overhead": np.zeros(len(count))}
+        return {"scale": np.where(count >= self.recent, np.exp(mean_log), 1.0), "sigma": sigma, **line}
 
     def _line(self, b, t, mask) -> dict:
         """Least-squares t = a + c b per rank over the masked steps (0 <= a <= FIXED_MAX
@@ -219,10 +233,9 @@ class StepTimeEstimator:
         shortest = np.where(mask, t, np.inf).min(axis=0)
         sb, st, sbb, sbt = bi.sum(0), ti.sum(0), (bi * bi).sum(0), (bi * ti).sum(0)
         denominator = count * sbb - sb * sb
-        with np.errstate(invalid="ignore", divide="ignore"):
-            slope = (count * sbt - sb * st) / denominator
-            overhead = np.clip((st - slope * sb) / np.maximum(count, 1), 0.0, FIXED_MAX * shortest)
-            per_sample = (sbt - overhead * sb) / sbb       # the best slope for the clipped fixed cost
+        slope = (count * sbt - sb * st) / denominator
+        overhead = np.clip((st - slope * sb) / np.maximum(count, 1), 0.0, FIXED_MAX * shortest)
+        per_sample = (sbt - overhead * sb) / sbb           # the best slope for the clipped fixed cost
         ok = (count >= self.recent + 3) & (high >= SPREAD * low) & (denominator > 0) & np.isfinite(per_sample) \
             & (per_sample > 0) & np.isfinite(overhead)
         return {"ok": ok, "per_sample": np.where(ok, per_sample, 1.0), "overhead": np.where(ok, overhead, 0.0)}
@@ -243,6 +256,8 @@ class StepTimeEstimator:
         self.last_batches = np.asarray(state["last_batches"], float).copy()
         self.sigma = np.asarray(state["sigma"], float).copy()
         self.count = np.asarray(state["count"], np.int64).copy()
+        self.bound = self._threshold()
+        self.side = self._sides(self.batches, self.seconds)
         return self
 
 

@@ -10,6 +10,11 @@ alternately: every repeat times `iterations` calls of each (a barrier before eve
 the order swapped from call to call), and keeps the median. Reported: the median over
 repeats of each, and the median of the per-repeat ratios current / base. The wait policy
 is "spin" unless --sleep (the spin path is the one the watchdog must not slow down).
+With --telemetry the current exchange does what a step of `dbs` within the epoch adds:
+it carries the balancer's 3 x ranks telemetry slots (every rank's step time, its
+sampler's position, rank 0's proposal) and the Replanner reads them after every call
+(the step-time estimate, its change check, and a re-estimate every 8 steps), so the
+ratio is the whole per-step cost of re-planning within the epoch on the spin path.
 """
 from __future__ import annotations
 
@@ -43,6 +48,26 @@ def timed(comm, call) -> float:
     return time.perf_counter() - start
 
 
+def make_replanner(comm):
+    """The Replanner a 2-rank dbs run holds, its estimate settled on steady step times."""
+    from dbs_mpi.allocation import SpeedModel
+    from dbs_mpi.dynamic import Replanner
+    n = comm.Get_size()
+    model = SpeedModel(per_sample=np.full(n, 1e-4), overhead=np.full(n, 1e-3))
+    return Replanner(comm.Get_rank(), n, 512, model=model)
+
+
+def dbs_step(exchange, replanner, weight, step):
+    """One exchange as a dbs step does it: telemetry out, the allreduce, the estimate in."""
+    n = replanner.world_size
+    vector = np.full(n, 512 // n)
+    vector[0] += 512 - vector.sum()
+    seconds = 1e-3 + 1e-4 * vector[replanner.rank] * (1.0 + 0.02 * np.sin(step))     # steady, a little noise
+    loss = exchange.allreduce(weight, 0.5, replanner.outgoing(seconds, step + 1))
+    replanner.incoming(exchange.extra, vector, vector, step + 1, step + 1)
+    return loss
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, help="git revision to compare with")
@@ -50,6 +75,8 @@ def main() -> int:
     p.add_argument("--iterations", type=int, default=300)
     p.add_argument("--models", default="lenet5,mlp")
     p.add_argument("--sleep", action="store_true", help="time the sleeping wait policy instead")
+    p.add_argument("--telemetry", action="store_true", help="the current exchange carries and reads dbs's "
+                   "within-epoch telemetry (see above)")
     a = p.parse_args()
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
@@ -66,8 +93,13 @@ def main() -> int:
     rows = []
     for name in a.models.split(","):
         model = build_model(name, (1, 28, 28), 10)
+        replanner = make_replanner(comm) if a.telemetry else None
+        extra = replanner.size if replanner is not None else 0
         variants = {"base": base_comm.GradientExchange(comm, model.parameters(), 60, a.sleep),
-                    "current": current_comm.GradientExchange(comm, model.parameters(), 60, a.sleep)}
+                    "current": current_comm.GradientExchange(comm, model.parameters(), 60, a.sleep, extra=extra)}
+        calls = {"base": lambda ex, i: ex.allreduce(weight, 0.5),
+                 "current": (lambda ex, i: ex.allreduce(weight, 0.5)) if replanner is None else
+                 (lambda ex, i: dbs_step(ex, replanner, weight, i))}
         medians = {v: [] for v in variants}
         for rep in range(a.repeats):
             samples = {v: [] for v in variants}
@@ -77,7 +109,7 @@ def main() -> int:
                     ex = variants[v]
                     ex.zero_grad(weight)
                     ex.flat.fill_(1.0)
-                    samples[v].append(timed(comm, lambda: ex.allreduce(weight, 0.5)))
+                    samples[v].append(timed(comm, lambda: calls[v](ex, rep * a.iterations + i)))
             for v in variants:
                 medians[v].append(statistics.median(samples[v]))
         ratios = [c / b for c, b in zip(medians["current"], medians["base"])]
@@ -87,7 +119,8 @@ def main() -> int:
     if comm.Get_rank() == 0:
         policy = "sleep" if a.sleep else "spin"
         print(f"exchange latency, {comm.Get_size()} ranks, wait policy {policy}, {a.repeats} repeats x "
-              f"{a.iterations} calls; base {a.base}, current: the working tree")
+              f"{a.iterations} calls; base {a.base}, current: the working tree"
+              + (", with dbs's within-epoch telemetry and re-planning" if a.telemetry else ""))
         for name, size, medians, ratios in rows:
             us = {v: [1e6 * t for t in ts] for v, ts in medians.items()}
             print(f"{name:<7} {size:>8} B  base {statistics.median(us['base']):7.1f} us  current "
