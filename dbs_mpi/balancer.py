@@ -91,6 +91,7 @@ class EpochStats:
     step_comm: np.ndarray       # (S, R)
     step_wait: np.ndarray       # (S, R)
     step_data: np.ndarray       # (S, R)
+    step_pre: np.ndarray        # (S, R) compute before the step's collective (what dbs measures)
     next_batch_sizes: np.ndarray  # (R,) the vector of the next epoch (dbs may have re-planned)
     diagnostics: dict = field(default_factory=dict)   # dbs per epoch: speed_ratio (R,) measured / predicted
     changes: list = field(default_factory=list)       # dbs within the epoch: its vector changes (Change)
@@ -116,7 +117,8 @@ class EpochStats:
         """The epoch's rows of step/* in the result file."""
         return dict(loss=self.step_loss, epoch=np.full(self.steps, epoch_index, dtype=np.int64),
                     batch_sizes=self.table.astype(np.int64), compute_time=self.step_compute,
-                    comm_time=self.step_comm, wait_time=self.step_wait, data_time=self.step_data)
+                    comm_time=self.step_comm, wait_time=self.step_wait, data_time=self.step_data,
+                    pre_time=self.step_pre)
 
     def replan_rows(self) -> dict:
         """The epoch's vector changes as rows of replan/* in the result file (none: {})."""
@@ -425,7 +427,7 @@ class Balancer:
             epoch=e.epoch, batch_sizes=vector, table=e.table, duration=duration, data_time=data_t.sum(axis=1),
             compute_time=compute_t.sum(axis=1), comm_time=comm_t.sum(axis=1), wait_time=wait_t.sum(axis=1),
             speed=e.table.sum(axis=0) / np.maximum(pre_t.sum(axis=1), 1e-12), step_loss=loss[0],
-            step_compute=compute_t.T, step_comm=comm_t.T, step_wait=wait_t.T, step_data=data_t.T,
+            step_compute=compute_t.T, step_comm=comm_t.T, step_wait=wait_t.T, step_data=data_t.T, step_pre=pre_t.T,
             next_batch_sizes=self.batch_sizes.copy(), diagnostics=diagnostics, changes=list(e.changes))
 
     def _replan(self, table: np.ndarray, pre_compute: np.ndarray) -> dict:

@@ -32,10 +32,11 @@ The estimator, for every rank, on the last `window` steps (b_k, t_k) with b_k > 
 The planner proposes a new vector when a re-allocation from the updated models lowers
 the predicted step time max_i t_i(b_i) by at least `min_gain` (a dead band: noise never
 makes the vector oscillate). A rank whose step time at its current local batch is mostly
-fixed cost (per-sample share below TINY_SHARE) may at most double its batch (plus B/4n)
-in one move: its measurement says little about its per-sample cost, so a large jump
-would be a guess (the overshoot of a rank cut to a few samples). After a move the
-planner waits until RECENT steps have run with the new vector.
+fixed cost (per-sample share below TINY_SHARE) may at most double its batch (or grow by
+B/2n) in one move: its measurement says little about its per-sample cost, so a large
+jump would be a guess (the overshoot of a rank cut to a few samples); the rest of the
+move follows once RECENT steps have run at the new batch. After any move the planner
+waits until RECENT steps have run with the new vector.
 
 How fast: a persistent change is in the level after ceil(RECENT / 2) = 3 steps, the
 planner proposes at the next planning step (every `interval` steps), the proposal
@@ -111,7 +112,7 @@ class StepTimeEstimator:
         self.batches = np.full((self.window, ranks), np.nan)     # a ring of the last `window` steps
         self.seconds = np.full((self.window, ranks), np.nan)
         self.next = 0                                            # the ring row the next step goes to
-        self.last_batches = np.full(ranks, np.nan)               # the last step's local batches
+        self.last_batches = np.full((2, ranks), np.nan)          # the last two steps' local batches
         self.sigma = np.zeros(ranks)                             # robust spread of log(t / model(b)) per rank
         self.count = np.zeros(ranks, dtype=np.int64)             # steps in the window per rank
         self.bound = self._threshold()                           # a change of level, log (see _threshold)
@@ -120,11 +121,12 @@ class StepTimeEstimator:
     def observe(self, batches, seconds) -> None:
         """One step: every rank's local batch and its measured compute seconds. Not a
         measurement: a rank without samples or without a time, and a rank's first step at
-        a local batch other than its last step's (one-off costs: the allocator maps memory
-        for the new sizes, which made that step up to twice as slow here)."""
+        a local batch other than its last two steps' (one-off costs: the allocator maps
+        memory for the new sizes, which made that step up to twice as slow here; two, so
+        that an epoch's last, partial step does not cost the next epoch's first)."""
         b, t = np.asarray(batches, float), np.asarray(seconds, float)
-        valid = (b > 0) & np.isfinite(t) & (t > 0) & (b == self.last_batches)
-        self.last_batches = b
+        valid = (b > 0) & np.isfinite(t) & (t > 0) & ((b == self.last_batches[0]) | (b == self.last_batches[1]))
+        self.last_batches = np.stack([b, self.last_batches[0]])
         self.batches[self.next] = np.where(valid, b, np.nan)
         self.seconds[self.next] = np.where(valid, t, np.nan)
         self.side[self.next] = self._sides(self.batches[self.next], self.seconds[self.next])
@@ -144,10 +146,12 @@ class StepTimeEstimator:
         """Cheap, every step: has some rank's level (the median ratio of its last RECENT
         steps) moved by the bound from its model? That is: more than half of those steps
         beyond it on the same side. (update() then tells a change from a shape.)"""
-        rows = (self.next - 1 - np.arange(self.recent)) % self.window
-        side = self.side[rows]
-        half = np.isfinite(self.seconds[rows]).sum(axis=0)
-        return bool(np.any((2 * (side > 0).sum(axis=0) > half) | (2 * (side < 0).sum(axis=0) > half)))
+        rows = (self.next - 1 - np.arange(self.window)) % self.window          # newest first
+        recent = np.cumsum(np.isfinite(self.seconds[rows]), axis=0) <= self.recent
+        recent &= np.isfinite(self.seconds[rows])
+        side = np.where(recent, self.side[rows], 0)
+        full = recent.sum(axis=0) >= self.recent
+        return bool(np.any(full & ((2 * (side > 0).sum(axis=0) > self.recent) | (2 * (side < 0).sum(axis=0) > self.recent))))
 
     def update(self) -> np.ndarray:
         """Re-estimate every rank's model from the window; returns the ranks (bool) whose
@@ -253,7 +257,7 @@ class StepTimeEstimator:
         self.batches = np.asarray(state["batches"], float).copy()
         self.seconds = np.asarray(state["seconds"], float).copy()
         self.next = int(state["next"])
-        self.last_batches = np.asarray(state["last_batches"], float).copy()
+        self.last_batches = np.asarray(state["last_batches"], float).reshape(2, -1).copy()
         self.sigma = np.asarray(state["sigma"], float).copy()
         self.count = np.asarray(state["count"], np.int64).copy()
         self.bound = self._threshold()
@@ -284,6 +288,7 @@ class StepPlanner:
         self.global_batch, self.min_local, self.max_local = int(global_batch), int(min_local), max_local
         self.interval, self.min_gain = int(interval), float(min_gain)
         self.step = 0                   # steps observed
+        self.capped = False             # the last move stopped short at a tiny batch's growth limit
         self.since_plan = 0             # steps observed since the last planning
         self.since_refit = 0            # steps observed since the window was last re-estimated
         self.hold_until = 2 * RECENT    # no planning before this step (the first steps; a move under way)
@@ -305,7 +310,7 @@ class StepPlanner:
         if self.step < self.hold_until or self.since_plan < self.interval:
             return None
         self.since_plan = 0
-        if self.since_refit < REFIT and not self.estimator.moved():
+        if self.since_refit < REFIT and not self.estimator.moved() and not self.capped:
             return None
         self.since_refit = 0
         changed = self.estimator.update()
@@ -313,24 +318,29 @@ class StepPlanner:
         current = np.asarray(current, dtype=np.int64)
         before = float(model.predict(current).max())
         gain = self.min_gain
-        if not changed.any():            # drift: a move must also beat the estimate's own noise
+        if not changed.any() and not self.capped:    # drift: a move must also beat the estimate's own noise
             gain = max(gain, -math.expm1(-GAIN_Z * float(self.estimator.uncertainty().max())))
+        self.capped = False
         if best_step_time(model, self.global_batch) >= before * (1.0 - gain):
             return None                                    # no vector can pass the dead band
-        candidate = model.allocate(self.global_batch, self.min_local, self._growth_limit(current, model))
+        limit = self._growth_limit(current, model)
+        candidate = model.allocate(self.global_batch, self.min_local, limit)
         after = float(model.predict(candidate).max())
         if after > before * (1.0 - gain) or np.array_equal(candidate, current):
             return None
+        # a move that a tiny batch's limit held back goes on after the next RECENT steps
+        self.capped = limit is not self.max_local and not np.array_equal(
+            candidate, model.allocate(self.global_batch, self.min_local, self.max_local))
         self.hold_until = self.step + 1                    # until the announcement says when it applies
         return Proposal(candidate, model.per_sample.copy(), model.overhead.copy(), before, after, changed)
 
     def _growth_limit(self, current: np.ndarray, model: SpeedModel):
         """Per-rank upper bounds: a rank at a tiny batch (mostly fixed cost) at most doubles
-        (plus B/4n); the others are bounded by max_local only."""
+        (or grows by B/2n, if that is more); the others are bounded by max_local only."""
         per_sample = model.per_sample * current
         share = per_sample / np.maximum(model.overhead + per_sample, 1e-300)
         bound = np.inf if not self.max_local else float(self.max_local)
-        lift = math.ceil(self.global_batch / (4 * len(current)))
+        lift = math.ceil(self.global_batch / (2 * len(current)))
         limit = np.minimum(np.where(share < TINY_SHARE, np.maximum(2 * current, current + lift), np.inf), bound)
         return limit if limit.sum() >= self.global_batch else self.max_local
 
@@ -342,7 +352,7 @@ class StepPlanner:
     def state_dict(self) -> dict:
         return {"estimator": self.estimator.state_dict(), "global_batch": self.global_batch,
                 "min_local": self.min_local, "max_local": self.max_local and int(self.max_local),
-                "interval": self.interval, "min_gain": self.min_gain, "step": self.step,
+                "interval": self.interval, "min_gain": self.min_gain, "step": self.step, "capped": self.capped,
                 "since_plan": self.since_plan, "since_refit": self.since_refit, "hold_until": self.hold_until}
 
     @classmethod
@@ -354,6 +364,7 @@ class StepPlanner:
         self.interval, self.min_gain = int(state["interval"]), float(state["min_gain"])
         self.step, self.since_plan, self.since_refit, self.hold_until = (
             int(state[k]) for k in ("step", "since_plan", "since_refit", "hold_until"))
+        self.capped = bool(state["capped"])
         return self
 
 

@@ -109,6 +109,8 @@ SCHEMA_DATASETS = {
     "step/wait_time": ("(S, R)", "s", "waiting seconds per step and rank"),
     "step/data_time": ("(S, R)", "s", "seconds waiting for the step's batch per step and rank (a step lasts "
                                       "data + compute + comm + wait on every rank)"),
+    "step/pre_time": ("(S, R)", "s", "compute before the step's collective (forward, backward, emulated slow-down): "
+                                     "what `dbs` measures and re-plans from"),
     "replan/epoch": ("(V,) int", "epoch", "`dbs` within the epoch (a step `dbs_interval`): epoch (from 0) of "
                                           "every vector change"),
     "replan/step": ("(V,) int", "step", "the epoch's first step under the new vector (the epoch's step count: "

@@ -7,8 +7,11 @@
 ssgd, static and dbs at 2 ranks (emulated speeds 1:0.5) and at 4 ranks (1:0.5:0.25:0.25,
 oversubscribed on 2 cores), asgd at 3 and 4 ranks, and real contention with no emulated
 speeds: 4 equal ranks on 2 cores, and 3 ranks pinned so that ranks 1 and 2 share a core
-(rank 0 is then about twice as fast as each of them). LeNet-5 on Fashion-MNIST (first
-30,000 images), global batch 512, 3 epochs.
+(rank 0 is then about twice as fast as each of them). The dbs runs without a suffix
+re-plan once per epoch (the rule they were recorded with); `-steps` runs re-plan every
+step, and the `-midepoch` pair has rank 1 slowed 4x from the middle of epoch 1 to the
+middle of epoch 3. LeNet-5 on Fashion-MNIST (first 30,000 images), global batch 512, 3
+epochs.
 
 Without --generate, every complete run in the folders is replayed (`dbs-mpi simulate
 --from`, which reads only the run's configuration and start-up calibration) and set
@@ -34,15 +37,21 @@ PIN_3 = 'exec taskset -c $(( PMI_RANK > 0 )) "$@"'          # rank 0: core 0; ra
 RUNS = {   # name: (ranks, options, pinned)
     "ssgd-2r": (2, ["--strategy", "ssgd", "--speeds", "1,0.5"], False),
     "static-2r": (2, ["--strategy", "static", "--speeds", "1,0.5"], False),
-    "dbs-2r": (2, ["--strategy", "dbs", "--speeds", "1,0.5"], False),
+    "dbs-2r": (2, ["--strategy", "dbs", "--speeds", "1,0.5", "--dbs-interval", "epoch"], False),
+    "dbs-2r-steps": (2, ["--strategy", "dbs", "--speeds", "1,0.5"], False),
     "ssgd-4r": (4, ["--strategy", "ssgd", "--speeds", "1,0.5,0.25,0.25"], False),
     "static-4r": (4, ["--strategy", "static", "--speeds", "1,0.5,0.25,0.25"], False),
-    "dbs-4r": (4, ["--strategy", "dbs", "--speeds", "1,0.5,0.25,0.25"], False),
+    "dbs-4r": (4, ["--strategy", "dbs", "--speeds", "1,0.5,0.25,0.25", "--dbs-interval", "epoch"], False),
+    "dbs-4r-steps": (4, ["--strategy", "dbs", "--speeds", "1,0.5,0.25,0.25"], False),
+    "ssgd-2r-midepoch": (2, ["--strategy", "ssgd", "--slow-rank", "1", "--slow-factor", "4", "--slow-steps", "30,150"],
+                         False),
+    "dbs-2r-midepoch": (2, ["--strategy", "dbs", "--slow-rank", "1", "--slow-factor", "4", "--slow-steps", "30,150"],
+                        False),
     "asgd-3r": (3, ["--strategy", "asgd", "--speeds", "1,1,0.5"], False),
     "asgd-4r": (4, ["--strategy", "asgd", "--speeds", "1,1,0.5,0.25"], False),
     "ssgd-4r-real": (4, ["--strategy", "ssgd"], False),
     "ssgd-3r-pinned": (3, ["--strategy", "ssgd"], True),
-    "dbs-3r-pinned": (3, ["--strategy", "dbs"], True),
+    "dbs-3r-pinned": (3, ["--strategy", "dbs", "--dbs-interval", "epoch"], True),
 }
 
 

@@ -219,6 +219,17 @@ def test_a_tiny_batch_is_neither_starved_by_its_fixed_cost_nor_overshoots_when_i
     assert back is not None and back <= 30, back
 
 
+def test_a_rank_cut_to_one_sample_by_a_real_fixed_cost_gets_its_work_back_within_a_dozen_steps():
+    # 50 ms of sleep a step (the paper's sleeps): its best local batch is the least there is
+    machine = Machine([1e-4, 1e-4, 1e-4, 1e-4], [2e-3, 2e-3, 2e-3, 2e-3], noise=0.05, seed=1)
+    machine.slow(rank=2, start=50, stop=150, extra=0.05)
+    vectors = closed_loop(machine, 260)
+    assert vectors[100:150, 2].max() == 1
+    back = first_step(vectors, 150, lambda v: abs(v[2] - 128) <= 13)
+    assert back is not None and back <= 12, back
+    assert vectors[150:, 2].max() <= 140                      # in steps of at most B/2n, no overshoot
+
+
 def test_interval_spaces_the_planning():
     machine = Machine([1e-4, 1e-4], [5e-4, 5e-4])
     machine.slow(rank=1, start=40, stop=1000, factor=4.0)

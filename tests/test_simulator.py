@@ -13,7 +13,7 @@ from conftest import ROOT, run_cli
 from dbs_mpi import sharding
 from dbs_mpi.machine import Machine, ModelCost
 from dbs_mpi.simulator import (Cluster, Job, Network, buckets, dbs_controller, processor_sharing, replay,
-                               replay_job, simulate_async, simulate_sync, startup_fit)
+                               replay_job, simulate_async, simulate_sync, startup_fit, step_replanner)
 
 VALIDATION = ROOT / "results" / "validation"
 TOLERANCE = 0.10          # the issue's target: mean absolute error of predicted epoch times
@@ -190,6 +190,8 @@ def test_simulated_dbs_controller_makes_the_engines_decisions():
     checked = 0
     for path in [p for p in validation_runs() if p.stem.startswith("dbs")]:
         j, c, _, cfg, startup = replay_job(path, machine)
+        if j.dbs_interval != "epoch":
+            continue
         with h5py.File(path, "r") as f:
             vectors, speed = f["epoch/batch_sizes"][()], f["epoch/speed"][()]
         controller = dbs_controller(j, startup_fit(j, startup, c.size))
@@ -200,6 +202,37 @@ def test_simulated_dbs_controller_makes_the_engines_decisions():
             new, _ = controller.update(vectors[e], table, samples / speed[e])
             assert np.array_equal(new, vectors[e + 1]), (path.name, e, new, vectors[e + 1])
             checked += 1
+    assert checked >= 2
+
+
+def test_the_simulated_replanner_fed_a_run_s_step_times_makes_the_engine_s_decisions():
+    """dbs within the epoch: the Replanner the simulator drives, started from the run's
+    calibration and fed every recorded step's compute times as the engine's allreduce
+    carried them (float32; the in-memory loader hands out one step at a time), announces
+    the vectors the engine switched to, at the same steps."""
+    machine = Machine.load()
+    checked = 0
+    for path in [p for p in validation_runs() if p.stem.startswith("dbs")]:
+        j, c, _, cfg, startup = replay_job(path, machine)
+        if j.dbs_interval == "epoch":
+            continue
+        with h5py.File(path, "r") as f:
+            pre, rows, epoch = f["step/pre_time"][()], f["step/batch_sizes"][()], f["step/epoch"][()]
+            recorded = list(zip(f["replan/run_step"][()].tolist(), f["replan/batch_sizes"][()].tolist()))
+        replanner = step_replanner(j, startup_fit(j, startup, c.size), c.size)
+        current, switches = startup["batch_sizes"], []
+        first_of_epoch = {e: int(np.flatnonzero(epoch == e)[0]) for e in np.unique(epoch)}
+        for s in range(len(rows)):
+            next_step = s - first_of_epoch[epoch[s]] + 1
+            announced = replanner.announce if replanner.announce is not None else np.zeros(c.size)
+            replanner.announce = None
+            summed = np.concatenate([pre[s], np.full(c.size, next_step), announced]).astype(np.float32)
+            switch = replanner.incoming(summed, rows[s], current, next_step, s + 1)
+            if switch is not None:
+                current = switch.vector
+                switches.append((s + 1 - next_step + switch.first_step, switch.vector.tolist()))
+        assert switches == recorded, (path.name, switches, recorded)
+        checked += 1
     assert checked >= 2
 
 
