@@ -77,7 +77,8 @@ def run_metrics(record: dict, start: int, stop: int, share: float) -> dict:
     """The figures of one run; share: rank 1's ideal share of the global batch in the stretch."""
     batches, seconds = record["batches"], record["seconds"]
     global_batch = int(batches[0].sum())
-    before = int(batches[start - 1, SLOW_RANK])
+    full = np.flatnonzero(batches[:start].sum(axis=1) == global_batch)     # not an epoch's partial last step
+    before = int(batches[full[-1], SLOW_RANK])
     middle = (before + share * global_batch) / 2
     steady = np.ones(len(batches), bool)
     steady[max(start - QUIET[0], 0):stop + QUIET[1]] = False
