@@ -43,7 +43,7 @@ import numpy as np
 import pandas as pd
 
 from . import allocation
-from .config import ASYNC_STRATEGIES
+from .config import ASYNC_STRATEGIES, LEGACY
 
 # Columns copied from `runs` into every other table, for grouping without a join.
 KEY_COLUMNS = ("strategy", "variant", "aggregation", "seed", "world_size", "experiment", "case")
@@ -178,7 +178,7 @@ def _run_row(name: str, path: Path, run: dict) -> dict:
     row["exchange_used"] = attrs.get("exchange", "")                 # the agreed transport ("exchange": the request)
     row["resumed"] = len(attrs.get("resumed", ()) or ())
     row["speeds"] = _speeds(cfg.get("speeds", ()), world)
-    row["dbs_interval"] = str(cfg.get("dbs_interval", "epoch"))      # runs before the option: once per epoch
+    row["dbs_interval"] = str(cfg.get("dbs_interval", LEGACY["dbs_interval"]))   # runs before the option
     row["variant"] = "dbs-epoch" if row.get("strategy") == "dbs" and row["dbs_interval"] == "epoch" \
         else row.get("strategy", "")
     asynchronous = row.get("strategy") in ASYNC_STRATEGIES

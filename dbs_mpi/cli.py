@@ -82,8 +82,9 @@ def load_train_config(argv, rank: int):
     if rank != 0:
         return None, None, resume
     state = checkpoint.load(ckpt_path)
-    base = config_mod.from_dict(state["config"])
-    cfg = config_mod.from_dict({**state["config"], **given})
+    stored = {**config_mod.LEGACY, **state["config"]}      # what a run recorded before an option existed did
+    base = config_mod.from_dict(stored)
+    cfg = config_mod.from_dict({**stored, **given})
     for name in config_mod.FIELDS:
         if name not in RESUME_MAY_CHANGE and getattr(cfg, name) != getattr(base, name):
             raise UserError(f"{name}: {getattr(cfg, name)!r} differs from the checkpoint's "

@@ -334,6 +334,10 @@ def check_world(c: Config, world_size: int) -> None:
                             f"n = workers is ASGD)")
 
 
+# What a run configured before these options existed did: dbs re-planned once per epoch.
+LEGACY = {"dbs_interval": "epoch"}
+
+
 def from_dict(values: dict) -> Config:
     unknown = sorted(set(values) - set(FIELDS))
     if unknown:

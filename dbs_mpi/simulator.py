@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import allocation, dynamic, sharding
+from . import allocation, config as config_mod, dynamic, sharding
 from .balancer import calibration_batches
 from .heterogeneity import Emulator
 from .machine import Machine, ModelCost
@@ -548,7 +548,7 @@ class _AsyncLoop:
 # --- replays and projections ----------------------------------------------------------------
 
 # What a run recorded before these options existed did (dbs re-planned once per epoch).
-LEGACY = {"dbs_interval": "epoch", "dbs_window": 32, "slow_steps": (0, 0), "slow_seconds": (0.0, 0.0)}
+LEGACY = {**config_mod.LEGACY, "dbs_window": 32, "slow_steps": (0, 0), "slow_seconds": (0.0, 0.0)}
 
 
 def job_from_config(cfg: dict, model: ModelCost, data_per_sample: float) -> Job:

@@ -1,6 +1,6 @@
 """The simulator against real runs: predicted and measured epoch times, and the error.
 
-    .venv/bin/python scripts/simulator-validation.py --generate results/validation   # fresh runs (~6 min)
+    .venv/bin/python scripts/simulator-validation.py --generate results/validation   # fresh runs (~7 min)
     .venv/bin/python scripts/simulator-validation.py results/validation results/grid  # the error table
 
 --generate runs the validation set into the folder (runs already complete are kept):

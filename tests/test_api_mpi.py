@@ -489,3 +489,18 @@ def test_copies_of_the_model_do_not_count_as_training_steps(comm, shared_tmp):
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
     balancer.end_epoch()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_loop_whose_exchange_carries_no_step_times_gets_the_per_epoch_rule_and_a_warning(comm):
+    """A loop of its own that records steps without telemetry (its exchange does not carry
+    balancer.telemetry()): dbs cannot re-plan within the epoch, so it says so and re-plans
+    once per epoch from the epoch's times instead."""
+    balancer = dbs_mpi.Balancer(comm, 32, "dbs", interval=1)
+    sampler = dbs_mpi.HeteroSampler(Pairs(96), balancer)
+    for _ in sampler.iter_arrays():
+        balancer.record_step(0.0, 0.01 * (1 + comm.Get_rank()), 0.0, 0.0)      # rank r is r + 1 times slower
+    with pytest.warns(RuntimeWarning, match="re-plans once per epoch"):
+        stats = balancer.end_epoch()
+    assert stats.changes == [] and "speed_ratio" in stats.diagnostics
+    assert stats.next_batch_sizes[0] > stats.batch_sizes[0] and stats.next_batch_sizes[-1] < stats.batch_sizes[-1]

@@ -77,6 +77,42 @@ def test_stop_checkpoint_resume_is_bit_identical(tmp_path, ranks, sig):
         assert torch.equal(ma[name], mb[name]), name                     # bit for bit
 
 
+def test_dbs_stopped_in_an_epoch_whose_vector_changed_resumes_with_every_step_once(tmp_path):
+    """dbs within the epoch, rank 1 4x slower from the first step: the vector changes a few
+    steps in; a stop later in that (750-step) epoch checkpoints the changed table; the
+    resumed run has every step once with the local batches it ran, and every change once."""
+    out = tmp_path / "dbs.h5"
+    args = ["--dataset", "synthetic", "--synthetic-samples", "48000", "--test-subset", "200", "--epochs", "2",
+            "--global-batch", "64", "--strategy", "dbs", "--benchmark-steps", "2", "--benchmark-warmup", "1",
+            "--slow-rank", "1", "--slow-factor", "4", "--slow-steps", "0,100000", "--out", str(out)]
+    proc = launch(args, 2)
+    wait_for(out, proc)
+    time.sleep(4.0)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == checkpoint.EXIT_STOPPED, err
+    state = checkpoint.load(str(out) + ".ckpt")
+    assert state["epoch"] == 0 and 20 < state["step"] < 750, (state["epoch"], state["step"])
+    opened = state["per_rank"][0]["balancer"]["open"]
+    assert opened["changes"], "the vector should have changed before the stop"
+    table = np.asarray(opened["table"])
+    assert len({tuple(row) for row in table[:state["step"]] if row.sum() == 64}) > 1
+
+    proc = run_cli(["train", "--resume", str(out)], ranks=2, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    d = read_run(out)["data"]
+    assert read_run(out)["attrs"]["status"] == "complete" and d["epoch/train_loss"].shape == (2,)
+    rows = d["step/batch_sizes"]
+    assert rows.shape == (1500, 2) and (rows.sum(axis=1) == 64).all()
+    assert d["step/epoch"].tolist() == [0] * 750 + [1] * 750
+    steps = d["replan/run_step"]
+    assert len(steps) >= 1 and (np.diff(steps) > 0).all(), steps             # every change once, in order
+    for run_step, vector in zip(steps, d["replan/batch_sizes"]):
+        if run_step < len(rows):
+            assert rows[run_step].tolist() == vector.tolist()
+    assert (rows[:, 1] < 32).mean() > 0.9, "rank 1 is 4x slower: it should compute less than half"
+
+
 def test_resume_refuses_other_rank_counts_and_changed_config(tmp_path):
     out = tmp_path / "run.h5"
     proc = run_cli(["train", *RUN, "--epochs", "1", "--synthetic-samples", "640", "--out", str(out)], ranks=2,
