@@ -94,6 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tracking-factor", type=float, default=4.0, help="tracking: the emulated slow-down")
     p.add_argument("--tracking-epochs", type=int, default=3, help="tracking: epochs of every run")
     p.add_argument("--scenarios", default="emulated,contention", help="tracking: emulated and/or contention")
+    p.add_argument("--dbs-intervals", default="", help="tracking: compare dbs at these step intervals (e.g. "
+                   "1,4,16) instead of the default one")
     p.add_argument("--out-dir", default="results/bench", help="folder of the result files")
     return p
 
@@ -712,19 +714,28 @@ def _tracking(comm, args, folder) -> dict:
            "steps_per_epoch": _steps(base), "oversubscribed": _oversubscribed(comm), "scenarios": {}, "checks": []}
     for scenario in scenarios:
         extra = tracking.scenario_options(scenario, (start, stop), args.tracking_factor)
-        runs = {v: [] for v in tracking.VARIANTS}
+        variants = tracking.variants(args.dbs_intervals)
+        runs = {v: [] for v in variants}
         for rep in range(repeats):
-            names = list(tracking.VARIANTS) if rep % 2 == 0 else list(tracking.VARIANTS)[::-1]
+            names = list(variants) if rep % 2 == 0 else list(variants)[::-1]
             for variant in names:
                 path = folder / f"tracking-{scenario}-{variant}-{rep}.h5"
-                _train_epoch(comm, base.replace(**tracking.VARIANTS[variant], **extra, seed=rep), path)
+                _train_epoch(comm, base.replace(**variants[variant], **extra, seed=rep), path)
                 if comm.Get_rank() == 0:
                     runs[variant].append(tracking.step_record(path))
-        if comm.Get_rank() == 0:
+        if comm.Get_rank() == 0 and scenario == "steady":
+            out["steady"] = tracking.summarize_steady(runs)
+            out["checks"] += _steady_checks(out["steady"])
+        elif comm.Get_rank() == 0:
             summary = tracking.summarize(runs, start, stop, args.tracking_factor if scenario == "emulated" else None)
             out["scenarios"][scenario] = summary
             out["checks"] += _tracking_checks(scenario, summary)
     return out
+
+
+def _steady_checks(steady: dict) -> list[dict]:
+    return [check(f"steady: {v} samples moved per step / B", _med([r["moved_per_step"] for r in rows]), None)
+            for v, rows in steady["metrics"].items() if v.startswith("dbs")]
 
 
 def _steps(cfg) -> int:
@@ -734,12 +745,13 @@ def _steps(cfg) -> int:
 
 def _tracking_checks(scenario: str, summary: dict) -> list[dict]:
     m = summary["metrics"]
+    dbs = next(v for v in m if v.startswith("dbs") and v != "dbs-epoch")
     med = lambda v, key: tracking.median_of([r[key] for r in m[v]])       # noqa: E731
-    return [check(f"{scenario}: stretch dbs/ssgd (ideal {summary['ideal']:.2f})", _med(summary["stretch_ratio"]["dbs"]),
-                  summary["ideal"] * 1.25 + 0.05),
-            check(f"{scenario}: steps to follow, dbs", med("dbs", "follow"), 8),
-            check(f"{scenario}: steps to give back, dbs", med("dbs", "give_back"), 8),
-            check(f"{scenario}: after / before the stretch, dbs", med("dbs", "after"), 1.20),
+    return [check(f"{scenario}: stretch {dbs}/ssgd (ideal {summary['ideal']:.2f})",
+                  _med(summary["stretch_ratio"][dbs]), summary["ideal"] * 1.25 + 0.05),
+            check(f"{scenario}: steps to follow, {dbs}", med(dbs, "follow"), 8),
+            check(f"{scenario}: steps to give back, {dbs}", med(dbs, "give_back"), 8),
+            check(f"{scenario}: after / before the stretch, {dbs}", med(dbs, "after"), 1.20),
             check(f"{scenario}: after / before the stretch, dbs-epoch", med("dbs-epoch", "after"), None),
             check(f"{scenario}: stretch dbs-epoch/ssgd", _med(summary["stretch_ratio"]["dbs-epoch"]), None)]
 
@@ -762,7 +774,16 @@ def format_tracking(report: dict) -> str:
                          f"{(_med(ratio) if ratio else 1.0):>7.3f} {med('follow'):>7.1f} {med('give_back'):>6.1f} "
                          f"{med('after'):>6.3f} {med('moves'):>6.1f} {med('moved_per_step'):>10.5f} "
                          f"{med('slowed_batch'):>8.1f}")
-    lines.append("  (medians over repeats; follow/back: steps; inf: never)")
+    if report["scenarios"]:
+        lines.append("  (medians over repeats; follow/back: steps; inf: never)")
+    steady = report.get("steady")
+    if steady:
+        lines.append(f"steady: speeds {list(tracking.STEADY_SPEEDS)}, nothing disturbed; rank {tracking.SLOW_RANK}'s "
+                     f"proportional share {steady['share'] * report['global_batch']:.0f}; per run (repeats):")
+        for variant, rows in steady["metrics"].items():
+            lines.append(f"  {variant:<10} " + "; ".join(
+                f"{r['moves']} changes in {r['steps']} steps, {100 * r['moved_per_step']:.3f}% of B moved a step, "
+                f"b_1 {r['low']}..{r['high']}, {1e3 * r['seconds_per_step']:.1f} ms a step" for r in rows))
     return "\n".join(lines)
 
 

@@ -21,11 +21,15 @@ comm + wait seconds on every rank (their mean is taken).
   after       mean step time of the 20 steps after B / of the 20 steps before A (the
               steps until the work is given back still run the slowed vector: 4 steps
               at up to 1.6x cost about 12%)
+  movement    steps outside [A - 5, B + 30) at which the vector changed, and the samples
+              moved per step (share of the global batch): the vector under steady speeds
+
+  steady      (a third scenario, not run by default) speeds 1 : 0.5, nothing disturbed,
+              --tracking-epochs long: every variant's vector changes after its first 10
+              steps, the samples moved per step, and the range of rank 1's local batch
 
 Targets (checks): the stretch's ratio within 1.25 x the ideal + 0.05 (communication and
 the update do not shrink), following and giving back within 8 steps, after <= 1.20.
-  movement    steps outside [A - 5, B + 30) at which the vector changed, and the samples
-              moved per step (share of the global batch): the vector under steady speeds
 """
 from __future__ import annotations
 
@@ -35,16 +39,51 @@ from .results import read_run
 
 VARIANTS = {"ssgd": {"strategy": "ssgd"}, "dbs": {"strategy": "dbs"},
             "dbs-epoch": {"strategy": "dbs", "dbs_interval": "epoch"}}
-SCENARIOS = ("emulated", "contention")
+
+
+def variants(intervals: str = "") -> dict:
+    """ssgd, dbs (the default interval) and dbs-epoch; with intervals ("1,4,16"), one
+    dbs-K variant per interval instead of dbs (the first is the one the checks judge)."""
+    if not intervals:
+        return dict(VARIANTS)
+    steps = [int(k) for k in intervals.split(",") if k]
+    return {"ssgd": VARIANTS["ssgd"], **{f"dbs-{k}": {"strategy": "dbs", "dbs_interval": str(k)} for k in steps},
+            "dbs-epoch": VARIANTS["dbs-epoch"]}
+SCENARIOS = ("emulated", "contention", "steady")
 SLOW_RANK = 1
 AROUND = 20                 # steps before the stretch and after it compared ("after")
 QUIET = (5, 30)             # steps before A and after B not counted as steady ("movement")
 
 
+STEADY_SPEEDS = (1.0, 0.5)
+
+
 def scenario_options(name: str, steps: tuple, factor: float) -> dict:
     if name == "emulated":
         return {"slow_rank": SLOW_RANK, "slow_factor": factor, "slow_steps": steps}
+    if name == "steady":
+        return {"speeds": STEADY_SPEEDS}
     return {"contention_rank": SLOW_RANK, "contention_steps": steps}
+
+
+def summarize_steady(runs: dict, skip: int = 10) -> dict:
+    """The `steady` scenario (speeds 1 : 0.5 all run long, nothing disturbed): how often,
+    and by how much, every re-planning variant moved the vector after its first `skip`
+    steps, and the range of rank 1's local batch against its proportional share."""
+    share = STEADY_SPEEDS[SLOW_RANK] / sum(STEADY_SPEEDS)
+    out = {}
+    for variant, records in runs.items():
+        rows = []
+        for r in records:
+            batches = r["batches"]
+            steady = np.arange(len(batches)) >= skip
+            moves, moved = movement(batches, steady)
+            full = batches[steady][batches[steady].sum(axis=1) == batches.sum(axis=1).max()]
+            rows.append({"steps": int(steady.sum()), "moves": moves, "moved_per_step": moved,
+                         "low": int(full[:, SLOW_RANK].min()), "high": int(full[:, SLOW_RANK].max()),
+                         "seconds_per_step": float(r["seconds"][steady].mean())})
+        out[variant] = rows
+    return {"share": share, "metrics": out}
 
 
 def step_record(path) -> dict:
@@ -62,9 +101,11 @@ def measured_speeds(record: dict, start: int, stop: int) -> np.ndarray:
 
 
 def steps_until(batches: np.ndarray, start: int, condition) -> int | None:
-    """Steps from `start` to the first step whose vector meets condition (None: never)."""
+    """Steps from `start` to the first full step whose vector meets condition (None:
+    never; an epoch's partial last step is not a vector)."""
+    full = batches.sum(axis=1) == batches.sum(axis=1).max()
     for s in range(start, len(batches)):
-        if condition(batches[s]):
+        if full[s] and condition(batches[s]):
             return s - start
     return None
 

@@ -163,3 +163,23 @@ def test_tracking_report_formats_and_checks():
         bench._setup(["tracking", "--tracking-steps", "5,90"], 2)
     with pytest.raises(UserError, match="scenarios"):
         bench._setup(["tracking", "--scenarios", "emulated,storm"], 2)
+
+
+def test_steady_scenario_counts_the_vector_s_changes():
+    from dbs_mpi import bench_tracking as tracking
+    still = {"batches": np.tile([341, 171], (100, 1)), "seconds": np.full(100, 0.03),
+             "compute": np.full((100, 2), 0.02)}
+    moving = dict(still, batches=still["batches"].copy())
+    moving["batches"][50:] = [331, 181]
+    moving["batches"][-1] = [20, 12]                                   # an epoch's partial last step
+    steady = tracking.summarize_steady({"ssgd": [still], "dbs": [moving]})
+    assert steady["share"] == pytest.approx(1 / 3)
+    assert steady["metrics"]["ssgd"][0]["moves"] == 0
+    d = steady["metrics"]["dbs"][0]
+    assert d["moves"] == 1 and d["moved_per_step"] == pytest.approx(10 / 512 / 88)
+    assert (d["low"], d["high"]) == (171, 181)
+    report = {"case": "tracking", "world_size": 2, "global_batch": 512, "repeats": 1, "steps": [30, 90],
+              "factor": 4.0, "epochs": 10, "steps_per_epoch": 118, "oversubscribed": False, "scenarios": {},
+              "steady": steady, "checks": bench._steady_checks(steady)}
+    text = bench.format_tracking(report)
+    assert "1 changes in 90 steps" in text and "b_1 171..181" in text
