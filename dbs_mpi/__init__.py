@@ -16,10 +16,11 @@ The library API (docs/api.md), for any PyTorch training script:
             loss = loss_fn(model(x), y)
             loss.backward()
             optimizer.step(loss=loss)
-        stats = balancer.end_epoch()                        # dbs re-plans the batch vector
+        stats = balancer.end_epoch()                        # the epoch's times (dbs re-planned within it)
 
 Where each idea of the papers lives:
-  allocation.py     batch-size vectors from measured speed; the DBS controller
+  allocation.py     batch-size vectors from measured speed
+  dynamic.py        dynamic batch size: step-time estimate, within-epoch planner, per-epoch rule
   balancer.py       the vector of a policy (ssgd, static, dbs), calibration, epoch timing
   sharding.py       uneven shards with equal step counts; HeteroSampler; allocation invariance
   optimizer.py      DistributedOptimizer: sample-weighted gradients, weighted or mean
@@ -34,7 +35,7 @@ Where each idea of the papers lives:
   evaluation.py     test loss and accuracy over all ranks
   parameter_server.py  asgd, n-softsync, dbs-sgd on an MPI parameter server
   data.py, models.py   datasets and models (no MPI);  plugins.py  the user's model, data, loss
-  train.py          `dbs-mpi train`;  cli.py  the `dbs-mpi` command;  bench.py  benchmarks
+  train.py          `dbs-mpi train`;  cli.py  the `dbs-mpi` command;  bench.py, bench_tracking.py  benchmarks
   experiments.py    the experiment grid;  analysis.py  result files -> pandas tables
 """
 __version__ = "0.2.0"
@@ -52,7 +53,7 @@ except AttributeError:  # pragma: no cover - not Linux
 # nothing initialises MPI before it is needed).
 _API = {
     "init": "comm", "broadcast_parameters": "comm", "AgreedError": "comm",
-    "Balancer": "balancer", "EpochStats": "balancer",
+    "Balancer": "balancer", "EpochStats": "balancer", "Change": "balancer",
     "HeteroSampler": "sharding",
     "DistributedOptimizer": "optimizer",
     "Recorder": "results",

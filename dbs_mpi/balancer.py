@@ -220,7 +220,7 @@ class Balancer:
         self.emulator = emulator
         self.batch_sizes = allocation.equal(self.global_batch, self.world_size, self.min_local, self.max_local)
         self.speed_model: allocation.SpeedModel | None = None
-        self.controller: allocation.DBSController | None = None
+        self.controller: dynamic.DBSController | None = None
         self.startup: dict | None = None      # the calibration: local_batch (2,), step_time (R, 2), batch_sizes
         self.next_epoch = 0                   # epochs ended so far
         self.run_steps = 0                    # steps taken so far, all epochs

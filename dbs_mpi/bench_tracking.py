@@ -112,10 +112,11 @@ def steps_until(batches: np.ndarray, start: int, condition) -> int | None:
 
 def movement(batches: np.ndarray, steady: np.ndarray) -> tuple[int, float]:
     """(vector changes, samples moved per step as a share of the global batch) between
-    consecutive steps that are both steady and full."""
+    consecutive full steps (an epoch's partial last step skipped) that are both steady."""
     full = batches.sum(axis=1) == batches.sum(axis=1).max()
-    pairs = steady[1:] & steady[:-1] & full[1:] & full[:-1]
-    moved = np.abs(np.diff(batches, axis=0)).sum(axis=1)[pairs] / 2
+    index = np.flatnonzero(full)
+    pairs = steady[index[1:]] & steady[index[:-1]]
+    moved = np.abs(np.diff(batches[index], axis=0)).sum(axis=1)[pairs] / 2
     return int(np.count_nonzero(moved)), float(moved.mean() / batches[0].sum()) if len(moved) else 0.0
 
 

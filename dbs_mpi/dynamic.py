@@ -14,36 +14,39 @@ classes with simulated times. Two rules:
 Both model rank i's step time as t_i(b) = a_i + c_i b (allocation.SpeedModel) and
 allocate with allocation.allocate; docs/method.md, section 5, has the formulas.
 
-The estimator, for every rank, on the last `window` steps (b_k, t_k) with b_k > 0:
+The estimator, for every rank, on the last `window` steps (b_k, t_k) with b_k > 0 (a
+rank's first step at a local batch its last two steps did not have is left out: the
+allocator's one-off cost):
 
   ratio   r_k = t_k / (a + c b_k)                 measured / predicted
   level   L = median of the last RECENT ratios    (one or two outliers among five never move it)
-  fit     steps further than OUTLIER MADs (at least NOISE_FLOOR) from the window's
-          median ratio are outliers; if the other steps span local batches a factor
-          SPREAD apart, a and c are fitted to them by least squares (0 <= a <= FIXED_MAX
-          min t)
-  change  |L - 1| >= follow (25%), and the fit (if any) does not explain the last RECENT
-          steps within follow either: the rank's speed changed. a and c are scaled by L
-          at once, and only the recent steps at the new speed are kept (the others describe
-          the old speed).
-  steady  otherwise: a and c are the fit's, or (local batches too close together for a
-          fit) scaled by the inliers' mean ratio.
+  line    twice: a least-squares line through the steps kept (a level where the local
+          batches do not spread by SPREAD), then the steps further than OUTLIER MADs (at
+          least NOISE_FLOOR) from it out; the line through the rest, 0 <= a <= FIXED_MAX
+          min t. sigma: the rest's spread (log), smoothed over re-estimates
+  change  |log L| >= max(log(1 + follow), CHANGE_Z standard errors of a median of RECENT
+          steps) and the line does not explain the recent steps either: the rank's speed
+          changed. a and c are scaled by L at once; only the recent steps at the new
+          speed stay in the window.
+  steady  otherwise: a and c are the line's, or scaled by the inliers' mean ratio.
 
 The planner proposes a new vector when a re-allocation from the updated models lowers
-the predicted step time max_i t_i(b_i) by at least `min_gain` (a dead band: noise never
-makes the vector oscillate). A rank whose step time at its current local batch is mostly
-fixed cost (per-sample share below TINY_SHARE) may at most double its batch (or grow by
-B/2n) in one move: its measurement says little about its per-sample cost, so a large
-jump would be a guess (the overshoot of a rank cut to a few samples); the rest of the
-move follows once RECENT steps have run at the new batch. After any move the planner
-waits until RECENT steps have run with the new vector.
+the predicted step time max_i t_i(b_i) by at least `min_gain`, and, where no rank's speed
+changed, by GAIN_Z standard errors of the estimate too (a dead band: noise never walks
+the vector). A rank whose step time at its current local batch is mostly fixed cost
+(per-sample share below TINY_SHARE) may at most double its batch (or grow by B/2n) in
+one move: its measurement says little about its per-sample cost, so a large jump would
+be a guess (the overshoot of a rank cut to a few samples); the rest of the move follows
+once RECENT steps have run at the new batch. After any move the planner waits until
+RECENT steps have run with the new vector.
 
 How fast: a persistent change is in the level after ceil(RECENT / 2) = 3 steps, the
 planner proposes at the next planning step (every `interval` steps), the proposal
 reaches every rank with the next step's exchange, and the new vector applies from the
 first step whose samples no rank has handed out yet (`switch_step`). With interval 1
-and no prefetching the first step under the new vector is the 5th after the change;
-a DataLoader prefetching P batches per rank adds P.
+and no prefetching the vector changes 4 steps after the change of speed began (the
+5th step is the first under the new vector); a DataLoader prefetching P batches per
+rank adds P.
 """
 from __future__ import annotations
 
