@@ -261,7 +261,7 @@ class StepClock:
         values = self.balancer.telemetry(self.pre_end - self.begin[0])
         if values is None:
             return None
-        tensor = torch.from_numpy(values).to(device)
+        tensor = torch.tensor(values, device=device)          # a copy: the all_reduce works in place
         return dist.all_reduce(tensor, group=group, async_op=True).get_future()
 
     def end_step(self, telemetry=None) -> None:

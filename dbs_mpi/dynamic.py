@@ -51,6 +51,7 @@ rank adds P.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,7 +66,9 @@ NOISE_FLOOR = 0.05    # relative deviation never called an outlier (a very quiet
 SPREAD = 1.5          # the fit needs local batches a factor SPREAD apart among the inliers
 FIXED_MAX = 0.9       # a fitted fixed cost is at most this share of the smallest step time
 TINY_SHARE = 0.5      # a rank whose per-sample share of its step time is below this is at a tiny batch
-REFIT = 8             # steps: the whole window is re-estimated at least this often (drift)
+REFIT = 8             # steps: the whole window is re-estimated at least this often after a move ...
+REFIT_STEADY = 32     # ... and this often once WINDOW steps have run since (drift; a re-estimate costs
+                      # some 0.7 ms right after a training step's backward, with cold caches)
 DEFAULT_INTERVAL = 1  # steps between re-plans (chosen by measurement: docs/method.md, section 5)
 MAD_SIGMA = 1.4826    # MAD of a normal distribution, in standard deviations
 MEDIAN_SE = 1.2533    # standard error of a median of k normal values, in sigma / sqrt(k)
@@ -103,8 +106,10 @@ def _median(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 class StepTimeEstimator:
     """Every rank's affine step-time model, kept up to date from the steps actually run
-    (the rule is in the module docstring). observe() once per step; update() re-estimates
-    and returns the ranks whose speed changed."""
+    (the rule is in the module docstring). observe() once per step and moved() (cheap:
+    plain Python on a few numbers per rank, since a dozen numpy calls right after a
+    training step's backward cost a few hundred microseconds with cold caches); update()
+    re-estimates from the window (numpy) and returns the ranks whose speed changed."""
 
     def __init__(self, model: SpeedModel, window: int = WINDOW, recent: int = RECENT, follow: float = 0.25):
         if window < recent:
@@ -115,11 +120,27 @@ class StepTimeEstimator:
         self.batches = np.full((self.window, ranks), np.nan)     # a ring of the last `window` steps
         self.seconds = np.full((self.window, ranks), np.nan)
         self.next = 0                                            # the ring row the next step goes to
-        self.last_batches = np.full((2, ranks), np.nan)          # the last two steps' local batches
         self.sigma = np.zeros(ranks)                             # robust spread of log(t / model(b)) per rank
         self.count = np.zeros(ranks, dtype=np.int64)             # steps in the window per rank
-        self.bound = self._threshold()                           # a change of level, log (see _threshold)
-        self.side = np.zeros((self.window, ranks), dtype=np.int8)   # +1 / -1: that step was beyond the bound
+        self._last = [[math.nan, math.nan] for _ in range(ranks)]   # every rank's last two local batches
+        self._pending = []                                       # steps observed, not in the ring yet
+        self._mirror()
+
+    def _mirror(self) -> None:
+        """The per-step path's plain-Python copies: the model, the bound (log) of a change
+        of level, and every rank's sides (+1 / -1 / 0: beyond the bound above, below, or
+        not) of its last RECENT steps, recomputed from the window."""
+        self._a, self._c = self.model.overhead.tolist(), self.model.per_sample.tolist()
+        self.bound = self._threshold()
+        self._b = self.bound.tolist()
+        order = (self.next - 1 - np.arange(self.window)) % self.window          # newest first
+        b, t = self.batches[order], self.seconds[order]
+        valid = np.isfinite(t)
+        kept = valid & (np.cumsum(valid, axis=0) <= self.recent)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            log_ratio = np.log(t / (self.model.overhead + self.model.per_sample * b))
+        sides = (log_ratio >= self.bound).astype(np.int8) - (log_ratio <= -self.bound).astype(np.int8)
+        self._recent = [deque(sides[kept[:, i], i][::-1].tolist(), maxlen=self.recent) for i in range(len(self._a))]
 
     def observe(self, batches, seconds) -> None:
         """One step: every rank's local batch and its measured compute seconds. Not a
@@ -127,21 +148,36 @@ class StepTimeEstimator:
         a local batch other than its last two steps' (one-off costs: the allocator maps
         memory for the new sizes, which made that step up to twice as slow here; two, so
         that an epoch's last, partial step does not cost the next epoch's first)."""
-        b, t = np.asarray(batches, float), np.asarray(seconds, float)
-        valid = (b > 0) & np.isfinite(t) & (t > 0) & ((b == self.last_batches[0]) | (b == self.last_batches[1]))
-        self.last_batches = np.stack([b, self.last_batches[0]])
-        self.batches[self.next] = np.where(valid, b, np.nan)
-        self.seconds[self.next] = np.where(valid, t, np.nan)
-        self.side[self.next] = self._sides(self.batches[self.next], self.seconds[self.next])
-        self.next = (self.next + 1) % self.window
+        b = batches.tolist() if hasattr(batches, "tolist") else list(batches)
+        t = seconds.tolist() if hasattr(seconds, "tolist") else list(seconds)
+        row_b, row_t = [], []
+        for i, (bi, ti) in enumerate(zip(b, t)):
+            last = self._last[i]
+            ok = bi > 0 and ti > 0 and ti < math.inf and (bi == last[0] or bi == last[1])
+            last[1], last[0] = last[0], bi
+            if ok:
+                log_ratio = math.log(ti / (self._a[i] + self._c[i] * bi))
+                bound = self._b[i]
+                self._recent[i].append(1 if log_ratio >= bound else (-1 if log_ratio <= -bound else 0))
+            row_b.append(float(bi) if ok else math.nan)
+            row_t.append(float(ti) if ok else math.nan)
+        self._pending.append((row_b, row_t))
+        if len(self._pending) >= self.window:
+            self._flush()
 
-    def _sides(self, b, t) -> np.ndarray:
-        """+1 where a step was slower than the model by the bound or more, -1 faster, else 0."""
-        log_ratio = np.log(t / (self.model.overhead + self.model.per_sample * b))      # NaN where no step
-        return (log_ratio >= self.bound).astype(np.int8) - (log_ratio <= -self.bound).astype(np.int8)
+    def _flush(self) -> None:
+        """Write the steps observed since the last flush into the ring (numpy)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        rows = (self.next + np.arange(len(pending))) % self.window      # fewer than `window` of them
+        self.batches[rows] = np.array([p[0] for p in pending], dtype=float)
+        self.seconds[rows] = np.array([p[1] for p in pending], dtype=float)
+        self.next = (self.next + len(pending)) % self.window
 
     def _ordered(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Row indices, batches and seconds of the window, oldest first."""
+        self._flush()
         rows = (np.arange(self.window) + self.next) % self.window
         return rows, self.batches[rows], self.seconds[rows]
 
@@ -149,12 +185,11 @@ class StepTimeEstimator:
         """Cheap, every step: has some rank's level (the median ratio of its last RECENT
         steps) moved by the bound from its model? That is: more than half of those steps
         beyond it on the same side. (update() then tells a change from a shape.)"""
-        rows = (self.next - 1 - np.arange(self.window)) % self.window          # newest first
-        recent = np.cumsum(np.isfinite(self.seconds[rows]), axis=0) <= self.recent
-        recent &= np.isfinite(self.seconds[rows])
-        side = np.where(recent, self.side[rows], 0)
-        full = recent.sum(axis=0) >= self.recent
-        return bool(np.any(full & ((2 * (side > 0).sum(axis=0) > self.recent) | (2 * (side < 0).sum(axis=0) > self.recent))))
+        half = self.recent / 2
+        for sides in self._recent:
+            if len(sides) == self.recent and (sides.count(1) > half or sides.count(-1) > half):
+                return True
+        return False
 
     def update(self) -> np.ndarray:
         """Re-estimate every rank's model from the window; returns the ranks (bool) whose
@@ -194,8 +229,7 @@ class StepTimeEstimator:
             self.batches[rows] = np.where(stale, np.nan, b)
             self.seconds[rows] = np.where(stale, np.nan, t)
             self.count = np.where(changed, same.sum(axis=0), self.count)
-        self.bound = threshold
-        self.side = self._sides(self.batches, self.seconds)
+        self._mirror()
         return changed
 
     def _threshold(self) -> np.ndarray:
@@ -248,10 +282,11 @@ class StepTimeEstimator:
         return {"ok": ok, "per_sample": np.where(ok, per_sample, 1.0), "overhead": np.where(ok, overhead, 0.0)}
 
     def state_dict(self) -> dict:
+        self._flush()
         return {"model": self.model.state_dict(), "window": self.window, "recent": self.recent,
                 "follow": self.follow, "batches": self.batches.copy(), "seconds": self.seconds.copy(),
-                "next": int(self.next), "last_batches": self.last_batches.copy(), "sigma": self.sigma.copy(),
-                "count": self.count.copy()}
+                "next": int(self.next), "last_batches": np.array(self._last, dtype=float).T.copy(),
+                "sigma": self.sigma.copy(), "count": self.count.copy()}
 
     @classmethod
     def from_state(cls, state: dict) -> "StepTimeEstimator":
@@ -260,11 +295,10 @@ class StepTimeEstimator:
         self.batches = np.asarray(state["batches"], float).copy()
         self.seconds = np.asarray(state["seconds"], float).copy()
         self.next = int(state["next"])
-        self.last_batches = np.asarray(state["last_batches"], float).reshape(2, -1).copy()
+        self._last = np.asarray(state["last_batches"], float).reshape(2, -1).T.tolist()
         self.sigma = np.asarray(state["sigma"], float).copy()
         self.count = np.asarray(state["count"], np.int64).copy()
-        self.bound = self._threshold()
-        self.side = self._sides(self.batches, self.seconds)
+        self._mirror()
         return self
 
 
@@ -295,6 +329,7 @@ class StepPlanner:
         self.since_plan = 0             # steps observed since the last planning
         self.since_refit = 0            # steps observed since the window was last re-estimated
         self.hold_until = 2 * RECENT    # no planning before this step (the first steps; a move under way)
+        self.settle_until = window      # re-estimate every REFIT steps before this step, then every REFIT_STEADY
 
     @property
     def model(self) -> SpeedModel:
@@ -313,7 +348,8 @@ class StepPlanner:
         if self.step < self.hold_until or self.since_plan < self.interval:
             return None
         self.since_plan = 0
-        if self.since_refit < REFIT and not self.estimator.moved() and not self.capped:
+        refit = REFIT if self.step < self.settle_until else REFIT_STEADY
+        if self.since_refit < refit and not self.estimator.moved() and not self.capped:
             return None
         self.since_refit = 0
         changed = self.estimator.update()
@@ -349,14 +385,16 @@ class StepPlanner:
 
     def scheduled(self, first_step: int) -> None:
         """A new vector applies from step `first_step` (of the run): plan again once RECENT
-        steps have run with it."""
+        steps have run with it, re-estimating often while the window fills with them."""
         self.hold_until = int(first_step) + RECENT
+        self.settle_until = int(first_step) + self.estimator.window
 
     def state_dict(self) -> dict:
         return {"estimator": self.estimator.state_dict(), "global_batch": self.global_batch,
                 "min_local": self.min_local, "max_local": self.max_local and int(self.max_local),
                 "interval": self.interval, "min_gain": self.min_gain, "step": self.step, "capped": self.capped,
-                "since_plan": self.since_plan, "since_refit": self.since_refit, "hold_until": self.hold_until}
+                "since_plan": self.since_plan, "since_refit": self.since_refit, "hold_until": self.hold_until,
+                "settle_until": self.settle_until}
 
     @classmethod
     def from_state(cls, state: dict) -> "StepPlanner":
@@ -365,8 +403,8 @@ class StepPlanner:
         self.global_batch, self.min_local = int(state["global_batch"]), int(state["min_local"])
         self.max_local = state["max_local"] and int(state["max_local"])
         self.interval, self.min_gain = int(state["interval"]), float(state["min_gain"])
-        self.step, self.since_plan, self.since_refit, self.hold_until = (
-            int(state[k]) for k in ("step", "since_plan", "since_refit", "hold_until"))
+        self.step, self.since_plan, self.since_refit, self.hold_until, self.settle_until = (
+            int(state[k]) for k in ("step", "since_plan", "since_refit", "hold_until", "settle_until"))
         self.capped = bool(state["capped"])
         return self
 
@@ -404,6 +442,8 @@ class Replanner:
         self.planner = None if model is None else self._planner(model)
         self.announce: np.ndarray | None = None     # rank 0: the vector to announce with the next step
         self.proposal: Proposal | None = None       # the last proposal of this rank's planner
+        self._out = np.zeros(self.size, dtype=np.float32)
+        self._announced = False
 
     def _planner(self, model: SpeedModel) -> StepPlanner:
         s = self.settings
@@ -429,13 +469,17 @@ class Replanner:
             self.announce = vector.copy()
 
     def outgoing(self, seconds: float, handed: int) -> np.ndarray:
-        """This rank's slots of the step's sum."""
-        out = np.zeros(self.size, dtype=np.float32)
+        """This rank's slots of the step's sum (one array, reused: the others stay zero)."""
+        out, n = self._out, self.world_size
         out[self.rank] = seconds
-        out[self.world_size + self.rank] = handed
+        out[n + self.rank] = handed
         if self.announce is not None:
-            out[2 * self.world_size:] = self.announce
+            out[2 * n:] = self.announce
             self.announce = None
+            self._announced = True
+        elif self._announced:                      # last step's proposal went out: zeros again
+            out[2 * n:] = 0.0
+            self._announced = False
         return out
 
     def incoming(self, summed, row, current, next_step: int, run_step: int) -> Switch | None:
@@ -443,11 +487,11 @@ class Replanner:
         steps to come; next_step: the epoch's next step; run_step: steps of the run done.
         Returns the switch announced with this step (None if none), then observes the step
         and plans."""
-        summed = np.asarray(summed, dtype=np.float64)
+        summed = summed.tolist() if hasattr(summed, "tolist") else list(summed)   # plain numbers: cheap to read
         n = self.world_size
         seconds, handed, announced = summed[:n], summed[n:2 * n], summed[2 * n:3 * n]
         switch = None
-        if announced.any():
+        if any(announced):
             vector = np.rint(announced).astype(np.int64)
             if vector.sum() != self.global_batch or vector.min() < 0:
                 raise RuntimeError(f"the announced batch vector {vector.tolist()} does not sum to the global batch "
@@ -458,7 +502,7 @@ class Replanner:
             if self.planner is not None:
                 self.planner.scheduled(run_step + first - next_step)
         if self.planner is None:                    # not calibrated: start from the first step's measurement
-            self.planner = self._planner(SpeedModel.measured(row, seconds))
+            self.planner = self._planner(SpeedModel.measured(row, np.asarray(seconds)))
         self.planner.observe(row, seconds)
         proposal = self.planner.plan(switch.vector if switch is not None else current)
         if proposal is not None:

@@ -10,6 +10,8 @@ alternately: every repeat times `iterations` calls of each (a barrier before eve
 the order swapped from call to call), and keeps the median. Reported: the median over
 repeats of each, and the median of the per-repeat ratios current / base. The wait policy
 is "spin" unless --sleep (the spin path is the one the watchdog must not slow down).
+With --step B every timed call is a whole training step instead (forward and backward
+on B samples, the exchange, an SGD update), the step latency of the spin path.
 With --telemetry the current exchange does what a step of `dbs` within the epoch adds:
 it carries the balancer's 3 x ranks telemetry slots (every rank's step time, its
 sampler's position, rank 0's proposal) and the Replanner reads them after every call
@@ -48,6 +50,23 @@ def timed(comm, call) -> float:
     return time.perf_counter() - start
 
 
+def training_step(model, local_batch: int):
+    """forward and backward of `model` on a fixed batch (the .grad views are the last
+    exchange's buffer), and .update(): a plain SGD step from the reduced gradient."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(local_batch, 1, 28, 28, generator=g), torch.randint(10, (local_batch,), generator=g)
+
+    def work():
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+
+    def update():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(1e-4 * p.grad)
+    work.update = update
+    return work
+
+
 def make_replanner(comm):
     """The Replanner a 2-rank dbs run holds, its estimate settled on steady step times."""
     from dbs_mpi.allocation import SpeedModel
@@ -77,6 +96,8 @@ def main() -> int:
     p.add_argument("--sleep", action="store_true", help="time the sleeping wait policy instead")
     p.add_argument("--telemetry", action="store_true", help="the current exchange carries and reads dbs's "
                    "within-epoch telemetry (see above)")
+    p.add_argument("--step", type=int, default=0, metavar="LOCAL_BATCH", help="time a whole training step instead "
+                   "of the exchange alone: forward and backward on LOCAL_BATCH samples, the exchange, an SGD update")
     a = p.parse_args()
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
@@ -93,6 +114,7 @@ def main() -> int:
     rows = []
     for name in a.models.split(","):
         model = build_model(name, (1, 28, 28), 10)
+        work = training_step(model, a.step) if a.step else (lambda: None)
         replanner = make_replanner(comm) if a.telemetry else None
         extra = replanner.size if replanner is not None else 0
         variants = {"base": base_comm.GradientExchange(comm, model.parameters(), 60, a.sleep),
@@ -109,7 +131,8 @@ def main() -> int:
                     ex = variants[v]
                     ex.zero_grad(weight)
                     ex.flat.fill_(1.0)
-                    samples[v].append(timed(comm, lambda: calls[v](ex, rep * a.iterations + i)))
+                    samples[v].append(timed(comm, lambda: (work(), calls[v](ex, rep * a.iterations + i),
+                                                           work.update() if a.step else None)))
             for v in variants:
                 medians[v].append(statistics.median(samples[v]))
         ratios = [c / b for c, b in zip(medians["current"], medians["base"])]
@@ -118,9 +141,10 @@ def main() -> int:
             ex.close()
     if comm.Get_rank() == 0:
         policy = "sleep" if a.sleep else "spin"
-        print(f"exchange latency, {comm.Get_size()} ranks, wait policy {policy}, {a.repeats} repeats x "
-              f"{a.iterations} calls; base {a.base}, current: the working tree"
-              + (", with dbs's within-epoch telemetry and re-planning" if a.telemetry else ""))
+        print(f"{'step' if a.step else 'exchange'} latency, {comm.Get_size()} ranks, wait policy {policy}, "
+              f"{a.repeats} repeats x {a.iterations} calls; base {a.base}, current: the working tree"
+              + (", with dbs's within-epoch telemetry and re-planning" if a.telemetry else "")
+              + (f"; a whole training step, local batch {a.step}" if a.step else ""))
         for name, size, medians, ratios in rows:
             us = {v: [1e6 * t for t in ts] for v, ts in medians.items()}
             print(f"{name:<7} {size:>8} B  base {statistics.median(us['base']):7.1f} us  current "

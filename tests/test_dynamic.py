@@ -31,8 +31,9 @@ def test_the_first_step_at_a_new_local_batch_is_not_a_measurement():
     for k, b in enumerate(batches):
         first = k == 0 or b != batches[k - 1]                # the run's first step, the allocator's first touch
         est.observe([b], truth.predict([b]) * (3.0 if first else 1.0))
-    assert np.count_nonzero(np.isfinite(est.seconds)) == len(batches) - 2
-    assert np.nanmax(est.seconds / truth.predict(est.batches)) == pytest.approx(1.0)
+    window = est.state_dict()
+    assert np.count_nonzero(np.isfinite(window["seconds"])) == len(batches) - 2
+    assert np.nanmax(window["seconds"] / truth.predict(window["batches"])) == pytest.approx(1.0)
     assert not est.update().any()
 
 
@@ -106,6 +107,7 @@ def test_estimator_state_round_trips():
     steps_at(est, [10, 20], [2e-3, 4e-3], 5)
     copy = StepTimeEstimator.from_state(est.state_dict())
     assert np.array_equal(copy.batches, est.batches, equal_nan=True) and copy.next == est.next
+    assert copy.moved() == est.moved()
     np.testing.assert_array_equal(copy.update(), est.update())
     np.testing.assert_allclose(copy.model.per_sample, est.model.per_sample)
 
@@ -264,3 +266,26 @@ def test_a_bad_interval_is_one_line(bad):
 def test_switch_step_waits_for_samples_already_handed_out():
     assert dynamic.switch_step(5, [5, 5]) == 5
     assert dynamic.switch_step(5, [9, 6]) == 9                # a DataLoader prefetched up to step 8
+
+
+def test_ranks_that_sum_their_outgoing_slots_switch_together_and_announce_once():
+    """The Replanner protocol without MPI: three ranks' outgoing() summed, as the
+    allreduce does, reaches every rank; rank 0's proposal is announced once and every rank
+    switches at the same step, after the steps their samplers handed out."""
+    truth = model_of([1e-4, 1e-4, 1e-4], [1e-3, 1e-3, 1e-3])
+    ranks = [dynamic.Replanner(r, 3, 300, model=truth) for r in range(3)]
+    vector, switched, handed = np.array([100, 100, 100]), [], [3, 7, 5]     # rank 1 prefetches 7 ahead
+    for s in range(40):
+        if s == 12:
+            ranks[0].propose([150, 100, 50])
+            ranks[2].propose([10, 10, 280])                                # only rank 0's request counts
+        seconds = truth.predict(vector)
+        summed = sum(r.outgoing(float(seconds[r.rank]), s + handed[r.rank]).copy() for r in ranks)
+        got = [r.incoming(summed, vector, vector, s + 1, s + 1) for r in ranks]
+        assert all((g is None) == (got[0] is None) for g in got)
+        if got[0] is not None:
+            assert all(np.array_equal(g.vector, got[0].vector) and g.first_step == got[0].first_step for g in got)
+            switched.append((s, got[0].first_step, got[0].vector.tolist()))
+            vector = got[0].vector
+    assert switched[0] == (12, 12 + 7, [150, 100, 50])
+    assert [v for _, _, v in switched[1:]] == [[100, 100, 100]]           # then the planner's own: speeds are equal

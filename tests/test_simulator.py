@@ -209,7 +209,9 @@ def test_the_simulated_replanner_fed_a_run_s_step_times_makes_the_engine_s_decis
     """dbs within the epoch: the Replanner the simulator drives, started from the run's
     calibration and fed every recorded step's compute times as the engine's allreduce
     carried them (float32; the in-memory loader hands out one step at a time), announces
-    the vectors the engine switched to, at the same steps."""
+    the vectors the engine switched to, at the same steps. (After a change to the
+    planner, record the within-epoch runs again: scripts/simulator-validation.py
+    --generate, with their files removed first.)"""
     machine = Machine.load()
     checked = 0
     for path in [p for p in validation_runs() if p.stem.startswith("dbs")]:
