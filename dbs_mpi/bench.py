@@ -734,7 +734,7 @@ def _tracking(comm, args, folder) -> dict:
 
 
 def _steady_checks(steady: dict) -> list[dict]:
-    return [check(f"steady: {v} samples moved per step / B", _med([r["moved_per_step"] for r in rows]), None)
+    return [check(f"steady: {v} % of B moved per step", 100 * _med([r["moved_per_step"] for r in rows]), None)
             for v, rows in steady["metrics"].items() if v.startswith("dbs")]
 
 
