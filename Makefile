@@ -76,7 +76,7 @@ run: install
 
 # Every benchmark case in one job (cases needing fewer ranks run on the first ranks; the
 # 4-rank runs are oversubscribed on a 2-core machine and marked so); one table at the end,
-# HDF5 under results/bench/. 10 to 13 minutes on 2 cores (busy machine). Bounded by BENCH_TIMEOUT.
+# HDF5 under results/bench/. 12 to 16 minutes on 2 cores (busy machine). Bounded by BENCH_TIMEOUT.
 BENCH_TIMEOUT ?= 1800
 bench: install
 	timeout $(BENCH_TIMEOUT) $(MPIEXEC) -n 4 $(VENV)/bin/dbs-mpi bench all --data-dir $(DATA_DIR)

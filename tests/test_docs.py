@@ -93,7 +93,8 @@ def test_the_readme_options_are_the_code_s():
     from dbs_mpi.cli import _train_parser
     readme = (ROOT / "README.md").read_text()
     from dbs_mpi.simulator import _parser as simulate_parser
-    known = {a for parser in (_train_parser(), simulate_parser()) for action in parser._actions
+    from dbs_mpi.bench import _parser as bench_parser
+    known = {a for parser in (_train_parser(), simulate_parser(), bench_parser()) for action in parser._actions
              for a in action.option_strings} | {"--version"}
     others = {"--kinds", "--ranks", "--repeats", "--strategies", "--variant", "--np", "--base", "--mirror", "--only",
               "--scale", "--out", "--job",      # scripts and `dbs-mpi bench|data` subcommands
