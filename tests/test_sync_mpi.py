@@ -128,11 +128,13 @@ def test_ssgd_splits_equally_and_static_follows_speed(comm, shared_tmp):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("interval", ["epoch", "1"])
 def test_dbs_follows_a_slowdown(comm, shared_tmp, interval):
-    """Rank 0 becomes 4x slower from epoch 1 (10 steps an epoch): DBS moves samples away
-    from it, in the next epoch (per-epoch rule) or within the slowed epoch."""
+    """Rank 0 becomes 8x slower from epoch 1 (20 steps an epoch): DBS moves samples away
+    from it, in the next epoch (per-epoch rule) or within the slowed epoch. (4x at 32
+    samples a rank was too little on 4 ranks sharing 2 cores: fixed costs and the other
+    ranks' use of the core blur a small, slowed step.)"""
     n = comm.Get_size()
-    cfg = small_config(n, strategy="dbs", epochs=3, global_batch=128, synthetic_samples=1280,
-                       slow_rank=0, slow_factor=4.0, slow_epochs=(1, 3), benchmark_steps=3, dbs_interval=interval)
+    cfg = small_config(n, strategy="dbs", epochs=3, global_batch=256, synthetic_samples=5120,
+                       slow_rank=0, slow_factor=8.0, slow_epochs=(1, 3), benchmark_steps=3, dbs_interval=interval)
     out = shared_tmp / f"slow-{interval}.h5"
     summary = train(comm, cfg, out=str(out), log=quiet)
     b = [e["batch_sizes"] for e in summary.epochs]
@@ -143,6 +145,6 @@ def test_dbs_follows_a_slowdown(comm, shared_tmp, interval):
     if comm.Get_rank() == 0 and interval != "epoch":
         data = read_run(out)["data"]
         moved = data["replan/step"][data["replan/epoch"] == 1]
-        assert len(moved) and moved[0] < 10, f"the vector should change within epoch 2: {data['replan/step']}"
+        assert len(moved) and moved[0] < 20, f"the vector should change within epoch 2: {data['replan/step']}"
         rows = data["step/batch_sizes"]
-        assert rows.shape == (30, n) and (rows.sum(axis=1) == 128).all()
+        assert rows.shape == (60, n) and (rows.sum(axis=1) == 256).all()
