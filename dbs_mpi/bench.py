@@ -66,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default="")
     p.add_argument("--synthetic-shape", default="1,28,28", help="sample shape C,H,W of --dataset synthetic (3,32,32: "
                    "CIFAR-10-shaped)")
+    p.add_argument("--synthetic-samples", type=int, default=4096, help="training samples of --dataset synthetic")
     p.add_argument("--model", default="lenet5", help="model of the training cases")
     p.add_argument("--models", default="lenet5,mlp", help="models of the exchange case")
     p.add_argument("--overlap-models", default="lenet5,mlp,resnet20", help="models of the overlap case (also "
@@ -154,7 +155,7 @@ def _on_first(comm, k: int, fn, *args):
 def _config(args, **values):
     base = dict(dataset=args.dataset, model=args.model, data_dir=args.data_dir, epochs=1, test_subset=200,
                 progress=False, threads=args.threads, device=args.device, exchange=args.exchange,
-                synthetic_shape=args.synthetic_shape)
+                synthetic_shape=args.synthetic_shape, synthetic_samples=args.synthetic_samples)
     if args.devices:
         base["devices"] = args.devices
     base.update(values)
@@ -419,6 +420,7 @@ def _hetero(comm, args, folder) -> dict:
     times = {s: [] for s in strategies}
     ideal = {s: [] for s in strategies}
     parts = {s: [] for s in strategies}
+    accuracy = {s: [] for s in strategies}
     vectors, measured = {}, {}
     for rep in range(repeats):
         for strategy in (strategies if rep % 2 == 0 else strategies[::-1]):
@@ -426,6 +428,7 @@ def _hetero(comm, args, folder) -> dict:
             measured[strategy] = np.asarray(rec["speed"], dtype=float).tolist()
             part = ideal_epoch_time(rec, samples, base.global_batch)
             times[strategy].append(float(rec["duration"]))
+            accuracy[strategy].append(float(rec["test_accuracy"]))
             ideal[strategy].append(part["ideal"])
             parts[strategy].append(part)
             vectors[strategy] = np.asarray(rec["batch_sizes"]).tolist()
@@ -442,7 +445,7 @@ def _hetero(comm, args, folder) -> dict:
     return {"case": "hetero", "speeds": list(base.speeds) or "measured", "measured_speeds": measured,
             "devices": list(base.devices) or base.device, "global_batch": base.global_batch, "samples": samples,
             "ideal": ideal_ratio, "world_size": comm.Get_size(), "repeats": repeats, "times": times,
-            "batch_sizes": vectors, "ideal_time": ideal, "ideal_parts": parts,
+            "test_accuracy": accuracy, "batch_sizes": vectors, "ideal_time": ideal, "ideal_parts": parts,
             "oversubscribed": _oversubscribed(comm), "folder": str(folder), "ratios": ratios,
             "median_ratio": {s: _med(r) for s, r in ratios.items()}, "to_ideal": to_ideal, "checks": checks}
 
@@ -452,10 +455,12 @@ def format_hetero(report: dict) -> str:
     lines = [f"bench hetero: {report['world_size']} ranks, devices {report.get('devices', 'cpu')}, speeds "
              f"{report['speeds']}, global batch {report['global_batch']}, {report['repeats']} repeats" + _flag(report),
              f"measured speeds (samples/s of compute, last repeat): {measured}",
-             f"{'strategy':<10} {'batch sizes':<22} {'epoch s (median)':>16} {'ideal s':>8} {'all repeats':<28}"]
+             f"{'strategy':<10} {'batch sizes':<22} {'epoch s (median)':>16} {'ideal s':>8} {'test acc':>8} "
+             f"{'all repeats':<28}"]
     for s, ts in report["times"].items():
+        accuracy = report.get("test_accuracy", {}).get(s, [float("nan")])
         lines.append(f"{s:<10} {str(report['batch_sizes'][s]):<22} {_med(ts):>16.3f} "
-                     f"{_med(report['ideal_time'][s]):>8.3f} {_reps(ts):<28}")
+                     f"{_med(report['ideal_time'][s]):>8.3f} {_med(accuracy):>8.3f} {_reps(ts):<28}")
     ideal = report["ideal"]
     base = next(iter(report["times"]))
     for s, ratio in report["median_ratio"].items():

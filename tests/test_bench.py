@@ -28,6 +28,7 @@ def fake_reports():
               "ideal_time": {"ssgd": [4.3, 4.3], "dbs": [4.2, 4.2]}, "ideal_parts": {"ssgd": [part], "dbs": [part]},
               "ratios": {"dbs": [2.44, 2.43]}, "median_ratio": {"dbs": 2.435},
               "to_ideal": {"ssgd": [2.6, 2.6], "dbs": [1.07, 1.09]},
+              "test_accuracy": {"ssgd": [0.801, 0.803], "dbs": [0.79, 0.75]},
               "checks": [bench.check("ssgd/dbs / ideal", 0.97, 0.9, ">="), bench.check("dbs / ideal", 1.08, 1.1)]}
     overhead = {"case": "overhead", "world_size": 1, "repeats": 2, "model": "lenet5", "local_batch": 64, "steps": 10,
                 "threads": 1, "times": {"dbs-mpi": [1.02, 1.03], "plain": [1.0, 1.0]}, "ratio": [1.02, 1.03],
@@ -65,6 +66,7 @@ def test_every_case_formats_its_numbers(report):
     if report["case"] == "hetero":
         assert "ssgd/dbs epoch-time ratio: median 2.435" in text and "0.97 of ideal" in text
         assert "dbs epoch time / ideal" in text and "median 1.080" in text
+        assert "test acc" in text and "0.802" in text and "0.770" in text     # medians of the accuracies
     if report["case"] == "ddp":
         assert "12250" in text and "11300" in text          # medians of the two throughputs
     if report["case"] == "scaling":
