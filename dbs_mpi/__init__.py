@@ -24,6 +24,7 @@ Where each idea of the papers lives:
   balancer.py       the vector of a policy (ssgd, static, dbs), calibration, epoch timing
   sharding.py       uneven shards with equal step counts; HeteroSampler; allocation invariance
   optimizer.py      DistributedOptimizer: sample-weighted gradients, weighted or mean
+  sync_batchnorm.py BatchNorm over the global batch, with the sample-weighted backward
   comm.py           the bucketed allreduce, non-spinning waits, failing together, init()
   devices.py        each rank's device (CPU or GPU), thread shares, a clock true on GPUs
   transport.py      how buckets are summed: host-staged MPI, CUDA-aware MPI, NCCL, gloo
@@ -56,6 +57,7 @@ _API = {
     "Balancer": "balancer", "EpochStats": "balancer", "Change": "balancer",
     "HeteroSampler": "sharding",
     "DistributedOptimizer": "optimizer",
+    "SyncBatchNorm": "sync_batchnorm", "convert_sync_batchnorm": "sync_batchnorm",
     "Recorder": "results",
     "evaluate": "evaluation",
     "StopRequest": "checkpoint", "Stopped": "checkpoint", "EXIT_STOPPED": "checkpoint",

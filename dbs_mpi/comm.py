@@ -165,6 +165,21 @@ def broadcast_tensors(tensors, comm: MPI.Comm, root: int = 0, timeout: float = 6
     return drift
 
 
+def broadcast_flat(tensors, comm: MPI.Comm, root: int = 0, timeout: float = 600.0) -> None:
+    """Make every rank's floating-point `tensors` (small: buffers) equal to root's, in
+    place, with one broadcast of their values packed in float64 (exact for float16/32)."""
+    if comm.Get_size() == 1 or not tensors:
+        return
+    flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors]).numpy()
+    wait(comm.Ibcast(flat, root=root), timeout, "broadcasting the buffers")
+    if comm.Get_rank() != root:
+        offset = 0
+        values = torch.from_numpy(flat)
+        for t in tensors:
+            t.data.copy_(values[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
 MIB = 2 ** 20
 BUCKET_BYTES = 25 * MIB        # PyTorch DDP's bucket cap
 FIRST_BUCKET_BYTES = 1 * MIB   # PyTorch DDP's first-bucket cap (the last layers: ready first)

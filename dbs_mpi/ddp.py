@@ -75,6 +75,14 @@ gradient accumulation under DDP's no_sync() sums per-micro-batch mean gradients,
 no sample weighting can undo, so it raises; a backward that DDP reduces without a
 counted forward before it raises too.
 
+BatchNorm under DDP: torch.nn.SyncBatchNorm gathers every rank's sample count, so its
+forward statistics are right under uneven batches, but its backward sums the ranks'
+unweighted loss gradients, which is the sample-weighted gradient only when every b_i is
+equal; and it refuses CPU tensors ("SyncBatchNorm expected input tensor to be on GPU",
+torch 2.x, so a gloo job cannot use it at all). dbs_mpi.convert_sync_batchnorm(model,
+comm) before DDP(model) gives the exact weighted backward on any device (its statistics
+travel over MPI, sync_batchnorm.py); with balancer=, a placeholder sample counts 0.
+
 `init_process_group(comm)` starts torch.distributed over the ranks of an MPI
 communicator (rank 0 hosts the TCPStore, its address and port travel by MPI), failing
 on every rank together when it fails on one.
@@ -87,7 +95,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import comm as mpi
+from . import comm as mpi, sync_batchnorm
 from .config import UserError
 from .devices import gpu_identity, model_device, synchronize
 from .optimizer import batch_length
@@ -293,6 +301,7 @@ class SampleWeightedState:
         self._total = None            # B (balancer) or, from the first bucket on, the future of its all_reduce
         self._armed = False           # a counted forward (or a hand-set local_batch) since the last backward
         self._by_hand = False         # local_batch was set by hand for this step
+        self.batchnorm = None         # the model's SyncBatchNorm layers' StepShare (placeholder samples)
 
     @property
     def local_batch(self) -> "int | None":
@@ -342,6 +351,8 @@ class SampleWeightedState:
                 f"batch_sampler=sampler)), one forward and backward per batch; pass check_batch=False if the model's "
                 f"first input is not batch-first")
         self._local, self._total = local, int(row.sum())
+        if self.batchnorm is not None:
+            self.batchnorm.local = local          # 0: the input is a placeholder sample
 
     # --- backward (from the hook) ---------------------------------------------------
     def begin_backward(self, device: torch.device, group) -> None:
@@ -433,6 +444,10 @@ def sample_weighted(ddp_model, process_group=None, *, balancer=None,
     if balancer is not None:
         balancer.on_device(model_device(ddp_model))
     state = SampleWeightedState(group, balancer, check_batch)
+    if balancer is not None and sync_batchnorm.layers(ddp_model.module):
+        state.batchnorm = sync_batchnorm.StepShare()
+        for layer in sync_batchnorm.layers(ddp_model.module):
+            layer.share = state.batchnorm
     ddp_model.register_forward_pre_hook(state.on_forward, with_kwargs=True)
     ddp_model.register_comm_hook(state, sample_weighted_hook)
     return state

@@ -43,13 +43,14 @@ What users expect, and what fails loudly:
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 import zlib
 
 import numpy as np
 import torch
 
-from . import comm as mpi, devices, transport
+from . import comm as mpi, devices, sync_batchnorm, transport
 from .comm import GradientExchange
 
 AGGREGATIONS = ("weighted", "mean")
@@ -109,6 +110,22 @@ class _NoHook:
         return None
 
 
+def _attach_batchnorm(model, comm, exchange_transport, timeout: float) -> sync_batchnorm.StepShare:
+    """One StepShare for the model's SyncBatchNorm layers, which must span comm's ranks;
+    they move to the exchange's torch.distributed group when it has one (nccl, gloo)."""
+    share = sync_batchnorm.StepShare()
+    for layer in sync_batchnorm.layers(model):
+        if layer.channel is None or not layer.channel.same_ranks(comm):
+            raise ValueError("DistributedOptimizer: the model's SyncBatchNorm layers were not converted over this "
+                             "optimizer's communicator: dbs_mpi.convert_sync_batchnorm(model, comm) with the "
+                             "balancer's comm")
+        group = getattr(exchange_transport, "group", None)
+        if group is not None and not isinstance(layer.channel, sync_batchnorm.TorchChannel):
+            layer.channel = sync_batchnorm.TorchChannel(group, comm)
+        layer.share = share
+    return share
+
+
 def check_same_parameters(comm, params, timeout: float) -> None:
     """Collective: fail on every rank together if the parameters differ between ranks."""
     crc = 0
@@ -144,12 +161,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     balancer's). check_batch: count the model's training samples per step (see above).
     exchange: how the buckets are summed, "auto" | "host" | "cuda-aware" | "nccl" | "gloo"
     (transport.py; agreed by all ranks, `self.exchange.transport.name` says which). The
-    model may live on any one device (devices.py): gradients and optimizer state stay there."""
+    model may live on any one device (devices.py): gradients and optimizer state stay there.
+    broadcast_buffers: after every step, the model's floating-point buffers (BatchNorm's
+    running statistics, EMA copies, ...) become rank 0's, as DDP's broadcast_buffers does
+    before every forward, so that no replica drifts (default True; one small broadcast
+    a step, nothing where the model has no such buffer). The model's SyncBatchNorm layers
+    (sync_batchnorm.py) learn each step's local batch and weight from here."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, balancer, *,
                  aggregation: str = "weighted", wait_policy: str = "auto", bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, timeout: float | None = None, check_batch: bool = True,
-                 exchange: str = "auto"):
+                 exchange: str = "auto", broadcast_buffers: bool = True):
         if isinstance(optimizer, DistributedOptimizer) or not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer; got {type(optimizer).__name__}")
         if aggregation not in AGGREGATIONS:
@@ -174,6 +196,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                          transport=transport.agree(self.comm, exchange, self.device, self.timeout),
                                          extra=balancer.telemetry_size)
         self.sleep_while_waiting = self.exchange.sleep_while_waiting
+        self._share = _attach_batchnorm(model, self.comm, self.exchange.transport, self.timeout)
+        self._plain_batchnorm = sync_batchnorm.unsynchronised(model)
+        self._warned_batchnorm = False
+        floating = [b for b in model.buffers() if b.is_floating_point()]
+        self._buffers = floating if broadcast_buffers and self.comm.Get_size() > 1 else []
         self._hook = model.register_forward_pre_hook(_ForwardHook(self), with_kwargs=True)
         self._forward_seen = False          # the hook fires for this model (counts can be checked)
         self._new_step(time.perf_counter())
@@ -223,7 +250,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._compute_start, self._compute_cpu = time.perf_counter(), time.process_time()
             if self.balancer.step_pending:
                 self._row = self.balancer.step_batch_sizes()
-                self.exchange.arm(step_weight(self._row, self.comm.Get_rank(), self.aggregation))
+                weight = step_weight(self._row, self.comm.Get_rank(), self.aggregation)
+                self.exchange.arm(weight)
+                self._share.local, self._share.weight = int(self._row[self.comm.Get_rank()]), weight
         self._forward_seen = True
         self._forwards += 1
         n = batch_length(args, kwargs)
@@ -252,6 +281,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if self._row is not None and not np.array_equal(row, self._row):
                 raise RuntimeError("the balancer's step changed during this step")
             self._check_samples(int(row[rank]), row)
+            self._check_batchnorm(row)
         except Exception:
             self._new_step(self._last_end)      # a refused step leaves nothing behind for the next one
             raise
@@ -280,6 +310,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.synchronize(loss)
         start = time.perf_counter()
         self.optimizer.step()
+        if self._buffers:
+            mpi.broadcast_flat(self._buffers, self.comm, 0, self.timeout)
         if self._cuda:
             devices.synchronize(self.device)
         end = time.perf_counter()
@@ -304,6 +336,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             f"{np.asarray(row).tolist()}), so the gradient would be weighted wrongly. Feed the model the batches "
             f"of dbs_mpi.HeteroSampler (DataLoader(dataset, batch_sampler=sampler)), one optimizer.step() per "
             f"batch; pass check_batch=False if the model's first input is not batch-first")
+
+    def _check_batchnorm(self, row) -> None:
+        """Warn once (every rank) if plain BatchNorm layers see uneven local batches."""
+        if self._warned_batchnorm or not self._plain_batchnorm or np.min(row) == np.max(row):
+            return
+        self._warned_batchnorm = True
+        warnings.warn(f"the model's BatchNorm layers ({', '.join(self._plain_batchnorm[:3])}"
+                      f"{', ...' if len(self._plain_batchnorm) > 3 else ''}) normalise over each rank's own local batch "
+                      f"and the local batches are uneven ({np.asarray(row).tolist()}), so training depends on the "
+                      f"vector: convert them with dbs_mpi.convert_sync_batchnorm(model, comm) (dbs-mpi train "
+                      f"--sync-bn)", UserWarning, stacklevel=4)
 
     def resync(self, root: int = 0) -> float:
         """Collective: every rank's parameters, buffers and optimizer state become root's;

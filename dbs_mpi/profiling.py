@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .devices import model_device, synchronize, to_device
+from .sync_batchnorm import make_local
 
 PHASES = ("data", "compute", "collective", "update")
 
@@ -91,7 +92,7 @@ def model_step(model: torch.nn.Module, loss_fn, inputs, targets):
     """A calibration step for `model`: forward and backward of loss_fn on the first b
     samples of (inputs, targets), on a copy of the model (the real one is not touched),
     on the model's device, which is synchronised at the end of every step."""
-    probe = copy.deepcopy(model)
+    probe = make_local(copy.deepcopy(model))    # each rank times itself: no SyncBatchNorm collectives
     probe.train()
     device = model_device(probe)
     inputs, targets = to_device((inputs, targets), device, non_blocking=False)

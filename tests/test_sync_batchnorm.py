@@ -1,0 +1,153 @@
+"""SyncBatchNorm's arithmetic in one process: with one rank's statistics it is torch's
+BatchNorm (1d, 2d, 3d; affine or not; momentum or the cumulative average; with and
+without running statistics), forward, running statistics and every gradient; eval mode
+sends nothing; convert_sync_batchnorm keeps the layers' tensors; the global statistics
+combine ranks exactly. The ranks themselves: tests/test_sync_batchnorm_mpi.py."""
+import copy
+
+import pytest
+import torch
+from mpi4py import MPI
+from torch import nn
+
+import dbs_mpi
+from dbs_mpi import sync_batchnorm
+from dbs_mpi.profiling import model_step
+
+SHAPES = {"1d": (8, 4), "1d-seq": (8, 4, 5), "2d": (8, 4, 5, 5), "3d": (6, 4, 3, 3, 3)}
+TORCH_BN = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+
+
+class OwnRows:
+    """A channel of 'two ranks' whose gather returns this rank's row alone: the
+    synchronised path of the layer, with the statistics of one process."""
+    size, rank = 2, 0
+
+    def __init__(self):
+        self.calls = 0
+
+    def gather(self, row):
+        self.calls += 1
+        return row[None]
+
+    def sum(self, values):
+        self.calls += 1
+        return values
+
+
+class Refusing(OwnRows):
+    def gather(self, row):
+        raise AssertionError("eval mode must not communicate")
+
+    sum = gather
+
+
+def pair(shape, affine, momentum, track):
+    torch.manual_seed(0)
+    reference = TORCH_BN[len(shape)](shape[1], affine=affine, momentum=momentum, track_running_stats=track)
+    if affine:
+        with torch.no_grad():
+            reference.weight.uniform_(0.5, 1.5)
+            reference.bias.uniform_(-0.5, 0.5)
+    synced = sync_batchnorm._convert(copy.deepcopy(reference), OwnRows())
+    return reference, synced
+
+
+@pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("momentum, track", [(0.1, True), (None, True), (0.1, False)])
+def test_one_ranks_statistics_give_torchs_batchnorm(shape, affine, momentum, track):
+    reference, synced = pair(shape, affine, momentum, track)
+    assert isinstance(synced, dbs_mpi.SyncBatchNorm)
+    for step in range(3):                                  # three steps: the cumulative average moves
+        x = (torch.randn(shape) * 3 + 1).requires_grad_()
+        upstream = torch.randn(shape)
+        xs = x.detach().clone().requires_grad_()
+        ref_out, out = reference(x), synced(xs)
+        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+        ref_out.backward(upstream)
+        out.backward(upstream)
+        torch.testing.assert_close(xs.grad, x.grad, rtol=1e-4, atol=1e-5)
+        if affine:
+            torch.testing.assert_close(synced.weight.grad, reference.weight.grad, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(synced.bias.grad, reference.bias.grad, rtol=1e-4, atol=1e-5)
+        if track:
+            torch.testing.assert_close(synced.running_mean, reference.running_mean, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(synced.running_var, reference.running_var, rtol=1e-5, atol=1e-6)
+            assert int(synced.num_batches_tracked) == int(reference.num_batches_tracked) == step + 1
+    assert synced.channel.calls == 6                       # one gather and one sum per step: synchronised
+    reference.eval()
+    synced.eval()
+    synced.channel = Refusing()
+    x = torch.randn(shape)
+    torch.testing.assert_close(synced(x), reference(x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_weight_of_a_rank_scales_its_sums_and_cancels_in_its_own_gradient():
+    reference, synced = pair(SHAPES["2d"], True, 0.1, True)
+    synced.share.weight = 0.25          # w_j: the sums travel scaled by it, the input gradient divides it out
+    x = torch.randn(SHAPES["2d"]).requires_grad_()
+    xs = x.detach().clone().requires_grad_()
+    upstream = torch.randn(SHAPES["2d"])
+    reference(x).backward(upstream)
+    synced(xs).backward(upstream)
+    torch.testing.assert_close(xs.grad, x.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_global_statistics_combine_ranks_like_one_batch():
+    torch.manual_seed(3)
+    parts = [torch.randn(n, 3, 4) * (i + 1) + i for i, n in enumerate([5, 1, 0, 9])]
+    rows = []
+    for p in parts:
+        if len(p):
+            var, mean = torch.var_mean(p.double(), [0, 2], correction=0)
+        else:
+            var = mean = torch.zeros(3, dtype=torch.float64)
+        rows.append(torch.cat([torch.tensor([p.numel() / 3.0], dtype=torch.float64), mean, var]))
+    total, mean, var = sync_batchnorm.global_statistics(torch.stack(rows), 1e-5)
+    union = torch.cat(parts).double()
+    ref_var, ref_mean = torch.var_mean(union, [0, 2], correction=0)
+    assert total == union.numel() / 3
+    torch.testing.assert_close(mean, ref_mean)
+    torch.testing.assert_close(var, ref_var)
+    lonely = torch.tensor([[1.0, 0.5, 0.5, 0.5, 0.0, 0.0, 0.0]], dtype=torch.float64)    # one value per channel
+    for few in (torch.stack(rows[2:3]), torch.cat([lonely, rows[2][None]])):
+        with pytest.raises(ValueError, match="more than 1 value per channel"):
+            sync_batchnorm.global_statistics(few, 1e-5)
+
+
+class Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(4 * 4 * 4, 6), nn.BatchNorm1d(6, affine=False))
+        self.other = nn.SyncBatchNorm(6, momentum=None)
+
+    def forward(self, x):
+        return self.other(self.head(self.block(x)))
+
+
+def test_convert_keeps_every_tensor_mode_and_flag():
+    model = Nested()
+    model.block[1].weight.requires_grad_(False)
+    model.head.eval()
+    tensors = {name: t for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    converted = dbs_mpi.convert_sync_batchnorm(model, MPI.COMM_SELF)
+    assert converted is model
+    assert [type(m) for m in sync_batchnorm.layers(model)] == [dbs_mpi.SyncBatchNorm] * 3
+    assert sync_batchnorm.unsynchronised(model) == []
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        assert t is tensors[name], name                            # the same tensors, not copies
+    assert not model.block[1].weight.requires_grad and not model.head[2].training
+    assert model.head[2].weight is None and model.other.momentum is None
+    single = dbs_mpi.convert_sync_batchnorm(nn.BatchNorm2d(3), MPI.COMM_SELF)
+    assert isinstance(single, dbs_mpi.SyncBatchNorm)
+    assert model(torch.randn(4, 2, 6, 6)).shape == (4, 6)         # one rank: plain BatchNorm
+
+
+def test_the_calibrations_probe_does_not_synchronise():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(2 * 4 * 4, 3))
+    model = sync_batchnorm._convert(model, Refusing())
+    step = model_step(model, nn.functional.cross_entropy, torch.randn(8, 1, 6, 6), torch.randint(3, (8,)))
+    step(4)                                               # a probe on a copy: no channel, no collective
+    assert isinstance(model[1].channel, Refusing)        # the model itself keeps its channel
