@@ -35,7 +35,9 @@ def _train_parser(prog="dbs-mpi train") -> argparse.ArgumentParser:
         flag = "--" + name.replace("_", "-")
         meta = "A,B,..." if isinstance(default, tuple) else "true|false" if isinstance(default, bool) else name.upper()
         # default=None: only the options given override the --config file (one default shown)
-        p.add_argument(flag, metavar=meta, default=None,
+        # a boolean flag alone means true (--sync-bn), or takes its value (--progress false)
+        boolean = dict(nargs="?", const="true") if isinstance(default, bool) else {}
+        p.add_argument(flag, metavar=meta, default=None, **boolean,
                        help=f"{comment} (default: {format_default(default)})".replace("%", "%%"))
     return p
 

@@ -58,6 +58,7 @@ class Config:
     loader: str = "auto"             # auto: built-in datasets are indexed in memory (fast path), plug-ins go through torch's DataLoader | dataloader: always DataLoader
     loader_workers: int = 0          # DataLoader worker processes per rank (0: load in the training process)
     norm: str = "group"              # resnet20's normalisation: group (consistent across uneven local batches) | batch
+    sync_bn: bool = False            # BatchNorm layers normalise over the step's global batch (dbs_mpi.SyncBatchNorm; synchronous strategies)
     augment: bool = False            # cifar10 training only: random crop (padding 4) and horizontal flip, seeded
     epochs: int = 3                  # passes over the training set
     global_batch: int = 512          # B: samples per step, summed over all ranks
@@ -251,6 +252,9 @@ def validate(c: Config) -> None:
     if c.augment and c.loader == "dataloader":
         _fail("augment", "the built-in augmentation runs on the in-memory fast path; use loader = \"auto\"")
     choice("norm", NORMS)
+    if c.sync_bn and c.strategy in ASYNC_STRATEGIES:
+        _fail("sync_bn", f"synchronises BatchNorm over the ranks of a step: strategies {', '.join(SYNC_STRATEGIES)} "
+                         f"only (got {c.strategy})")
     choice("dbs_model", DBS_MODELS)
     choice("wait_policy", WAIT_POLICIES)
     choice("exchange", EXCHANGES)

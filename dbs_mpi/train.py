@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import checkpoint, comm as mpi, devices, plugins, transport
+from . import checkpoint, comm as mpi, devices, plugins, sync_batchnorm, transport
 from .balancer import Balancer
 from .checkpoint import EXIT_STOPPED, StopRequest, Stopped
 from .config import ASYNC_STRATEGIES, Config, UserError, check_world
@@ -94,6 +94,9 @@ def setup(comm, cfg: Config) -> Run:
     if classes < 2:
         raise UserError(f"num_classes: {cfg.dataset} has no num_classes or classes attribute; set num_classes")
     model = plugins.build_model(cfg.model, shape, classes, cfg.norm)
+    if cfg.sync_bn and not sync_batchnorm.unsynchronised(model):
+        raise UserError(f"sync_bn: the model {cfg.model} has no BatchNorm layer to synchronise"
+                        + (" (resnet20: set norm = \"batch\")" if cfg.model == "resnet20" else ""))
     loss_fn = plugins.build_loss(cfg.loss)
     plugins.check_loss(loss_fn, model, *first_samples(train_set, 1), cfg.loss)
     return Run(comm, cfg, train_set, test_set, model, loss_fn)
@@ -115,6 +118,8 @@ def place(run: Run) -> list:
     run.threads = mpi.allgather_object(comm, threads, cfg.comm_timeout, "gathering every rank's threads")
     run.model.to(run.device)
     mpi.broadcast_parameters(run.model, comm, timeout=cfg.comm_timeout)
+    if cfg.sync_bn:                # BatchNorm over the global batch (setup checked there is some)
+        run.model = sync_batchnorm.convert_sync_batchnorm(run.model, comm, cfg.comm_timeout)
     return places
 
 

@@ -51,6 +51,17 @@ def test_two_ranks_with_speeds_write_one_complete_file(tmp_path):
     assert b.sum() == 32 and b[0] > b[1]
 
 
+def test_sync_bn_trains_a_batchnorm_resnet_and_is_recorded(tmp_path):
+    out = tmp_path / "bn.h5"
+    proc = run_cli(["train", *TINY, "--model", "resnet20", "--norm", "batch", "--sync-bn", "--synthetic-shape",
+                    "3,8,8", "--speeds", "1,0.25", "--strategy", "static", "--out", str(out)], ranks=2)
+    assert proc.returncode == 0, proc.stderr
+    assert "BatchNorm" not in proc.stderr                         # synchronised: no warning
+    run = read_run(out)
+    assert run["attrs"]["status"] == "complete" and run["config"]["sync_bn"] is True
+    assert run["data"]["epoch/batch_sizes"][0].tolist()[0] > 16   # uneven: the case sync_bn is for
+
+
 @pytest.mark.parametrize("args, ranks, message", [
     (["--speeds", "1"], 2, "speeds: has 1 values but there are 2 ranks"),
     (["--speeds", "1,0"], 2, "speeds: every speed must be positive"),
@@ -66,6 +77,8 @@ def test_two_ranks_with_speeds_write_one_complete_file(tmp_path):
                  marks=pytest.mark.skipif(torch.cuda.device_count() > 7, reason="this machine has 8 GPUs")),
     (["--exchange", "nccl", "--device", "cpu"], 2, "exchange: nccl needs every rank on a GPU"),
     (["--exchange", "mpi"], 1, "exchange: must be one of"),
+    (["--sync-bn"], 2, "sync_bn: the model lenet5 has no BatchNorm layer to synchronise"),
+    (["--sync-bn", "--model", "resnet20"], 2, 'resnet20: set norm = "batch"'),
 ])
 def test_bad_input_one_line_every_rank_exits(tmp_path, args, ranks, message):
     out = tmp_path / "bad.h5"

@@ -37,10 +37,18 @@ def test_toml_then_command_line(tmp_path):
     (["--progress", "maybe"], "progress"),
     (["--dbs-smoothing", "0"], "dbs_smoothing"),
     (["--synthetic-shape", "3,32"], "synthetic_shape"),
+    (["--sync-bn", "--strategy", "asgd"], "sync_bn"),
+    (["--sync-bn", "sometimes"], "sync_bn"),
 ])
 def test_bad_values_name_the_field(argv, field):
     with pytest.raises(ConfigError, match=f"^{field}: "):
         parse_train_args(argv)
+
+
+def test_a_boolean_flag_alone_means_true():
+    assert parse_train_args(["--sync-bn", "--model", "resnet20"]).sync_bn is True
+    assert parse_train_args(["--sync-bn", "false"]).sync_bn is False
+    assert parse_train_args([]).sync_bn is False
 
 
 def test_unknown_option_and_key(tmp_path):
