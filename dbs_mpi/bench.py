@@ -21,8 +21,11 @@ honest figure. Results go to HDF5 under results/bench/.
             middle of epochs: ssgd, dbs and the per-epoch rule side by side; the stretch's
             time against the ideal, steps to follow and to give back, the vector's
             movement under steady speeds (bench_tracking.py)
-  all       exchange, ddp, hetero, overhead, scaling, overlap, wait, tracking (`make
-            bench`, mpirun -n 4): one table at the end
+  batchnorm ResNet-20 with GroupNorm, with BatchNorm, with synchronised BatchNorm
+            (sync_batchnorm.py), 2 ranks, even batches: time per step, the time in
+            SyncBatchNorm's collectives and the exchange's exposed wait
+  all       exchange, ddp, hetero, overhead, scaling, overlap, wait, tracking, batchnorm
+            (`make bench`, mpirun -n 4): one table at the end
 
 A case that needs k ranks runs on the first k ranks of the job (a sub-communicator:
 library code takes any communicator); the other ranks wait in a sleeping barrier that
@@ -48,7 +51,7 @@ from .config import load as load_config
 IDLE_POLL = 0.01            # seconds between polls of a rank that sits a case out
 CHUNK = 10                  # overlap: steps of one variant before the next variant runs
 OVERLAP_BUDGET = 10.0       # overlap: seconds per model and repeat after which no new chunk starts
-CASES = ("exchange", "ddp", "hetero", "overhead", "scaling", "overlap", "wait", "tracking")
+CASES = ("exchange", "ddp", "hetero", "overhead", "scaling", "overlap", "wait", "tracking", "batchnorm")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -97,6 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--scenarios", default="emulated,contention", help="tracking: emulated and/or contention")
     p.add_argument("--dbs-intervals", default="", help="tracking: compare dbs at these step intervals (e.g. "
                    "1,4,16) instead of the default one")
+    p.add_argument("--batchnorm-steps", type=int, default=20, help="batchnorm: steps per run (ResNet-20, "
+                   "CIFAR-10-shaped synthetic data, --local-batch samples a rank)")
     p.add_argument("--out-dir", default="results/bench", help="folder of the result files")
     return p
 
@@ -702,6 +707,58 @@ def format_wait(report: dict) -> str:
     return "\n".join(lines)
 
 
+# --- batchnorm ------------------------------------------------------------------------------
+
+BATCHNORM_VARIANTS = {"group": dict(norm="group"), "batch": dict(norm="batch"),
+                      "batch, sync": dict(norm="batch", sync_bn=True)}
+
+
+def case_batchnorm(comm, args, folder) -> dict:
+    return _on_first(comm, 2, _batchnorm, args, folder)
+
+
+def _batchnorm(comm, args, folder) -> dict:
+    """ResNet-20's step with each normalisation, side by side (even local batches: the
+    cost, not the allocation)."""
+    from . import sync_batchnorm
+    from .train import train
+    repeats, steps = args.repeats or 3, args.batchnorm_steps
+    n = comm.Get_size()
+    base = _config(args, strategy="ssgd", model="resnet20", dataset="synthetic", synthetic_shape="3,32,32",
+                   global_batch=args.local_batch * n, synthetic_samples=args.local_batch * n * steps,
+                   test_subset=64, device="cpu", devices="", exchange="auto")
+    times = {v: [] for v in BATCHNORM_VARIANTS}
+    parts = {v: {"sync": [], "exposed": []} for v in BATCHNORM_VARIANTS}
+    for rep in range(repeats):
+        for v in (list(BATCHNORM_VARIANTS) if rep % 2 == 0 else list(BATCHNORM_VARIANTS)[::-1]):
+            summary = train(comm, base.replace(seed=rep, **BATCHNORM_VARIANTS[v]),
+                            out=str(folder / f"batchnorm-{rep}-{v.replace(', ', '-')}.h5"), log=lambda msg: None)
+            record = summary.epochs[-1]
+            times[v].append(float(record["duration"]) / steps)
+            layers = sync_batchnorm.layers(summary.model)
+            in_sync = layers[0].channel.seconds if layers else 0.0
+            parts[v]["sync"].append(float(np.max(mpi.allgather_array(comm, [in_sync]))) / steps)
+            parts[v]["exposed"].append(float(np.mean(record["comm_time"])) / steps)
+    ratio = {v: [t / g for t, g in zip(times[v], times["group"])] for v in BATCHNORM_VARIANTS}
+    checks = [check(f"resnet20 step, {v} / group", _med(ratio[v]), None) for v in ("batch", "batch, sync")]
+    checks.append(check("resnet20 step, batch sync / batch", _med([a / b for a, b in zip(times["batch, sync"],
+                                                                                          times["batch"])]), None))
+    return {"case": "batchnorm", "world_size": n, "repeats": repeats, "steps": steps, "local_batch": args.local_batch,
+            "threads": args.threads, "oversubscribed": _oversubscribed(comm), "times": times, "ratio": ratio,
+            "parts": parts, "checks": checks}
+
+
+def format_batchnorm(report: dict) -> str:
+    lines = [f"bench batchnorm: {report['world_size']} ranks, resnet20, {report['local_batch']} samples a rank, "
+             f"{report['steps']} steps, {report['repeats']} repeats" + _flag(report),
+             f"{'variant':<12} {'ms/step':>8} {'/ group':>8} {'sync-BN ms':>10} {'exposed ms':>10}  repeats (ms)"]
+    for v, ts in report["times"].items():
+        p = report["parts"][v]
+        lines.append(f"{v:<12} {1e3 * _med(ts):>8.1f} {_med(report['ratio'][v]):>8.3f} {1e3 * _med(p['sync']):>10.2f} "
+                     f"{1e3 * _med(p['exposed']):>10.2f}  {_reps([1e3 * t for t in ts], '{:.1f}')}")
+    return "\n".join(lines)
+
+
 # --- tracking (dbs within the epoch) -------------------------------------------------------
 
 def case_tracking(comm, args, folder) -> dict:
@@ -795,9 +852,11 @@ def format_tracking(report: dict) -> str:
 # --- running and writing --------------------------------------------------------------------
 
 RUNNERS = {"exchange": case_exchange, "ddp": case_ddp, "hetero": case_hetero, "overhead": case_overhead,
-           "scaling": case_scaling, "overlap": case_overlap, "wait": case_wait, "tracking": case_tracking}
+           "scaling": case_scaling, "overlap": case_overlap, "wait": case_wait, "tracking": case_tracking,
+           "batchnorm": case_batchnorm}
 FORMATTERS = {"exchange": format_exchange, "ddp": format_ddp, "hetero": format_hetero, "overhead": format_overhead,
-              "scaling": format_scaling, "overlap": format_overlap, "wait": format_wait, "tracking": format_tracking}
+              "scaling": format_scaling, "overlap": format_overlap, "wait": format_wait, "tracking": format_tracking,
+              "batchnorm": format_batchnorm}
 # `make bench` (all): shorter hetero and wait runs than their stand-alone defaults
 ALL_DEFAULTS = {"subset": 20000}
 
@@ -845,7 +904,7 @@ def required_ranks(args) -> dict:
     """Ranks every chosen case needs at least (scaling and wait use what there is)."""
     speeds = [s for s in args.speeds.split(",") if s]
     need = {"exchange": 2, "ddp": 2, "hetero": len(speeds), "overhead": 1, "scaling": 1, "overlap": 2, "wait": 2,
-            "tracking": 2}
+            "tracking": 2, "batchnorm": 2}
     return {c: need[c] for c in (CASES if args.case == "all" else [args.case])}
 
 

@@ -47,7 +47,14 @@ def fake_reports():
     wait = {"case": "wait", "world_size": 4, "cores": 2, "speeds": [1, 0.25, 0.25, 0.25], "global_batch": 512,
             "repeats": 2, "oversubscribed": True, "times": {"ssgd": {"spin": [1.5, 1.6], "sleep": [1.1, 1.2]}},
             "ratios": {"ssgd": [1.36, 1.33]}, "checks": [bench.check("ssgd spin / sleep", 1.345, None)]}
-    return [exchange, ddp, hetero, overhead, scaling, overlap, wait]
+    batchnorm = {"case": "batchnorm", "world_size": 2, "repeats": 2, "steps": 20, "local_batch": 64, "threads": 1,
+                 "oversubscribed": False,
+                 "times": {"group": [0.20, 0.22], "batch": [0.18, 0.18], "batch, sync": [0.19, 0.21]},
+                 "ratio": {"group": [1.0, 1.0], "batch": [0.9, 0.82], "batch, sync": [0.95, 0.955]},
+                 "parts": {v: {"sync": [0.0, 0.0] if v != "batch, sync" else [0.004, 0.006], "exposed": [0.001, 0.001]}
+                           for v in ("group", "batch", "batch, sync")},
+                 "checks": [bench.check("resnet20 step, batch sync / batch", 1.11, None)]}
+    return [exchange, ddp, hetero, overhead, scaling, overlap, wait, batchnorm]
 
 
 def test_check_verdicts():
@@ -69,6 +76,8 @@ def test_every_case_formats_its_numbers(report):
         assert "test acc" in text and "0.802" in text and "0.770" in text     # medians of the accuracies
     if report["case"] == "ddp":
         assert "12250" in text and "11300" in text          # medians of the two throughputs
+    if report["case"] == "batchnorm":
+        assert "batch, sync" in text and "200.0" in text and "0.952" in text and "5.00" in text   # medians
     if report["case"] == "scaling":
         assert "1.90" in text and "[oversubscribed]" in text.splitlines()[-1]
 
@@ -79,7 +88,7 @@ def test_the_table_has_one_line_per_check_with_its_verdict():
     assert len(lines) == 1 + sum(len(r["checks"]) for r in reports)
     verdicts = [line.split()[-1] for line in lines[1:]]
     assert verdicts[:5] == ["MISSED", "met", "met", "met", "met"]
-    assert verdicts.count("info") == 4
+    assert verdicts.count("info") == 5
     assert "<= 1.10" in lines[1] and ">= 1.00" in lines[2]
 
 
