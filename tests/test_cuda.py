@@ -7,6 +7,9 @@ parameter server.
 
     python -m pytest -m cuda tests/test_cuda.py                    # 1 rank
     mpirun -n 2 python tests/mpi_pytest.py --with-mpi -m "mpi and cuda" tests/test_cuda.py
+
+SyncBatchNorm on the GPU: torch's BatchNorm with one rank's statistics, and at any number
+of ranks sharing the GPUs the union batch's gradient and statistics (host-staged).
 """
 import time
 
@@ -181,3 +184,25 @@ def test_info_lists_the_gpus():
     assert proc.returncode == 0, proc.stderr
     assert "CUDA-aware MPI:" in proc.stdout and torch.cuda.get_device_name(0) in proc.stdout
     assert f"CUDA {torch.version.cuda}" in proc.stdout
+
+
+def test_sync_batchnorm_on_the_gpu_gives_torchs_batchnorm():
+    import copy
+    from dbs_mpi import sync_batchnorm
+    from test_sync_batchnorm import OwnRows
+    torch.manual_seed(0)
+    reference = nn.BatchNorm2d(4).cuda()
+    synced = sync_batchnorm._convert(copy.deepcopy(reference), OwnRows())
+    x = torch.randn(8, 4, 5, 5, device="cuda", requires_grad=True)
+    xs = x.detach().clone().requires_grad_()
+    upstream = torch.randn(8, 4, 5, 5, device="cuda")
+    reference(x).backward(upstream)
+    synced(xs).backward(upstream)
+    torch.testing.assert_close(xs.grad, x.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(synced.running_var, reference.running_var, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_sync_batchnorm_across_gpu_ranks_gives_the_union_batch(comm):
+    from test_sync_batchnorm_mpi import check_one_step
+    check_one_step(comm, gpu_for(comm))

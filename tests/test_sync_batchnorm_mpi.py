@@ -62,27 +62,35 @@ def spread(comm, tensor):
     return float(mpi.allgather_array(comm, [np.abs(mine - first).max()], TIMEOUT).max())
 
 
-@pytest.mark.mpi(min_size=1)
-def test_a_step_gives_one_processs_gradient_and_statistics_on_the_union(comm):
+def check_one_step(comm, device="cpu"):
+    """One step of a converted BNNet on uneven local batches (a rank with 1 sample, one
+    with none) on `device`: the weighted sum of the ranks' gradients and the running
+    statistics are one process's on the union batch, the statistics the same bits on
+    every rank (tests/test_cuda.py runs it on GPUs)."""
     n, rank = comm.Get_size(), comm.Get_rank()
     vector = vector_for(n)
     total = sum(vector)
     data = Pairs(total, seed=4)
     torch.manual_seed(0)
-    reference = BNNet()
+    reference = BNNet().to(device)
     model = dbs_mpi.convert_sync_batchnorm(copy.deepcopy(reference), comm, TIMEOUT)
     start, local = sum(vector[:rank]), vector[rank]
     x, y = (data.x[start:start + local], data.y[start:start + local]) if local else (data.x[:1], data.y[:1])
     weight = local / total
     for layer in sync_batchnorm.layers(model):
         layer.share.local, layer.share.weight = local, weight
-    F.cross_entropy(model(x), y).backward()
-    summed = flat_grads(model).double().numpy() * weight
+    F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+    summed = flat_grads(model).cpu().double().numpy() * weight
     comm.Allreduce(MPI.IN_PLACE, summed, op=MPI.SUM)
-    F.cross_entropy(reference(data.x), data.y).backward()
-    torch.testing.assert_close(torch.from_numpy(summed).float(), flat_grads(reference), rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(buffers(model), buffers(reference), rtol=1e-5, atol=1e-6)
-    assert spread(comm, buffers(model)) == 0.0                  # the same bits on every rank
+    F.cross_entropy(reference(data.x.to(device)), data.y.to(device)).backward()
+    torch.testing.assert_close(torch.from_numpy(summed).float(), flat_grads(reference).cpu(), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(buffers(model).cpu(), buffers(reference).cpu(), rtol=1e-5, atol=1e-6)
+    assert spread(comm, buffers(model).cpu()) == 0.0             # the same bits on every rank
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_step_gives_one_processs_gradient_and_statistics_on_the_union(comm):
+    check_one_step(comm)
 
 
 def train(comm, sync, epochs=2, drop_last=False, **optimizer_kw):
