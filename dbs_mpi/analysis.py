@@ -28,6 +28,10 @@ is the server's clock when the gradient was applied (`update/time`).
 `dbs-epoch`; `dbs` re-plans within the epoch. Runs recorded before step/batch_sizes
 existed get their epoch's vector for every step in `vectors`.
 
+A run resumed on another number of ranks (`world_sizes` in `runs`: one entry per launch;
+`world_size` is the last) has, in `ranks` and `vectors`, rows for the ranks of each
+row's own world only; the epoch in which the world changed describes its last segment.
+
 Speeds: `speeds` is the configuration's tuple (relative, () = all equal);
 `heterogeneity` = mean(v)/min(v) over the ranks that compute (every rank for the
 synchronous strategies, ranks 1.. for the parameter server's), the best possible
@@ -177,6 +181,8 @@ def _run_row(name: str, path: Path, run: dict) -> dict:
     row["rank_devices"] = tuple(attrs.get("rank_devices", ()))      # cpu, cuda:N per rank ("device": the request)
     row["exchange_used"] = attrs.get("exchange", "")                 # the agreed transport ("exchange": the request)
     row["resumed"] = len(attrs.get("resumed", ()) or ())
+    segments = json.loads(attrs.get("segments", "[]"))
+    row["world_sizes"] = tuple(seg["world_size"] for seg in segments) or (world,)   # one per launch
     row["speeds"] = _speeds(cfg.get("speeds", ()), world)
     row["dbs_interval"] = str(cfg.get("dbs_interval", LEGACY["dbs_interval"]))   # runs before the option
     row["variant"] = "dbs-epoch" if row.get("strategy") == "dbs" and row["dbs_interval"] == "epoch" \
@@ -228,6 +234,8 @@ def _rank_rows(name: str, data: dict) -> pd.DataFrame:
         if value.shape == (n, ranks):
             cols["batch_size" if field == "batch_sizes" else field] = value.reshape(-1)
     df = pd.DataFrame(cols)
+    if "batch_size" in df:                     # a run resumed on another number of ranks: absent ranks are -1
+        df = df[df.batch_size >= 0].reset_index(drop=True)
     parts = [c for c in ("compute_time", "comm_time", "wait_time", "data_time") if c in df]
     if parts:
         df["busy_time"] = df[parts].sum(axis=1)
@@ -240,7 +248,7 @@ def _step_rows(name: str, data: dict) -> pd.DataFrame:
     loss, epoch = data["step/loss"], data["step/epoch"]
     n = loss.shape[0]
     parts = [data[k] for k in ("step/data_time", "step/compute_time", "step/comm_time", "step/wait_time") if k in data]
-    step_time = sum(p for p in parts).mean(axis=1) if parts else np.ones(n)
+    step_time = np.nanmean(sum(p for p in parts), axis=1) if parts else np.ones(n)   # NaN: a rank not in that world
     wall = np.zeros(n)
     durations = data.get("epoch/duration", np.zeros(0))
     offset = 0.0
@@ -269,9 +277,10 @@ def _vector_rows(name: str, data: dict) -> pd.DataFrame:
         return pd.DataFrame()
     steps, ranks = batches.shape
     in_epoch = pd.Series(epoch).groupby(epoch).cumcount().to_numpy()
-    return pd.DataFrame({"run": [name] * (steps * ranks), "step": np.repeat(np.arange(steps), ranks),
-                         "epoch": np.repeat(epoch, ranks), "step_in_epoch": np.repeat(in_epoch, ranks),
-                         "rank": np.tile(np.arange(ranks), steps), "batch_size": batches.reshape(-1)})
+    df = pd.DataFrame({"run": [name] * (steps * ranks), "step": np.repeat(np.arange(steps), ranks),
+                       "epoch": np.repeat(epoch, ranks), "step_in_epoch": np.repeat(in_epoch, ranks),
+                       "rank": np.tile(np.arange(ranks), steps), "batch_size": batches.reshape(-1)})
+    return df[df.batch_size >= 0].reset_index(drop=True)         # -1: a rank not in that step's world
 
 
 def _replan_rows(name: str, data: dict) -> pd.DataFrame:

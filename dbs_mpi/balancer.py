@@ -178,6 +178,24 @@ class _Epoch:
     drop_last: bool = False
     handed: int = 0             # steps whose samples this rank's sampler handed out
     changes: list = field(default_factory=list)   # Change records of this epoch
+    measured_from: int = 0      # first step this world ran (an epoch resumed on another rank count)
+
+
+def steps_before_resume(states: list[dict], epoch_index: int) -> dict:
+    """step/* rows of the epoch in progress at a mid-epoch checkpoint, from every rank's
+    balancer state_dict(): what a run resumed on another number of ranks records for the
+    steps that the old world ran (its new balancer does not continue their times)."""
+    opened = [state["open"] for state in states]
+    if opened[0] is None or opened[0]["step"] == 0:
+        return {}
+    steps = opened[0]["step"]
+    times = np.stack([np.vstack([np.asarray(o["times"]["table"]), np.asarray(o["times"]["pre"])[None],
+                                 np.asarray(o["times"]["loss"])[None]]) for o in opened])      # (R, 6, steps)
+    data_t, compute_t, collective_t, _, pre_t, loss = (times[:, i, :] for i in range(6))
+    wait_t, comm_t = split_wait(pre_t, collective_t)
+    return dict(loss=loss[0], epoch=np.full(steps, epoch_index, dtype=np.int64),
+                batch_sizes=np.asarray(opened[0]["table"], dtype=np.int64)[:steps], compute_time=compute_t.T,
+                comm_time=comm_t.T, wait_time=wait_t.T, data_time=data_t.T, pre_time=pre_t.T)
 
 
 class Balancer:
@@ -298,9 +316,12 @@ class Balancer:
             raise UserError(f"global_batch: {self.global_batch} is larger than the {num_samples} training samples "
                             f"(with drop_last nothing is left)")
         times, elapsed, restored, changes = StepTimes(len(table)), 0.0, self._restored, []
-        self._restored = None
+        self._restored, measured_from = None, 0
         if first_step == 0:
             self.emulator.start_epoch(epoch, len(table))
+        elif restored is not None and (restored["epoch"], restored["step"]) == (epoch, first_step) \
+                and restored.get("other_world"):
+            measured_from = first_step      # another world ran the steps before: this one records its own
         elif restored is not None and (restored["epoch"], restored["step"]) == (epoch, first_step):
             times.restore(restored["times"])
             elapsed = float(restored["elapsed"])
@@ -312,7 +333,7 @@ class Balancer:
                                f"there must be loaded first (load_state_dict)")
         now = time.perf_counter()
         self._open = _Epoch(epoch, table, times, first_step, now, elapsed, now, num_samples, drop_last,
-                            changes=changes)
+                            changes=changes, measured_from=measured_from)
         self._heard = False
         return table
 
@@ -416,17 +437,18 @@ class Balancer:
                                f"rank takes every step (one optimizer.step() per batch of the HeteroSampler)")
         duration = e.elapsed_before + e.last_end - e.start
         gathered = mpi.allgather_array(self.comm, e.times.as_array(), self.timeout)     # (R, 6, S)
+        gathered, table = gathered[:, :, e.measured_from:], e.table[e.measured_from:]   # this world's steps
         data_t, compute_t, collective_t, _, pre_t, loss = (gathered[:, i, :] for i in range(6))
         wait_t, comm_t = split_wait(pre_t, collective_t)
-        full = e.table[e.table.sum(axis=1) == self.global_batch]
+        full = table[table.sum(axis=1) == self.global_batch]
         vector = full[-1].copy() if len(full) else self.batch_sizes.copy()
-        diagnostics = self._replan(e.table, pre_t.sum(axis=1))
+        diagnostics = self._replan(table, pre_t.sum(axis=1))
         self._open, self.next_epoch = None, e.epoch + 1
         self.trained_before += duration
         return EpochStats(
-            epoch=e.epoch, batch_sizes=vector, table=e.table, duration=duration, data_time=data_t.sum(axis=1),
+            epoch=e.epoch, batch_sizes=vector, table=table, duration=duration, data_time=data_t.sum(axis=1),
             compute_time=compute_t.sum(axis=1), comm_time=comm_t.sum(axis=1), wait_time=wait_t.sum(axis=1),
-            speed=e.table.sum(axis=0) / np.maximum(pre_t.sum(axis=1), 1e-12), step_loss=loss[0],
+            speed=table.sum(axis=0) / np.maximum(pre_t.sum(axis=1), 1e-12), step_loss=loss[0],
             step_compute=compute_t.T, step_comm=comm_t.T, step_wait=wait_t.T, step_data=data_t.T, step_pre=pre_t.T,
             next_batch_sizes=self.batch_sizes.copy(), diagnostics=diagnostics, changes=list(e.changes))
 
@@ -472,10 +494,18 @@ class Balancer:
                 "startup": self.startup, "open": position, "emulator": self.emulator.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        for key, mine in (("policy", self.policy), ("global_batch", self.global_batch),
-                          ("world_size", self.world_size)):
+        """Continue from state_dict(). A state saved by another number of ranks (a run
+        resumed on another allocation) gives the position only: the epoch, the step in it
+        and the run's counters; the vector starts even and the models, the step-time
+        estimates and the emulation start afresh (call calibrate() or calibrate_model()
+        again for static and dbs). The epoch in progress is recorded from the step this
+        world began at (EpochStats covers its steps; the earlier ones were another world's)."""
+        for key, mine in (("policy", self.policy), ("global_batch", self.global_batch)):
             if state[key] != mine:
                 raise UserError(f"balancer: the state was saved with {key} {state[key]!r}, this balancer has {mine!r}")
+        if state["world_size"] != self.world_size:
+            self._load_position(state)
+            return
         self.batch_sizes = np.asarray(state["batch_sizes"], dtype=np.int64).copy()
         self.next_epoch = int(state["next_epoch"])
         self.speed_model = None if state["speed_model"] is None else \
@@ -489,3 +519,15 @@ class Balancer:
         self.startup = state["startup"]
         self.emulator.load_state_dict(state["emulator"])
         self._open, self._restored = None, state["open"]
+
+    def _load_position(self, state: dict) -> None:
+        """load_state_dict of another world's state: where the run is, nothing per rank."""
+        self.batch_sizes = allocation.equal(self.global_batch, self.world_size, self.min_local, self.max_local)
+        self.next_epoch = int(state["next_epoch"])
+        self.run_steps = int(state.get("run_steps", 0))
+        self.trained_before = float(state.get("trained_before", 0.0))
+        self.speed_model = self.controller = self.startup = None
+        opened = state["open"]
+        self._open = None
+        self._restored = None if opened is None else {"epoch": opened["epoch"], "step": opened["step"],
+                                                      "other_world": True}

@@ -53,7 +53,8 @@ def format_default(value) -> str:
 
 # Fields a resumed run may set differently from the checkpoint's configuration.
 RESUME_MAY_CHANGE = ("epochs", "data_dir", "comm_timeout", "wait_policy", "threads", "progress",
-                     "checkpoint_every", "out", "checkpoint", "loader_workers", "device", "devices", "exchange")
+                     "checkpoint_every", "out", "checkpoint", "loader_workers", "device", "devices", "exchange",
+                     "speeds")
 
 
 def parse_train_args(argv) -> config_mod.Config:
@@ -116,9 +117,12 @@ def cmd_train(comm, argv) -> int:
 
 
 def _check_world_size(state, world_size):
-    if state["world_size"] != world_size:
-        raise UserError(f"resume: the checkpoint was written by {state['world_size']} ranks; resume with "
-                        f"mpirun -n {state['world_size']} (its RNG states and timings are per rank)")
+    """Synchronous strategies resume on any number of ranks; the parameter server's state
+    is per worker."""
+    strategy = state["config"]["strategy"]
+    if state["world_size"] != world_size and strategy in config_mod.ASYNC_STRATEGIES:
+        raise UserError(f"resume: the checkpoint of this {strategy} run was written by {state['world_size']} ranks; "
+                        f"an asynchronous run resumes with mpirun -n {state['world_size']}")
 
 
 def cmd_info(comm, argv) -> int:

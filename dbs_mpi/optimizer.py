@@ -197,6 +197,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                          extra=balancer.telemetry_size)
         self.sleep_while_waiting = self.exchange.sleep_while_waiting
         self._share = _attach_batchnorm(model, self.comm, self.exchange.transport, self.timeout)
+        self._channels = list({id(layer.channel): layer.channel for layer in sync_batchnorm.layers(model)}.values())
         self._plain_batchnorm = sync_batchnorm.unsynchronised(model)
         self._warned_batchnorm = False
         floating = [b for b in model.buffers() if b.is_floating_point()]
@@ -242,12 +243,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._row = None                   # the step's local batches, once known
         self._loss = float("nan")
         self._telemetry = None             # the sum of the ranks' balancer.telemetry() (dbs within the epoch)
+        self._sync_start = 0.0             # SyncBatchNorm seconds before this step's first forward
 
     def _on_forward(self, module, args, kwargs):
         if module is not self.model or not module.training or not torch.is_grad_enabled():
             return
         if self._compute_start is None:
             self._compute_start, self._compute_cpu = time.perf_counter(), time.process_time()
+            self._sync_start = self._sync_seconds()
             if self.balancer.step_pending:
                 self._row = self.balancer.step_batch_sizes()
                 weight = step_weight(self._row, self.comm.Get_rank(), self.aggregation)
@@ -287,15 +290,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise
         began = self._compute_start if self._compute_start is not None else self._last_end
         cpu = time.process_time() - self._compute_cpu if self._compute_cpu is not None else None
-        self.balancer.stretch(start - began, cpu)
+        # SyncBatchNorm's collectives wait for the slowest rank inside forward and backward:
+        # that is communication, not this rank's compute (dbs and the emulation must not see it)
+        in_sync = self._sync_seconds() - self._sync_start if self._compute_start is not None else 0.0
+        self.balancer.stretch(start - began - in_sync, cpu)
         pre_end = time.perf_counter()
         local = int(row[rank])
         share = _number(loss) * local / float(np.sum(row)) if loss is not None and local else 0.0
-        telemetry = self.balancer.telemetry(pre_end - began)     # dbs: every rank's step time, in the same buffer
+        telemetry = self.balancer.telemetry(pre_end - began - in_sync)   # dbs: every rank's step time, in the buffer
         global_loss = self.exchange.allreduce(step_weight(row, rank, self.aggregation), share, telemetry)
         self._telemetry = None if telemetry is None else self.exchange.extra
         self._loss = global_loss if loss is not None else float("nan")
-        self._times = (began - self._last_end, pre_end - began, time.perf_counter() - pre_end)
+        self._times = (began - self._last_end, pre_end - began - in_sync, time.perf_counter() - pre_end + in_sync)
         self._synced = True
         return self._loss
 
@@ -336,6 +342,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             f"{np.asarray(row).tolist()}), so the gradient would be weighted wrongly. Feed the model the batches "
             f"of dbs_mpi.HeteroSampler (DataLoader(dataset, batch_sampler=sampler)), one optimizer.step() per "
             f"batch; pass check_batch=False if the model's first input is not batch-first")
+
+    def _sync_seconds(self) -> float:
+        return sum(channel.seconds for channel in self._channels)
 
     def _check_batchnorm(self, row) -> None:
         """Warn once (every rank) if plain BatchNorm layers see uneven local batches."""

@@ -25,6 +25,12 @@ SCHEMA_ATTRIBUTES = {
               "if it is alive) or `interrupted` (stopped on SIGTERM/SIGUSR1 with a checkpoint: resume with "
               "`dbs-mpi train --resume FILE`). A `running` file whose job is gone is a crashed run",
     "resumed": "ISO times at which the run was resumed (absent if never)",
+    "segments": "JSON list, one entry per launch that trained this run (the first, then every resume): its "
+                "`world_size`, `hostnames`, `rank_devices`, `device_names`, where it began (`epoch`, `step` in it, "
+                "`run_step`, `time`) and `startup`, the calibration it made (null: none, or the start-up/* datasets "
+                "for the first). A run resumed on another number of ranks has per-rank datasets as wide as its "
+                "largest world: a rank that did not exist in a row reads NaN (-1 in integer datasets); an epoch "
+                "in which the world changed has epoch/* of its last segment's steps",
     "config": "JSON of the whole configuration (`dbs-mpi train`: every field of `config.Config`; a Recorder: what "
               "the loop gave)",
     "strategy": "`ssgd`, `static`, `dbs`, `asgd`, `nsoftsync` or `dbs-sgd` (a Recorder: the balancer's policy)",
@@ -185,6 +191,16 @@ def default_path(strategy: str) -> Path:
     return Path("results") / f"{strategy}-{stamp}.h5"
 
 
+def pad_columns(rows: np.ndarray, width: int) -> np.ndarray:
+    """rows (n, k) with columns k.. width-1 of ranks that did not exist: NaN, or -1."""
+    if rows.shape[1] >= width:
+        return rows
+    fill = -1 if rows.dtype.kind in "iu" else np.nan
+    out = np.full((rows.shape[0], width), fill, dtype=rows.dtype)
+    out[:, :rows.shape[1]] = rows
+    return out
+
+
 class RunWriter:
     """Appends a run's records to its HDF5 file; every call leaves the file readable."""
 
@@ -223,8 +239,6 @@ class RunWriter:
         except OSError as exc:
             raise UserError(f"resume: cannot open {self.path} ({exc})") from None
         f = self.file
-        if int(f.attrs.get("world_size", -1)) != world_size:
-            raise UserError(f"resume: {self.path} was written by {f.attrs.get('world_size')} ranks, not {world_size}")
         for group, keep in (("epoch", epochs), ("step", steps), ("update", updates), ("replan", replans)):
             if keep is None:
                 continue
@@ -251,13 +265,44 @@ class RunWriter:
         rows = np.asarray(rows, dtype=dtype)
         if name not in self.file:
             chunks = True if rows.size else (1024, *rows.shape[1:])   # h5py cannot guess for 0 rows
-            self.file.create_dataset(name, data=rows, maxshape=(None, *rows.shape[1:]), chunks=chunks)
+            self.file.create_dataset(name, data=rows, maxshape=(None, *[None] * (rows.ndim - 1)), chunks=chunks)
             self._describe(name)
             return
         ds = self.file[name]
+        if rows.ndim == 2 and ds.ndim == 2 and rows.shape[1] != ds.shape[1]:     # the world changed size
+            if rows.shape[1] > ds.shape[1]:
+                ds = self._widen(name, rows.shape[1])
+            rows = pad_columns(rows, ds.shape[1])
         n = ds.shape[0]
         ds.resize(n + rows.shape[0], axis=0)
         ds[n:] = rows
+
+    def _widen(self, name: str, width: int):
+        """A per-rank dataset rewritten `width` columns wide (the new ranks' earlier rows
+        missing: NaN, or -1 for integers)."""
+        old = self.file[name]
+        data, attrs = pad_columns(old[()], width), dict(old.attrs)
+        del self.file[name]
+        ds = self.file.create_dataset(name, data=data, maxshape=(None, None), chunks=True)
+        ds.attrs.update(attrs)
+        return ds
+
+    def write_startup(self, startup: dict) -> None:
+        """A calibration: startup/* if this is the run's first launch, else its segment's."""
+        segments = json.loads(self.file.attrs.get("segments", "[]"))
+        if len(segments) <= 1 and "startup" not in self.file:
+            for name, value in startup.items():
+                self.write(f"startup/{name}", value)
+            return
+        segments[-1]["startup"] = {name: np.asarray(value).tolist() for name, value in startup.items()}
+        self.file.attrs["segments"] = json.dumps(segments)
+        self.file.flush()
+
+    def begin_segment(self, segment: dict) -> None:
+        """Append a launch's entry to the `segments` attribute (the first one at creation)."""
+        segments = json.loads(self.file.attrs.get("segments", "[]"))
+        self.file.attrs["segments"] = json.dumps([*segments, segment])
+        self.file.flush()
 
     def append_rows(self, name: str, rows, dtype=np.float64) -> None:
         self._append(name, rows, dtype)
@@ -339,7 +384,7 @@ class Recorder:
     the file is then continued (rows past that state are dropped), not created."""
 
     def __init__(self, comm, path, *, config=None, attrs: dict | None = None, resume: dict | None = None,
-                 timeout: float = 600.0):
+                 position: tuple[int, int] | None = None, timeout: float = 600.0):
         from . import comm as mpi
         self.comm, self.path, self.timeout = comm, str(path), timeout
         attrs = {"config": describe_config(config), "world_size": comm.Get_size(),
@@ -357,19 +402,39 @@ class Recorder:
                                         resume.get("replans", 0))
             return RunWriter(path, attrs, world)
         self.writer = mpi.collective(comm, open_file, timeout=timeout)
+        self.writer.begin_segment(self._segment(position))
         # If the job fails on any rank while rank 0 is alive, rank 0 marks the file failed
         # before the abort (comm.Supervisor).
         self._unregister = mpi.SUPERVISOR.on_failure(lambda: self.writer.close(STATUS_FAILED))
 
+    def _segment(self, position) -> dict:
+        """This launch's entry of the `segments` attribute. position: (epoch, step) where it
+        begins (default: after the epochs recorded)."""
+        epoch, step = position if position is not None else (self.records["epochs"], 0)
+        plain = lambda key: [str(v) for v in self.attrs.get(key, [])]       # noqa: E731
+        return {"world_size": self.comm.Get_size(), "hostnames": plain("hostnames"),
+                "rank_devices": plain("rank_devices"), "device_names": plain("device_names"),
+                "epoch": int(epoch), "step": int(step), "run_step": int(self.records["steps"]) + int(step),
+                "time": datetime.datetime.now().isoformat(timespec="seconds"), "startup": None}
+
     def startup(self, balancer) -> None:
         """The balancer's policy and global batch (as the attributes strategy and
-        global_batch, unless given), and its start-up calibration (startup/*) if any."""
+        global_batch, unless given), and its start-up calibration if any: startup/* for the
+        run's first launch, its `segments` entry for a later one (a resume that calibrated
+        its new ranks)."""
         self.writer.set_attrs(**{k: v for k, v in (("strategy", balancer.policy),
                                                    ("global_batch", balancer.global_batch))
                                  if k not in self.attrs})
         if balancer.startup:
-            for name in ("local_batch", "step_time", "batch_sizes"):
-                self.writer.write(f"startup/{name}", balancer.startup[name])
+            self.writer.write_startup({name: balancer.startup[name] for name in ("local_batch", "step_time",
+                                                                                 "batch_sizes")})
+
+    def append_steps(self, rows: dict) -> None:
+        """Step rows of the epoch in progress that another world ran before a resume on
+        another number of ranks (its epoch/* row will be its last segment's)."""
+        if rows:
+            self.writer.append_epoch({}, rows)
+            self.records = {**self.records, "steps": self.records["steps"] + len(rows["loss"])}
 
     def epoch(self, stats, *, test_loss: float = float("nan"), test_accuracy: float = float("nan"),
               eval_time: float = 0.0, **extra) -> dict:

@@ -185,61 +185,70 @@ def global_statistics(rows: torch.Tensor, eps: float):
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
+    """The layer in training mode. Elementwise work goes through torch's fused BatchNorm
+    kernels (in their eval form, fed the global statistics); only the statistics and the
+    two per-channel sums of the backward are this module's own."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, factor, channel, share):
         x = x.contiguous()
-        dims = [0, *range(2, x.dim())]
         placeholder = share.local == 0 or x.shape[0] == 0     # this rank has no samples in this step
         count = 0 if placeholder else x.numel() // x.shape[1]
         if count:
-            var_l, mean_l = torch.var_mean(x, dims, correction=0)
+            var_l, mean_l = torch.var_mean(x, [0, *range(2, x.dim())], correction=0)
         else:
             var_l = mean_l = torch.zeros(x.shape[1], device=x.device, dtype=x.dtype)
         row = torch.cat([torch.tensor([float(count)], device=x.device, dtype=torch.float64),
                          mean_l.to(torch.float64), var_l.to(torch.float64)])
         total, mean64, var64 = global_statistics(channel.gather(row), eps)
-        invstd64 = torch.rsqrt(var64 + eps)
-        mean, invstd = mean64.to(x.dtype), invstd64.to(x.dtype)
+        mean, var = mean64.to(x.dtype), var64.to(x.dtype)
         if running_mean is not None:
             running_mean.mul_(1 - factor).add_(factor * mean)
             running_var.mul_(1 - factor).add_(factor * (var64 * total / (total - 1)).to(x.dtype))
-        scale = invstd if weight is None else invstd * weight
-        shift = -mean * scale if bias is None else bias - mean * scale
-        y = x * _per_channel(scale, x.dim()) + _per_channel(shift, x.dim())
-        w = share.weight if share.weight is not None else count / total
-        ctx.save_for_backward(x, weight, mean, invstd)
-        ctx.channel, ctx.total, ctx.own_weight, ctx.count = channel, total, float(w), count
+        y = F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)     # (x - mean) / sqrt(var + eps) w + b
+        ctx.save_for_backward(x, weight, mean, var)
+        ctx.channel, ctx.total, ctx.count, ctx.eps = channel, total, count, eps
+        ctx.own_weight = float(share.weight if share.weight is not None else count / total)
         ctx.has_bias = bias is not None
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, mean, invstd = ctx.saved_tensors
+        x, weight, mean, var = ctx.saved_tensors
         dy = dy.contiguous()
-        nd, dims = x.dim(), [0, *range(2, x.dim())]
-        xmu = x - _per_channel(mean, nd)
+        gain = weight if weight is not None else torch.ones_like(mean)
+        need_input = ctx.needs_input_grad[0]                 # the same on every rank: the same model
         if ctx.count:
-            sum_dy, sum_dy_xmu = dy.sum(dims), (dy * xmu).sum(dims)
-        else:                                        # a placeholder sample: no part in anything
-            sum_dy = sum_dy_xmu = torch.zeros_like(mean)
-        grad_weight = sum_dy_xmu * invstd if weight is not None and ctx.needs_input_grad[1] else None
+            # eval-form BatchNorm backward with the global statistics: gamma invstd dy, and the
+            # local sums of dy x_hat (gamma's gradient) and of dy (beta's)
+            partial, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                dy, x, gain, mean, var, None, None, False, ctx.eps, [need_input, True, True])
+        else:                                                 # a placeholder sample: no part in anything
+            partial, sum_dy_xhat, sum_dy = None, torch.zeros_like(mean), torch.zeros_like(mean)
+        grad_weight = sum_dy_xhat if weight is not None and ctx.needs_input_grad[1] else None
         grad_bias = sum_dy if ctx.has_bias and ctx.needs_input_grad[2] else None
         grad_input = None
-        if ctx.needs_input_grad[0]:                  # the same on every rank: the same model
+        if need_input:
             w = ctx.own_weight
-            local = torch.cat([sum_dy, sum_dy_xmu]).to(torch.float64) * w
-            sums = ctx.channel.sum(local)
+            sums = ctx.channel.sum(torch.cat([sum_dy, sum_dy_xhat]).to(torch.float64) * w)
             if w > 0 and ctx.count:
-                channels = mean.numel()
-                s1 = (sums[:channels] / (w * ctx.total)).to(x.dtype)
-                s2 = (sums[channels:] / (w * ctx.total)).to(x.dtype)
-                gain = invstd if weight is None else invstd * weight
-                grad_input = (dy - _per_channel(s1, nd) - xmu * _per_channel(invstd * invstd * s2, nd)) \
-                    * _per_channel(gain, nd)
+                grad_input = _input_gradient(partial, x, gain, mean, var, ctx.eps, sums, w * ctx.total)
             else:
                 grad_input = torch.zeros_like(x)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def _input_gradient(partial, x, gain, mean, var, eps, sums, scale):
+    """dx = gamma invstd (dy - S1 / (w N) - x_hat S2' / (w N)), with S1 = sum_i w_i sum dy,
+    S2' = sum_i w_i sum dy x_hat (= invstd S2), written as partial + b x + c per channel
+    (partial = gamma invstd dy from the fused kernel)."""
+    channels = mean.numel()
+    invstd = torch.rsqrt(var.to(torch.float64) + eps)
+    s1, s2 = sums[:channels] / scale, sums[channels:] / scale
+    g = gain.to(torch.float64) * invstd
+    b = -g * invstd * s2
+    c = -g * s1 - b * mean.to(torch.float64)
+    return torch.addcmul(partial, x, _per_channel(b.to(x.dtype), x.dim())).add_(_per_channel(c.to(x.dtype), x.dim()))
 
 
 def convert_sync_batchnorm(module: nn.Module, comm: MPI.Comm, timeout: float = 600.0) -> nn.Module:

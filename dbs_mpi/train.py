@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import checkpoint, comm as mpi, devices, plugins, sync_batchnorm, transport
-from .balancer import Balancer
+from .balancer import Balancer, steps_before_resume
 from .checkpoint import EXIT_STOPPED, StopRequest, Stopped
 from .config import ASYNC_STRATEGIES, Config, UserError, check_world
 from .data import InMemoryLoader, first_samples, load_dataset, sample_shape_and_classes
@@ -166,12 +166,16 @@ def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state:
     with StopRequest(comm, cfg.comm_timeout) as stop:
         run.stop = stop
         records = checkpoint_state["records"] if checkpoint_state else None
+        position = (checkpoint_state["epoch"], checkpoint_state["step"]) if checkpoint_state else None
         with Recorder(comm, out, config=cfg, attrs=result_attrs(cfg, run, threads, oversubscribed, places),
-                      resume=records, timeout=cfg.comm_timeout) as recorder:
+                      resume=records, position=position, timeout=cfg.comm_timeout) as recorder:
             run.recorder = recorder
             if checkpoint_state is not None:
                 run.summary.epochs.extend(mpi.bcast_object(comm, recorder.writer.read_epochs() if rank == 0 else None,
                                                            timeout=cfg.comm_timeout))
+                if resized(checkpoint_state, comm) and cfg.strategy not in ASYNC_STRATEGIES:
+                    recorder.append_steps(steps_before_resume([part["balancer"] for part in checkpoint_state[
+                        "per_rank"]], recorder.records["epochs"]))
             if cfg.strategy in ASYNC_STRATEGIES:
                 from .parameter_server import AsyncTrainer as Trainer
             else:
@@ -181,6 +185,11 @@ def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state:
             except Stopped:
                 raise SystemExit(EXIT_STOPPED) from None
     return run.summary
+
+
+def resized(state: dict, comm) -> bool:
+    """The checkpoint was written by another number of ranks (a resume on another allocation)."""
+    return state["world_size"] != comm.Get_size()
 
 
 def make_loader(run: Run, sampler: HeteroSampler):
@@ -216,6 +225,10 @@ class SyncTrainer:
         self.parts = dict(model=run.model, optimizer=optimizer, balancer=balancer, sampler=sampler)
         if run.state is not None:
             self.restore(run.state)
+            if resized(run.state, self.comm):     # another allocation: time the new ranks, allocate for them
+                balancer.calibrate_model(run.model, run.loss_fn, run.train_set, cfg.benchmark_steps,
+                                         cfg.benchmark_warmup)
+                run.recorder.startup(balancer)
         for epoch in range(sampler.epoch, cfg.epochs):
             sampler.set_epoch(epoch)
             stopped = self.train_epoch(loader, optimizer, epoch)
@@ -275,13 +288,20 @@ class SyncTrainer:
                     f"continue with: dbs-mpi train --resume {run.summary.path or '<result file>'}")
 
     def restore(self, state: dict) -> None:
-        p = self.parts
+        """The checkpoint's model, optimizer and position. On as many ranks as wrote it, each
+        rank its own balancer and random state; on another number, the balancer takes the
+        position alone (train() calibrates the new ranks) and a rank that did not exist
+        draws from a generator seeded by (seed, rank)."""
+        p, rank = self.parts, self.comm.Get_rank()
         p["model"].load_state_dict(state["model"])
         p["optimizer"].load_state_dict(state["optimizer"])
-        mine = state["per_rank"][self.comm.Get_rank()]
-        p["balancer"].load_state_dict(mine["balancer"])
+        parts = state["per_rank"]
+        p["balancer"].load_state_dict(parts[rank if rank < len(parts) else 0]["balancer"])
         p["sampler"].load_state_dict({"epoch": state["epoch"], "step": state["step"], "seed": self.cfg.seed})
-        checkpoint.restore_rng(mine["rng"])
+        if rank < len(parts):
+            checkpoint.restore_rng(parts[rank]["rng"])
+        else:
+            torch.manual_seed(self.cfg.seed * 100_003 + rank)
 
 
 def _progress(loader, cfg: Config, epoch: int, rank: int):

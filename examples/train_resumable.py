@@ -8,6 +8,15 @@ epoch, and on SIGTERM or SIGUSR1 (what Slurm sends before a time limit) all rank
 to stop after the same step, write a checkpoint and exit with status 3. Started again
 with the same checkpoint path, it continues from that step; with the ssgd or static
 policy the final model is the one an uninterrupted run ends with, bit for bit.
+
+Started again on another number of ranks (the requeued job got another allocation), it
+continues the same run: the model, the optimizer and the position are the same for any
+world; each rank's balancer takes the position from rank 0's part (a state saved by
+another world gives nothing per rank) and the new ranks are calibrated. The parameters
+at the end equal the uninterrupted run's up to float rounding (the vector, hence the
+order of summation, differs).
+
+    mpirun -n 3 python examples/train_resumable.py --checkpoint results/run.ckpt   # 2 ranks wrote it
 """
 import argparse
 import os
@@ -44,8 +53,13 @@ if os.path.exists(args.checkpoint):              # every component restores its 
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     sampler.load_state_dict(state["sampler"])
-    balancer.load_state_dict(state["per_rank"][rank]["balancer"])
-    torch.set_rng_state(state["per_rank"][rank]["rng"])
+    parts = state["per_rank"]                    # one per rank of the world that wrote it
+    same_world = len(parts) == comm.Get_size()
+    balancer.load_state_dict(parts[rank if same_world else 0]["balancer"])
+    if same_world:
+        torch.set_rng_state(parts[rank]["rng"])
+    elif args.policy != "ssgd":                  # another allocation: time the new ranks
+        balancer.calibrate_model(model, loss_fn, train_set)
 elif args.policy != "ssgd":
     balancer.calibrate_model(model, loss_fn, train_set)
 

@@ -504,3 +504,60 @@ def test_a_loop_whose_exchange_carries_no_step_times_gets_the_per_epoch_rule_and
         stats = balancer.end_epoch()
     assert stats.changes == [] and "speed_ratio" in stats.diagnostics
     assert stats.next_batch_sizes[0] > stats.batch_sizes[0] and stats.next_batch_sizes[-1] < stats.batch_sizes[-1]
+
+
+def resumable_parts(comm, data):
+    """A user's loop for resuming on another number of ranks: dbs with a dead band (the
+    vector stays) and an uneven vector for this world."""
+    torch.manual_seed(0)
+    model = UserNet()
+    balancer = dbs_mpi.Balancer(comm, 24, "dbs", speeds=speeds_for(comm.Get_size()), min_gain=0.99)
+    balancer.batch_sizes = allocation.proportional(24, speeds_for(comm.Get_size()))
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, balancer)
+    return model, optimizer, balancer, dbs_mpi.HeteroSampler(data, balancer, seed=5)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("direction", ["grow", "shrink"])
+def test_a_run_stopped_mid_epoch_continues_on_another_number_of_ranks(comm, shared_tmp, direction):
+    """Stopped at step 3 of epoch 2 on k ranks, continued on m: the parameters of a run
+    that never stopped (n ranks of the job: k, m = n - 1, n or n, n - 1; 1 rank: 1, 1)."""
+    data, n, rank = Pairs(150), comm.Get_size(), comm.Get_rank()
+    k, m = (max(1, n - 1), n) if direction == "grow" else (n, max(1, n - 1))
+    path = shared_tmp / f"resize-{direction}.ckpt"
+    first = comm.Split(0 if rank < k else MPI.UNDEFINED, rank)
+    if first != MPI.COMM_NULL:
+        parts = resumable_parts(first, data)
+        run_steps(first, parts, data)                                  # epoch 1
+        parts[3].set_epoch(1)
+        assert run_steps(first, parts, data, loader_steps=3) == 3
+        model, optimizer, balancer, sampler = parts
+        dbs_mpi.save_checkpoint(first, path, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                              "sampler": sampler.state_dict()}, {"balancer": balancer.state_dict()})
+        optimizer.close()
+        first.Free()
+    comm.Barrier()
+    second = comm.Split(0 if rank < m else MPI.UNDEFINED, rank)
+    if second != MPI.COMM_NULL:
+        state = dbs_mpi.load_checkpoint(path)
+        model, optimizer, balancer, sampler = parts = resumable_parts(second, data)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        balancer.load_state_dict(state["per_rank"][min(second.Get_rank(), k - 1)]["balancer"])
+        if m != k:                                                     # the position only: allocate for this world
+            assert balancer.batch_sizes.tolist() == allocation.equal(24, m).tolist()
+            balancer.batch_sizes = allocation.proportional(24, speeds_for(m))
+        sampler.load_state_dict(state["sampler"])
+        assert run_steps(second, parts, data) == 7 - 3                 # the rest of epoch 2
+        sampler.set_epoch(2)
+        run_steps(second, parts, data)                                 # and epoch 3
+        resumed = flat_params(model)
+        optimizer.close()
+        second.Free()
+    reference = resumable_parts(MPI.COMM_SELF, data)
+    for epoch in range(3):
+        reference[3].set_epoch(epoch)
+        run_steps(MPI.COMM_SELF, reference, data)
+    if rank < m:
+        torch.testing.assert_close(resumed, flat_params(reference[0]), rtol=1e-4, atol=2e-5)
+    comm.Barrier()

@@ -151,3 +151,37 @@ def test_the_calibrations_probe_does_not_synchronise():
     step = model_step(model, nn.functional.cross_entropy, torch.randn(8, 1, 6, 6), torch.randint(3, (8,)))
     step(4)                                               # a probe on a copy: no channel, no collective
     assert isinstance(model[1].channel, Refusing)        # the model itself keeps its channel
+
+
+class SlowRows(OwnRows):
+    """OwnRows whose collectives take 30 ms, as when a slower rank is waited for."""
+    seconds = 0.0
+
+    def gather(self, row):
+        import time
+        start = time.perf_counter()
+        time.sleep(0.03)
+        self.seconds += time.perf_counter() - start
+        return super().gather(row)
+
+    def same_ranks(self, comm):
+        return True
+
+
+def test_waiting_in_sync_batchnorm_is_communication_not_compute():
+    """The optimizer's clock takes the layers' collectives out of the step's compute (dbs
+    and the emulated speeds see the rank's own work) and counts them as communication."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
+    model = sync_batchnorm._convert(model, SlowRows())
+    balancer = dbs_mpi.Balancer(MPI.COMM_SELF, 8, "ssgd")
+    data = torch.utils.data.TensorDataset(torch.randn(24, 4), torch.randint(2, (24,)))
+    sampler = dbs_mpi.HeteroSampler(data, balancer, seed=0)
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, balancer)
+    for x, y in torch.utils.data.DataLoader(data, batch_sampler=sampler):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    stats = balancer.end_epoch()
+    assert stats.steps == 3 and (stats.step_pre[:, 0] < 0.025).all(), stats.step_pre
+    assert (stats.step_comm[:, 0] + stats.step_wait[:, 0] >= 0.03).all()
