@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -320,6 +321,34 @@ def test_pbs_train(cluster, tmp_path):
     assert "2 ranks on localhost" in log, log      # from $PBS_NODEFILE
 
 
+def test_pbs_resubmitted_with_another_node_count_continues_a_stopped_run(cluster, tmp_path):
+    """A run stopped on 2 ranks, resubmitted with `qsub -l nodes=1:ppn=1` and OUT=its
+    result file: train.pbs resumes it on 1 rank to `complete`."""
+    result = tmp_path / "stopped.h5"
+    args = ["--dataset", "synthetic", "--synthetic-samples", "20000", "--epochs", "2", "--global-batch", "64",
+            "--strategy", "ssgd", "--progress", "false"]
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "mpirun"), "-n", "2", sys.executable, "-m", "dbs_mpi",
+                             "train", *args, "--out", str(result)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not result.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    time.sleep(2)
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(timeout=120) == 3, proc.communicate()
+    env = cluster.job_env(tmp_path, CONFIG="", OUT=str(result), EXTRA_ARGS=" ".join(args))
+    out = tmp_path / "resumed.out"
+    job = qsub_block(cluster, env, "-l", f"nodes=1:ppn=1,walltime=00:{JOB_MINUTES:02d}:00",
+                     "-j", "oe", "-o", str(out), "jobs/pbs/train.pbs")
+    wait_gone(env, job)
+    assert job_records(cluster, job, 1) == {None: ("COMPLETED", "0:0")}, _read(out)
+    assert f"resuming {result}" in _read(out)
+    with h5py.File(result, "r") as run:
+        assert run.attrs["status"] == "complete"
+        assert [s["world_size"] for s in json.loads(run.attrs["segments"])] == [2, 1]
+
+
 def test_pbs_grid(cluster, tmp_path):
     """qsub -t: $PBS_ARRAYID picks the combination, PBS_JOBID 'N[i].host' names it."""
     grid = dict(GRID_STRATEGIES="ssgd static", GRID_SEEDS="3", GRID_HETERO="slow:1,0.25")
@@ -432,5 +461,42 @@ def test_slurm_time_limit_signal_checkpoints_requeues_and_resumes(cluster, tmp_p
     try:
         assert run.attrs["status"] == "complete" and len(run.attrs["resumed"]) == 1
         assert run["epoch/train_loss"].shape == (2,)
+    finally:
+        run.close()
+
+
+def test_slurm_stopped_job_resubmitted_with_another_ntasks_continues_the_run(cluster, tmp_path):
+    """A job stopped by its signal (not requeued) and submitted again with another
+    --ntasks and the same OUT continues the same result file to `complete`: the run is
+    the same, its second segment has the new world."""
+    result = tmp_path / "moved.h5"
+    env = cluster.job_env(tmp_path, CONFIG="", OUT=str(result), REQUEUE="0",
+                          EXTRA_ARGS="--dataset synthetic --synthetic-samples 20000 --epochs 2 --global-batch 64 "
+                                     "--strategy ssgd --progress false")
+    p = _run(["sbatch", "--parsable", "-n", "2", "-t", str(JOB_MINUTES), "-o", f"{tmp_path}/%x-%j.out",
+              "jobs/slurm/train.sbatch"], env)
+    job = p.stdout.strip().split(";")[0]
+    assert job.isdigit(), p.stdout + p.stderr
+    deadline = time.monotonic() + 120
+    while not result.exists():
+        assert time.monotonic() < deadline, f"{result} never appeared"
+        time.sleep(0.2)
+    time.sleep(2)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
+    deadline = time.monotonic() + 180
+    while (state := _job_state(env, job)[0]) in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING"):
+        assert time.monotonic() < deadline, f"job {job} did not stop"
+        time.sleep(0.5)
+    assert "exited with status 3" in _read(tmp_path / f"dbs-mpi-train-{job}.out")
+    p = _run(["sbatch", "--parsable", "--wait", "-n", "1", "-t", str(JOB_MINUTES), "-o", f"{tmp_path}/%x-%j.out",
+              "jobs/slurm/train.sbatch"], env)
+    second = p.stdout.strip().split(";")[0]
+    assert p.returncode == 0, p.stdout + p.stderr + _read(tmp_path / f"dbs-mpi-train-{second}.out")
+    assert f"resuming {result}" in _read(tmp_path / f"dbs-mpi-train-{second}.out")
+    run = h5py.File(result, "r")
+    try:
+        assert run.attrs["status"] == "complete" and len(run.attrs["resumed"]) == 1
+        assert [s["world_size"] for s in json.loads(run.attrs["segments"])] == [2, 1]
+        assert run["epoch/train_loss"].shape == (2,) and run["step/loss"].shape == (2 * 313,)
     finally:
         run.close()
