@@ -117,12 +117,17 @@ def cmd_train(comm, argv) -> int:
 
 
 def _check_world_size(state, world_size):
-    """Synchronous strategies resume on any number of ranks; the parameter server's state
-    is per worker."""
-    strategy = state["config"]["strategy"]
-    if state["world_size"] != world_size and strategy in config_mod.ASYNC_STRATEGIES:
-        raise UserError(f"resume: the checkpoint of this {strategy} run was written by {state['world_size']} ranks; "
-                        f"an asynchronous run resumes with mpirun -n {state['world_size']}")
+    """Any number of ranks, except into or out of rounds (hardsync), whose updates take
+    every worker's gradient: the position in the data would not be a round's."""
+    from .parameter_server import in_rounds
+    cfg = state["config"]
+    before, now = (in_rounds(cfg["strategy"], cfg.get("softsync_wait"), cfg.get("softsync_n", 1), world - 1)
+                   for world in (state["world_size"], world_size))
+    if before != now:
+        was, would = state["world_size"] - 1, world_size - 1
+        change = (f"updates in rounds of all its {was} worker(s) (hardsync), which {would} worker(s) would not"
+                  if before else f"on {was} worker(s) would update in rounds (hardsync) on {would}")
+        raise UserError(f"resume: this nsoftsync run {change}; resume it with mpirun -n {state['world_size']}")
 
 
 def cmd_info(comm, argv) -> int:

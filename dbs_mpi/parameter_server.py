@@ -110,7 +110,10 @@ applied exactly once per epoch across a stop; a drain resets staleness (every wo
 restarts on the newest weights), and rounds (hardsync) are never split, so a resumed
 hardsync run with one worker ends with the same weights, bit for bit, as an
 uninterrupted one (with more workers the order in which gradients arrive changes the
-sum's rounding).
+sum's rounding). A resume on another number of workers keeps the server's state (nothing
+is in flight after a drain) and derives again what depends on lambda: the local batches
+(dbs-sgd: a new calibration and controller), c and the server momentum; rounds continue
+only into rounds (docs/method.md, section 8).
 
 Not supported here: models with floating-point buffers (BatchNorm statistics: use
 norm = "group").
@@ -203,6 +206,12 @@ def group_size(strategy: str, workers: int, softsync_n: int) -> int:
     return 1
 
 
+def in_rounds(strategy: str, softsync_wait: bool, softsync_n: int, workers: int) -> bool:
+    """Rounds (hardsync): nsoftsync waiting for its updates with c = lambda, every worker's
+    gradient in every update."""
+    return strategy == "nsoftsync" and bool(softsync_wait) and group_size(strategy, workers, softsync_n) == workers
+
+
 def staleness_stats(staleness) -> tuple[float, float, list[float]]:
     """(mean, max, [p50, p90, p99]) of an array of staleness values; zeros if empty."""
     s = np.asarray(staleness, dtype=np.float64)
@@ -237,7 +246,7 @@ class Server:
         self.optimizer = make_optimizer(cfg.optimizer, params, replace(cfg, momentum=self.momentum))
         _warm_up_optimizer()
         self.wait_mode = cfg.strategy == "nsoftsync" and cfg.softsync_wait
-        rounds = self.wait_mode and self.c == self.workers
+        rounds = in_rounds(cfg.strategy, cfg.softsync_wait, cfg.softsync_n, self.workers)
         # Divisor of an update's sample-weighted gradient sum (None: the group's samples);
         # aggregation "mean": every gradient counts once, the group's mean (docs/method.md).
         self.divisor = None if rounds else self.c * cfg.global_batch / self.workers
@@ -478,17 +487,34 @@ class Server:
         return {"weights": self.weights.clone(), "optimizer": self.optimizer.state_dict(),
                 "cursor": {k: v for k, v in vars(self.cursor).items()}, **state}
 
-    def load_state(self, state: dict) -> None:
-        """Continue from state_dict(); cfg.epochs may have grown (a run extended on resume)."""
+    PER_WORKER = ("vector", "controller", "measure")     # what another number of workers re-derives
+
+    def load_state(self, state: dict, moved: bool = False) -> None:
+        """Continue from state_dict(); cfg.epochs may have grown (a run extended on resume).
+        moved: the state was saved with another number of workers. The version, the data
+        cursor's position, the records and the clock carry over; this server's vector and
+        dbs-sgd controller (made for the new workers) stay, and the per-worker columns of
+        the per-epoch arrays are cut or padded with zeros. The optimizer's state carries over
+        with this world's server momentum (another lambda / c)."""
         self.weights.copy_(state["weights"])
         self.optimizer.load_state_dict(state["optimizer"])
+        for group in self.optimizer.param_groups:       # load_state_dict brings the saved hyperparameters
+            if "momentum" in group:
+                group["momentum"] = self.momentum
         epochs = self.cfg.epochs
         for k in self.STATE:
             value = state[k]
+            if moved and k in self.PER_WORKER:
+                continue
             if k in ("applied", "vectors", "stats"):     # per-epoch arrays: pad to the new epoch count
                 value = np.asarray(value)
-                padded = np.zeros((epochs, *value.shape[1:]), dtype=value.dtype)
-                padded[:len(value)] = value[:epochs]
+                mine = getattr(self, k)
+                padded = np.zeros((epochs, *mine.shape[1:]), dtype=value.dtype)
+                columns = min(value.shape[1], mine.shape[1]) if value.ndim == 2 else None
+                if columns is None:
+                    padded[:len(value)] = value[:epochs]
+                else:
+                    padded[:len(value), :columns] = value[:epochs, :columns]
                 value = padded
             elif k == "vector":
                 value = np.asarray(value, dtype=np.int64).copy()
@@ -506,7 +532,11 @@ class Server:
         for k in ("vector", "table"):
             if cursor.get(k) is not None:
                 cursor[k] = np.asarray(cursor[k], dtype=np.int64).copy()
+        if moved:       # the position in the data carries over; the split is the new workers'
+            cursor = {k: v for k, v in cursor.items() if k not in ("workers", "vector", "table", "next_worker")}
         self.cursor.__dict__.update(cursor)
+        if moved and self.cursor.started == self.cursor.epoch:
+            self.cursor.begin_epoch(self.vector)    # the epoch's rest (rounds: its remaining steps) for them
 
     def _begin_epoch(self) -> None:
         """The cursor enters a new epoch: dbs-sgd re-plans the local batches first."""
@@ -594,9 +624,10 @@ class Worker:
         return {"stats": self.stats, "perm_epoch": self.perm_epoch, "epoch": self.epoch}
 
     def load_state(self, state: dict) -> None:
-        stats = np.zeros_like(self.stats)            # cfg.epochs may have grown
+        stats = np.zeros_like(self.stats)            # cfg.epochs (and the workers) may have changed
         saved = np.asarray(state["stats"])
-        stats[:len(saved)] = saved[:len(stats)]
+        columns = min(saved.shape[1], stats.shape[1])
+        stats[:len(saved), :columns] = saved[:len(stats), :columns]
         self.stats, self.perm_epoch, self.epoch = stats, state["perm_epoch"], state["epoch"]
         if self.perm_epoch >= 0:
             self.perm = torch.from_numpy(sharding.epoch_permutation(len(self.train_set), self.perm_epoch,
@@ -687,25 +718,25 @@ def _check_model(model) -> None:
 
 
 def initial_vector(run, emulator):
-    """Local batches of the workers (sum = global_batch), and dbs-sgd's controller."""
+    """Local batches of the workers (sum = global_batch), dbs-sgd's controller, and the
+    calibration's start-up records (dbs-sgd; {} otherwise)."""
     comm, cfg = run.comm, run.cfg
     workers = comm.Get_size() - 1
     max_local = cfg.max_local_batch or None
     if cfg.strategy != "dbs-sgd":
-        return allocation.equal(cfg.global_batch, workers, cfg.min_local_batch, max_local), None
+        return allocation.equal(cfg.global_batch, workers, cfg.min_local_batch, max_local), None, {}
     # Every rank (the server too: the calibration is a collective) times itself at two
     # local batches; the workers' part of the fit sizes their local batches.
     small, large = calibration_batches(cfg.global_batch, comm.Get_size(), cfg.min_local_batch, max_local)
     step = model_step(run.model, run.loss_fn, *first_samples(run.train_set, large))
     fit, times = calibrate(comm, step, small, large, steps=cfg.benchmark_steps, warmup=cfg.benchmark_warmup,
                            stretch=emulator.stretch, affine=cfg.dbs_model == "affine", timeout=cfg.comm_timeout)
-    run.recorder.writer.write("startup/local_batch", np.array([small, large], dtype=np.int64))
-    run.recorder.writer.write("startup/step_time", times)
+    startup = {"local_batch": np.array([small, large], dtype=np.int64), "step_time": times}
     speed_model = allocation.SpeedModel(fit.per_sample[1:].copy(), fit.overhead[1:].copy())
     controller = dynamic.DBSController(
         model=speed_model, global_batch=cfg.global_batch, min_local=cfg.min_local_batch, max_local=max_local,
         smoothing=cfg.dbs_smoothing, follow=cfg.dbs_follow, min_gain=cfg.dbs_min_gain)
-    return speed_model.allocate(cfg.global_batch, cfg.min_local_batch, max_local), controller
+    return speed_model.allocate(cfg.global_batch, cfg.min_local_batch, max_local), controller, startup
 
 
 class AsyncTrainer:
@@ -760,14 +791,19 @@ class AsyncTrainer:
         run, comm, cfg, state = self.run, self.comm, self.cfg, self.state
         rank, workers = comm.Get_rank(), comm.Get_size() - 1
         mpi.collective(comm, _check_model, run.model, timeout=cfg.comm_timeout)
-        if state is None:
-            vector, controller = initial_vector(run, self.emulator)
-            self.writer.write("startup/batch_sizes", np.concatenate([[0], vector]).astype(np.int64))
+        moved = state is not None and state["world_size"] != comm.Get_size()     # another number of workers
+        if state is None or moved:           # the new workers: their own vector (dbs-sgd: calibrated)
+            vector, controller, startup = initial_vector(run, self.emulator)
+            self.writer.write_startup({**startup, "batch_sizes": np.concatenate([[0], vector]).astype(np.int64)})
         else:                               # the server's state has them
             vector, controller = allocation.equal(cfg.global_batch, workers, 1, None), None
+        if state is not None and rank < len(state["per_rank"]):
             mine = state["per_rank"][rank]
             checkpoint.restore_rng(mine["rng"])
-            self.emulator.load_state_dict(mine["emulator"])
+            if not moved:
+                self.emulator.load_state_dict(mine["emulator"])
+        elif state is not None:             # a rank that did not exist: its own generator
+            torch.manual_seed(cfg.seed * 100_003 + rank)
         self.c = group_size(cfg.strategy, workers, cfg.softsync_n)
         self.mode = "immediate" if not (cfg.strategy == "nsoftsync" and cfg.softsync_wait) else (
             "rounds (hardsync)" if self.c == workers else "wait")
@@ -777,10 +813,10 @@ class AsyncTrainer:
         if rank == 0:
             server = Server(pcomm, cfg, run.model, len(run.train_set), vector, controller, self.log, self.stop)
             if state is not None:
-                server.load_state(state["server"])
+                server.load_state(state["server"], moved)
         else:
             worker = Worker(pcomm, cfg, run.model, run.train_set, self.emulator, self.stop, run.loss_fn)
-            if state is not None:
+            if state is not None and rank < len(state["per_rank"]):
                 worker.load_state(state["per_rank"][rank]["worker"])
         if state is None:
             self.log(f"{cfg.strategy}: 1 server + {workers} worker(s), {self.c} gradient(s) per update, replies "
@@ -789,7 +825,9 @@ class AsyncTrainer:
                      + (f", time budget {cfg.time_budget:g} s" if cfg.time_budget else ""))
         else:
             self.log(f"{cfg.strategy}: resumed after {state['epoch']} epoch(s) and {state['server']['version']} "
-                     f"update(s), {state['server']['clock']:.1f} s of training")
+                     f"update(s), {state['server']['clock']:.1f} s of training"
+                     + (f"; {workers} worker(s) instead of {state['world_size'] - 1}, local batches "
+                        f"{vector.tolist()}" if moved else ""))
         self.written = state["epoch"] if state is not None else 0
         return server, worker, pcomm
 

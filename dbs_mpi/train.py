@@ -14,6 +14,7 @@ few epochs and on SIGTERM/SIGUSR1 (checkpoint.py), resume, and the printed summa
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -313,6 +314,14 @@ def _progress(loader, cfg: Config, epoch: int, rank: int):
                 file=sys.stderr)
 
 
+def _rank_value(epoch: dict, key: str, rank: int) -> float:
+    """Rank `rank`'s value in an epoch record; 0 where the rank did not exist (a run
+    resumed on another number of ranks: the record is narrower, or NaN)."""
+    values = epoch[key]
+    value = float(values[rank]) if rank < len(values) else 0.0
+    return value if math.isfinite(value) else 0.0
+
+
 def format_summary(summary: RunSummary, cfg: Config, world: int) -> str:
     """The one-screen summary printed at the end of `dbs-mpi train`."""
     if not summary.epochs:
@@ -329,10 +338,10 @@ def format_summary(summary: RunSummary, cfg: Config, world: int) -> str:
              f"test accuracy {100 * last['test_accuracy']:.2f}%",
              f"{'rank':>4} {'batch':>6} {'samples/s':>10} {'compute':>8} {'comm':>6} {'wait':>6}"]
     for r in range(world):
-        total = sum(e["compute_time"][r] + e["comm_time"][r] + e["wait_time"][r] + e["data_time"][r]
-                    for e in summary.epochs)
-        share = lambda key: 100 * sum(e[key][r] for e in summary.epochs) / max(total, 1e-12)
-        lines.append(f"{r:>4} {int(last['batch_sizes'][r]):>6} {last['speed'][r]:>10.0f} "
+        total = sum(_rank_value(e, key, r) for e in summary.epochs for key in ("compute_time", "comm_time",
+                                                                             "wait_time", "data_time"))
+        share = lambda key: 100 * sum(_rank_value(e, key, r) for e in summary.epochs) / max(total, 1e-12)
+        lines.append(f"{r:>4} {int(_rank_value(last, 'batch_sizes', r)):>6} {_rank_value(last, 'speed', r):>10.0f} "
                      f"{share('compute_time'):>7.1f}% {share('comm_time'):>5.1f}% {share('wait_time'):>5.1f}%")
     if summary.path:
         lines.append(f"results: {summary.path}")

@@ -2,6 +2,7 @@
 Each launch under mpirun is bounded in time, so a hang fails the test."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import torch
 
 from conftest import ROOT, dbs_mpi_cmd, mpiexec, rank_pids, read_released, run_cli
 from dbs_mpi import checkpoint
+from dbs_mpi.config import UserError
 from dbs_mpi.results import read_run
 
 RUN = ["--dataset", "synthetic", "--synthetic-samples", "12000", "--test-subset", "200", "--epochs", "2",
@@ -221,12 +223,14 @@ def samples_per_epoch(run):
     return np.bincount(d["update/epoch"], weights=d["update/local_batch"]).astype(int).tolist()
 
 
-@pytest.mark.parametrize("strategy, ranks, sig, every", [
-    ("asgd", 2, signal.SIGUSR1, "0"), ("nsoftsync", 4, signal.SIGTERM, "1"), ("dbs-sgd", 4, signal.SIGUSR1, "1")])
-def test_async_stop_and_resume_applies_every_sample_once(tmp_path, strategy, ranks, sig, every):
+@pytest.mark.parametrize("strategy, ranks, sig, every, again", [
+    ("asgd", 2, signal.SIGUSR1, "0", 2), ("nsoftsync", 4, signal.SIGTERM, "1", 4), ("dbs-sgd", 4, signal.SIGUSR1, "1", 4),
+    ("asgd", 2, signal.SIGUSR1, "1", 3), ("dbs-sgd", 4, signal.SIGTERM, "0", 3)])
+def test_async_stop_and_resume_applies_every_sample_once(tmp_path, strategy, ranks, sig, every, again):
     """A stop request drains the parameter server, checkpoints and exits with
-    EXIT_STOPPED; the resumed run continues the same file, the clock and the server
-    version, and every sample of every epoch is applied exactly once across the stop."""
+    EXIT_STOPPED; the resumed run (on `again` ranks: the same, or another number of
+    workers) continues the same file, the clock and the server version, and every sample
+    of every epoch is applied exactly once across the stop."""
     out = tmp_path / "cut.h5"
     proc = launch([*ASYNC, "--strategy", strategy, "--checkpoint-every", every, "--out", str(out)], ranks)
     read_line(proc, "epoch 1/3 trained")
@@ -241,11 +245,13 @@ def test_async_stop_and_resume_applies_every_sample_once(tmp_path, strategy, ran
     assert cut["data"]["epoch/train_loss"].shape[0] == state["epoch"]        # every closed epoch is written
     assert len(cut["data"]["update/version"]) == state["records"]["updates"]  # and every applied gradient
 
-    proc = run_cli(["train", "--resume", str(out)], ranks=ranks, timeout=240)
+    proc = run_cli(["train", "--resume", str(out)], ranks=again, timeout=240)
     assert proc.returncode == 0, proc.stderr
     run = read_run(out)
     d = run["data"]
     assert run["attrs"]["status"] == "complete" and len(run["attrs"]["resumed"]) == 1
+    assert [s["world_size"] for s in json.loads(run["attrs"]["segments"])] == [ranks, again]
+    assert set(d["update/worker"][-len(d["update/worker"]) // 3:]) == set(range(1, again))    # the new workers
     assert d["epoch/train_loss"].shape == (3,) and (d["epoch/samples"] == 9000).all()
     assert samples_per_epoch(run) == [9000, 9000, 9000]                       # none lost, none twice
     versions = d["update/version"]
@@ -257,7 +263,7 @@ def test_async_stop_and_resume_applies_every_sample_once(tmp_path, strategy, ran
         assert [p[0] for p in d["checkpoint/position"] if p[1] == 0] == [1, 2, 3]
 
     # A complete run may be extended: one more epoch, from the last checkpoint.
-    proc = run_cli(["train", "--resume", str(out), "--epochs", "4"], ranks=ranks, timeout=240)
+    proc = run_cli(["train", "--resume", str(out), "--epochs", "4"], ranks=again, timeout=240)
     assert proc.returncode == 0, proc.stderr
     assert samples_per_epoch(read_run(out)) == [9000] * 4
 
@@ -266,7 +272,7 @@ def test_hardsync_stop_and_resume_is_bit_identical(tmp_path):
     """Rounds are never split by a drain: with one worker, interrupted and resumed
     hardsync ends with the weights of an uninterrupted run, bit for bit."""
     args = [*ASYNC, "--strategy", "nsoftsync", "--softsync-n", "1", "--softsync-wait", "true",
-            "--checkpoint-every", "0"]
+            "--checkpoint-every", "0", "--lr", "0.01", "--momentum", "0"]   # not chaotic: rounding stays small
     whole = tmp_path / "whole.h5"
     proc = run_cli(["train", *args, "--out", str(whole)], ranks=2, timeout=240)
     assert proc.returncode == 0, proc.stderr
@@ -277,6 +283,9 @@ def test_hardsync_stop_and_resume_is_bit_identical(tmp_path):
     proc.communicate(timeout=120)
     assert proc.returncode == checkpoint.EXIT_STOPPED
     assert checkpoint.load(str(cut) + ".ckpt")["position"] != [3, 0]          # stopped before the end
+    moved = tmp_path / "moved.h5"
+    for suffix in ("", ".ckpt"):
+        shutil.copy(str(cut) + suffix, str(moved) + suffix)
     proc = run_cli(["train", "--resume", str(cut)], ranks=2, timeout=240)
     assert proc.returncode == 0, proc.stderr
     a, b = read_run(whole)["data"], read_run(cut)["data"]
@@ -285,6 +294,30 @@ def test_hardsync_stop_and_resume_is_bit_identical(tmp_path):
     wa = checkpoint.load(str(whole) + ".ckpt")["server"]["weights"]
     wb = checkpoint.load(str(cut) + ".ckpt")["server"]["weights"]
     assert torch.equal(wa, wb)
+
+    # On 2 workers the rounds are the same steps, split in two: the same weights up to
+    # the rounding of a sum in two parts, amplified by 3 epochs of 150 steps (a bound as
+    # for the synchronous strategies on another number of ranks).
+    proc = run_cli(["train", "--resume", str(moved)], ranks=3, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert samples_per_epoch(read_run(moved)) == [9000, 9000, 9000]
+    wm = checkpoint.load(str(moved) + ".ckpt")["server"]["weights"]
+    assert ((wm - wa).norm() / wa.norm()).item() < 5e-3
+
+
+@pytest.mark.parametrize("n, before, after, refused", [
+    (1, 2, 3, False), (1, 5, 2, False), (2, 2, 3, True), (2, 3, 2, True), (2, 3, 5, False)])
+def test_resume_into_or_out_of_rounds_is_refused(n, before, after, refused):
+    """nsoftsync with softsync_wait: hardsync rounds (c = lambda) continue on another number of
+    workers that also updates in rounds; a change into or out of rounds is a one-line error."""
+    from dbs_mpi.cli import _check_world_size
+    state = {"world_size": before, "config": {"strategy": "nsoftsync", "softsync_wait": True, "softsync_n": n}}
+    if refused:
+        with pytest.raises(UserError, match=rf"resume it with mpirun -n {before}"):
+            _check_world_size(state, after)
+    else:
+        _check_world_size(state, after)
+    _check_world_size({**state, "config": {**state["config"], "strategy": "asgd"}}, after)
 
 
 ASYNC_CRASH = textwrap.dedent("""
