@@ -52,7 +52,7 @@ def format_default(value) -> str:
 
 
 # Fields a resumed run may set differently from the checkpoint's configuration.
-RESUME_MAY_CHANGE = ("epochs", "data_dir", "comm_timeout", "wait_policy", "threads", "progress",
+RESUME_MAY_CHANGE = ("epochs", "data_dir", "comm_timeout", "startup_timeout", "wait_policy", "threads", "progress",
                      "checkpoint_every", "out", "checkpoint", "loader_workers", "device", "devices", "exchange",
                      "speeds")
 
@@ -99,17 +99,22 @@ def load_train_config(argv, rank: int):
 
 def cmd_train(comm, argv) -> int:
     from . import comm as mpi
+    from . import startup
     from .train import format_summary, train
 
-    cfg, state, resume = mpi.agree(comm, load_train_config, argv, comm.Get_rank())
+    startup.phase("config", backstop=True)
+    limit = startup.limit()                  # before the configuration is known: the command line's
+    cfg, state, resume = mpi.agree(comm, load_train_config, argv, comm.Get_rank(), timeout=limit)
     if resume:
-        cfg, state = mpi.bcast_object(comm, (cfg, state))
-        mpi.agree(comm, _check_world_size, state, comm.Get_size())
+        cfg, state = mpi.bcast_object(comm, (cfg, state), timeout=limit, what="broadcasting the checkpoint")
+        mpi.agree(comm, _check_world_size, state, comm.Get_size(), timeout=limit)
         if nothing_left(cfg, state):
+            startup.done()
             if comm.Get_rank() == 0:
                 print(f"dbs-mpi: nothing to do: {resume} has all its {cfg.epochs} epochs; to train longer, resume "
                       f"with --epochs N (N > {cfg.epochs})", flush=True)
             return 0
+    startup.set_limits(cfg.startup_timeout, cfg.comm_timeout)
     summary = train(comm, cfg, out=resume, checkpoint_state=state)
     if comm.Get_rank() == 0:
         print(format_summary(summary, cfg, comm.Get_size()), flush=True)
@@ -215,10 +220,16 @@ def main(argv=None) -> int:
         print(usage)
         return 0 if argv else 2
 
+    from . import startup
+    startup.arm(argv[1:])                    # bounds the launch: imports, MPI_Init, the first collectives
+    startup.phase("mpi")
     from mpi4py import MPI
-
+    startup.phase("imports")
     from . import comm as mpi
-    comm = mpi.init(MPI.COMM_WORLD)          # fail together; the watchdog; threads per rank
+    startup.phase("init", backstop=True)
+    comm = mpi.init(MPI.COMM_WORLD, timeout=startup.limit())   # fail together; the watchdog; threads per rank
+    if argv[0] != "train":                   # train ends the start-up at its first step
+        startup.done()
     try:
         return COMMANDS[argv[0]](comm, argv[1:])
     except mpi.AgreedError as exc:  # a mistake every rank knows about: one line, every rank exits

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from . import startup
 from .config import UserError
 
 POLL_SPIN = 20e-6       # seconds of plain polling before the first sleep
@@ -559,11 +560,11 @@ class Supervisor:
         self._callbacks.append(fn)
         return lambda: self._callbacks.remove(fn) if fn in self._callbacks else None
 
-    def attach(self, comm: MPI.Comm) -> None:
+    def attach(self, comm: MPI.Comm, timeout: float = 600.0) -> None:
         """Collective: the failure channel of comm (rank 0 listens for notices)."""
         if comm.Get_size() == 1 or self._channel is not None:
             return
-        with self.deadline(comm, 600.0, "opening the failure channel (MPI_Comm_dup)"):
+        with self.deadline(comm, timeout, "opening the failure channel (MPI_Comm_dup)"):
             channel = comm.Dup()
         buffer = np.zeros(2, dtype=np.int64)
         self._channel = (channel, self._listen(channel, buffer) if comm.Get_rank() == 0 else None, buffer)
@@ -595,7 +596,7 @@ class Supervisor:
             d = self._deadline
             if d is not None and time.perf_counter() > d[0]:
                 self.fail(d[1], f"dbs-mpi: rank {d[1].Get_rank()} of {d[1].Get_size()}: "
-                                f"{timeout_message(d[2], d[3])}\n", timed_out=True)
+                                f"{timeout_message(d[2], d[3])}{startup.during()}\n", timed_out=True)
             notice = None if self._failing else self._notice()
             if notice is not None:
                 self.fail(self._channel[0], f"dbs-mpi: rank 0: rank {notice[0]} failed"
@@ -742,6 +743,8 @@ def abort_on_uncaught(comm: MPI.Comm, cleanup=None) -> None:
             os._exit(2)
         if isinstance(value, UserError):
             message = _error_line(value) + f" (rank {comm.Get_rank()})\n"
+        elif isinstance(value, CommTimeout):     # which wait, on which rank: the traceback adds nothing
+            message = f"dbs-mpi: rank {comm.Get_rank()} of {comm.Get_size()}: {value}{startup.during()}\n"
         else:
             message = (f"dbs-mpi: rank {comm.Get_rank()} of {comm.Get_size()} failed:\n"
                        + "".join(traceback.format_exception(kind, value, tb)))
@@ -754,21 +757,22 @@ def abort_on_uncaught(comm: MPI.Comm, cleanup=None) -> None:
     sys.excepthook = hook
 
 
-def init(comm: MPI.Comm | None = None, threads: int | None = None) -> MPI.Comm:
+def init(comm: MPI.Comm | None = None, threads: int | None = None, timeout: float = 600.0) -> MPI.Comm:
     """Start dbs-mpi in a training script: returns the communicator to train on.
 
     comm: the ranks that train together (default MPI.COMM_WORLD: every rank mpirun
     started; a single process without mpirun is a world of one). An uncaught exception
     on any rank then ends the whole job (abort_on_uncaught), after rank 0 recorded it
     (Supervisor: its result file says failed), and each rank gets `threads` torch
-    threads (default: the node's cores divided by the ranks on it). Collective."""
+    threads (default: the node's cores divided by the ranks on it). Collective; its
+    waits (a rank that does not arrive) end the job after `timeout` seconds."""
     comm = MPI.COMM_WORLD if comm is None else comm
     abort_on_uncaught(comm)
-    SUPERVISOR.attach(comm)
+    SUPERVISOR.attach(comm, timeout)
     atexit.register(SUPERVISOR.detach)
     global THREADS_GIVEN
     THREADS_GIVEN = bool(threads)
-    set_torch_threads(threads or threads_per_rank(comm))
+    set_torch_threads(threads or threads_per_rank(comm, timeout=timeout))
     return comm
 
 
@@ -789,10 +793,10 @@ def set_torch_threads(threads: int) -> int:
     return threads
 
 
-def threads_per_rank(comm: MPI.Comm, places=None) -> int:
+def threads_per_rank(comm: MPI.Comm, places=None, timeout: float = 600.0) -> int:
     """The cores of this rank's node (its ranks' together) shared out over the ranks of
     comm on the node, and no more than this rank may use itself (at least 1)."""
-    places = places or placement(comm)
+    places = places or placement(comm, timeout)
     host = places[comm.Get_rank()][0]
     share = node_cores(places)[host] // sum(1 for h, _ in places if h == host)
     return max(1, min(share, available_cores(), thread_limit() or share))

@@ -108,6 +108,7 @@ class Config:
     threads: int = 0                 # torch threads per rank; 0 = a GPU rank 1, a CPU rank the node's cores not taken by GPU ranks / its CPU ranks
     wait_policy: str = "auto"        # waiting ranks: sleep | spin | auto (sleep only where a node has more ranks than cores)
     comm_timeout: float = 600.0      # seconds a rank may wait in one collective before the job is aborted
+    startup_timeout: float = 0.0     # seconds the launch (imports, MPI start, the first collectives, reading the configuration) may take on any rank before the job is ended; 0 = comm_timeout (which bounds the rest of the set-up)
     bucket_mb: float = 25.0          # gradient bucket cap, MiB (PyTorch DDP's); a full bucket is reduced during backward; 0 = no cap
     first_bucket_mb: float = 1.0     # cap of the first bucket (the last layers' gradients, ready first), MiB; 0 = no cap
     checkpoint_every: int = 1       # write a checkpoint every N epochs (and on SIGTERM/SIGUSR1); 0 = only on signals
@@ -267,7 +268,7 @@ def validate(c: Config) -> None:
         positive(name)
     for name in ("lr", "momentum", "weight_decay", "subset", "test_subset", "max_local_batch",
                  "benchmark_warmup", "threads", "checkpoint_every", "sleep_prob", "dbs_min_gain",
-                 "bucket_mb", "first_bucket_mb", "num_classes", "loader_workers"):
+                 "bucket_mb", "first_bucket_mb", "num_classes", "loader_workers", "startup_timeout"):
         non_negative(name)
     if c.time_budget < 0:
         _fail("time_budget", f"must be zero (no limit) or positive seconds; got {c.time_budget}")

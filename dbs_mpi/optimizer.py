@@ -50,7 +50,7 @@ import zlib
 import numpy as np
 import torch
 
-from . import comm as mpi, devices, sync_batchnorm, transport
+from . import comm as mpi, devices, startup, sync_batchnorm, transport
 from .comm import GradientExchange
 
 AGGREGATIONS = ("weighted", "mean")
@@ -314,6 +314,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              "take exactly one exchange per step)")
         if not self._synced:
             self.synchronize(loss)
+        startup.done()                      # a launch watchdog (startup.arm) is not needed any more
         start = time.perf_counter()
         self.optimizer.step()
         if self._buffers:

@@ -127,7 +127,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import allocation, checkpoint, comm as mpi, dynamic, sharding
+from . import allocation, checkpoint, comm as mpi, dynamic, sharding, startup
 from .balancer import calibrate, calibration_batches
 from .comm import CommTimeout
 from .config import UserError
@@ -731,12 +731,12 @@ def initial_vector(run, emulator):
     step = model_step(run.model, run.loss_fn, *first_samples(run.train_set, large))
     fit, times = calibrate(comm, step, small, large, steps=cfg.benchmark_steps, warmup=cfg.benchmark_warmup,
                            stretch=emulator.stretch, affine=cfg.dbs_model == "affine", timeout=cfg.comm_timeout)
-    startup = {"local_batch": np.array([small, large], dtype=np.int64), "step_time": times}
+    timings = {"local_batch": np.array([small, large], dtype=np.int64), "step_time": times}
     speed_model = allocation.SpeedModel(fit.per_sample[1:].copy(), fit.overhead[1:].copy())
     controller = dynamic.DBSController(
         model=speed_model, global_batch=cfg.global_batch, min_local=cfg.min_local_batch, max_local=max_local,
         smoothing=cfg.dbs_smoothing, follow=cfg.dbs_follow, min_gain=cfg.dbs_min_gain)
-    return speed_model.allocate(cfg.global_batch, cfg.min_local_batch, max_local), controller, startup
+    return speed_model.allocate(cfg.global_batch, cfg.min_local_batch, max_local), controller, timings
 
 
 class AsyncTrainer:
@@ -756,6 +756,7 @@ class AsyncTrainer:
     def train(self) -> None:
         comm, cfg = self.comm, self.cfg
         server, worker, pcomm = self._set_up()
+        startup.done()                         # the first step's waits are the training's (comm_timeout)
         mpi.barrier(comm, cfg.comm_timeout)    # everybody set up: the clocks start now
         # Bounded: every segment but the last hands out at least one epoch boundary's or
         # one stop request's worth of work, and the server's budget ends the run.
@@ -793,8 +794,9 @@ class AsyncTrainer:
         mpi.collective(comm, _check_model, run.model, timeout=cfg.comm_timeout)
         moved = state is not None and state["world_size"] != comm.Get_size()     # another number of workers
         if state is None or moved:           # the new workers: their own vector (dbs-sgd: calibrated)
-            vector, controller, startup = initial_vector(run, self.emulator)
-            self.writer.write_startup({**startup, "batch_sizes": np.concatenate([[0], vector]).astype(np.int64)})
+            startup.phase("calibration", backstop=True)
+            vector, controller, timings = initial_vector(run, self.emulator)
+            self.writer.write_startup({**timings, "batch_sizes": np.concatenate([[0], vector]).astype(np.int64)})
         else:                               # the server's state has them
             vector, controller = allocation.equal(cfg.global_batch, workers, 1, None), None
         if state is not None and rank < len(state["per_rank"]):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import checkpoint, comm as mpi, devices, plugins, sync_batchnorm, transport
+from . import checkpoint, comm as mpi, devices, plugins, startup, sync_batchnorm, transport
 from .balancer import Balancer, steps_before_resume
 from .checkpoint import EXIT_STOPPED, StopRequest, Stopped
 from .config import ASYNC_STRATEGIES, Config, UserError, check_world
@@ -154,7 +154,9 @@ def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state:
     out = out or cfg.out or str(default_path(cfg.strategy))
 
     torch.manual_seed(cfg.seed)
+    startup.phase("data", backstop=True)
     run = mpi.collective(comm, setup, comm, cfg, timeout=cfg.comm_timeout)
+    startup.phase("devices", backstop=True)
     places = place(run)
     threads = run.threads[rank]
     oversubscribed = mpi.oversubscribed(places)
@@ -164,6 +166,7 @@ def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state:
     run.summary = RunSummary(path=out if rank == 0 else None, model=run.model, oversubscribed=oversubscribed)
     # Stop requests are honoured from here on: before the result file exists on rank 0,
     # every rank has its handlers (the file is created inside a collective).
+    startup.phase("results", backstop=True)
     with StopRequest(comm, cfg.comm_timeout) as stop:
         run.stop = stop
         records = checkpoint_state["records"] if checkpoint_state else None
@@ -216,6 +219,7 @@ class SyncTrainer:
         sampler = HeteroSampler(run.train_set, balancer, seed=cfg.seed, drop_last=cfg.drop_last)
         loader = make_loader(run, sampler)
         if run.state is None:
+            startup.phase("calibration", backstop=True)
             balancer.calibrate_model(run.model, run.loss_fn, run.train_set, cfg.benchmark_steps, cfg.benchmark_warmup)
             run.recorder.startup(balancer)
         optimizer = DistributedOptimizer(make_optimizer(cfg.optimizer, run.model.parameters(), cfg), run.model,
@@ -225,11 +229,14 @@ class SyncTrainer:
         run.recorder.writer.set_attrs(exchange=optimizer.exchange.transport.name)
         self.parts = dict(model=run.model, optimizer=optimizer, balancer=balancer, sampler=sampler)
         if run.state is not None:
+            startup.phase("restore", backstop=True)
             self.restore(run.state)
             if resized(run.state, self.comm):     # another allocation: time the new ranks, allocate for them
+                startup.phase("calibration", backstop=True)
                 balancer.calibrate_model(run.model, run.loss_fn, run.train_set, cfg.benchmark_steps,
                                          cfg.benchmark_warmup)
                 run.recorder.startup(balancer)
+        startup.done()                        # the first step's waits are the training's (comm_timeout)
         for epoch in range(sampler.epoch, cfg.epochs):
             sampler.set_epoch(epoch)
             stopped = self.train_epoch(loader, optimizer, epoch)

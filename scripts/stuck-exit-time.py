@@ -8,6 +8,12 @@ rank gets SIGSTOP (alive, silent), and the job must end by itself: its ranks tim
 rank 0 records the failure and aborts. Reported per case: the seconds from the SIGSTOP
 to mpirun's exit (median and all repeats), that time less the timeout, mpirun's exit
 status and the result file's status.
+
+    .venv/bin/python scripts/stuck-exit-time.py --timeout 5 --repeats 3 --startup
+
+--startup: the same during the start-up instead, one case per phase (--phases): rank 1
+of 2 stops itself as it enters the phase (DBS_MPI_STALL_AT, startup.py), and the time
+runs from that moment (the stalling rank prints it) to mpirun's exit.
 """
 from __future__ import annotations
 
@@ -65,12 +71,52 @@ def one(ranks: int, args: list[str], timeout: float, out: Path, mpiexec: str) ->
     return elapsed, proc.returncode, "locked"
 
 
+def one_startup(phase: str, timeout: float, out: Path, mpiexec: str) -> tuple[float, int, str]:
+    cmd = [mpiexec, "-n", "2", sys.executable, "-m", "dbs_mpi", "train", "--dataset", "synthetic",
+           "--synthetic-samples", "600", "--test-subset", "50", "--epochs", "1", "--global-batch", "60",
+           "--benchmark-steps", "1", "--benchmark-warmup", "0", "--comm-timeout", str(timeout), "--progress",
+           "false", "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "DBS_MPI_STALL_AT": f"1:{phase}"})
+    try:
+        _, err = proc.communicate(timeout=timeout + 120)
+        ended = time.time()
+    finally:
+        left = rank_pids(proc.pid) if proc.poll() is None else {}
+        proc.kill()
+        for pid in left.values():
+            os.kill(pid, signal.SIGKILL)
+    stalled = [float(line.rsplit(" at ", 1)[1]) for line in err.splitlines() if "(DBS_MPI_STALL_AT) at" in line]
+    if not stalled:
+        raise SystemExit(f"{phase}: the rank did not stall:\n{err}")
+    status = "none"
+    if out.exists():
+        with h5py.File(out, "r") as f:
+            status = str(f.attrs["status"])
+    return ended - stalled[0], proc.returncode, status
+
+
+def startup_cases(a) -> None:
+    with tempfile.TemporaryDirectory(prefix="stall-") as tmp:
+        for phase in a.phases.split(","):
+            runs = [one_startup(phase, a.timeout, Path(tmp) / f"{phase}-{r}.h5", a.mpiexec) for r in range(a.repeats)]
+            times = [t for t, _, _ in runs]
+            print(f"{phase:<12} stall -> end {statistics.median(times):6.2f} s (median; repeats "
+                  f"{' '.join(f'{t:.2f}' for t in times)}), beyond the timeout {statistics.median(times) - a.timeout:5.2f} s, "
+                  f"exit {sorted({c for _, c, _ in runs})}, result file {sorted({s for _, _, s in runs})}", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--timeout", type=float, default=5.0, help="--comm-timeout of the runs, seconds")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--mpiexec", default=str(Path(sys.executable).parent / "mpirun"))
+    p.add_argument("--startup", action="store_true", help="stall a rank during the start-up instead, per phase")
+    p.add_argument("--phases", default="mpi,imports,init,config,data,devices,results,calibration")
     a = p.parse_args()
+    if a.startup:
+        startup_cases(a)
+        return 0
     with tempfile.TemporaryDirectory(prefix="stuck-") as tmp:
         rows = []
         for name, (ranks, args) in CASES.items():

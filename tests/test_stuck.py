@@ -79,3 +79,60 @@ def test_a_stopped_rank_0_ends_the_job_too(tmp_path):
     assert code != 0
     assert elapsed < TIMEOUT + SLACK, f"the job outlived the stopped rank by {elapsed:.1f} s"
     assert "waited more than 5 s in the gradient allreduce" in err, err
+
+
+# --- start-up -------------------------------------------------------------------------------
+
+STARTUP_RUN = ["train", "--dataset", "synthetic", "--synthetic-samples", "600", "--test-subset", "50", "--epochs",
+               "1", "--global-batch", "60", "--benchmark-steps", "1", "--benchmark-warmup", "0", "--progress", "false"]
+LAUNCH = 15          # seconds a launch may take before the stall (Python, torch, MPI on a busy 2-core machine)
+
+
+@pytest.mark.parametrize("phase, policy, says", [
+    # The rank's own watchdog process: nothing else runs during MPI_Init and the imports.
+    ("mpi", "spin", "start-up stalled: 5 s in starting MPI"),
+    ("imports", "sleep", "start-up stalled: 5 s in importing torch and dbs_mpi"),
+    # The waiting rank's collectives time out; rank 0 names the phase and the missing rank.
+    ("init", "spin", "waited more than 5 s in opening the failure channel"),
+    ("data", "sleep", "(start-up: loading the data and building the model)"),
+    ("data", "spin", "(start-up: loading the data and building the model)"),
+    ("calibration", "spin", "(start-up: the start-up calibration)"),
+    ("calibration", "sleep", "(start-up: the start-up calibration)"),
+])
+def test_a_rank_that_stalls_during_start_up_ends_the_job(tmp_path, phase, policy, says):
+    """Rank 1 stops itself (SIGSTOP, DBS_MPI_STALL_AT) as it enters a start-up phase: the
+    job ends within the timeout plus a few seconds, non-zero, with one line naming the
+    phase; a result file that exists says failed."""
+    out = tmp_path / "stall.h5"
+    elapsed, code, err = launch_stalled([*STARTUP_RUN, "--comm-timeout", str(TIMEOUT), "--wait-policy", policy,
+                                         "--out", str(out)], f"1:{phase}")
+    assert code != 0, err
+    assert elapsed < LAUNCH + TIMEOUT + SLACK, f"the job took {elapsed:.1f} s"
+    assert says in err, err
+    if phase in ("data", "calibration"):
+        assert "rank(s) [1] did not arrive" in err, err
+    if out.exists():
+        assert read_released(out, time.time() + 10)["attrs"]["status"] == "failed"
+
+
+def test_the_launch_has_its_own_limit(tmp_path):
+    """--startup-timeout bounds the launch when comm_timeout is long (here 600 s)."""
+    elapsed, code, err = launch_stalled([*STARTUP_RUN, "--comm-timeout", "600", "--startup-timeout", str(TIMEOUT),
+                                         "--out", str(tmp_path / "stall.h5")], "0:mpi")
+    assert code != 0 and elapsed < LAUNCH + TIMEOUT + SLACK, (elapsed, err)
+    assert "start-up stalled: 5 s in starting MPI" in err, err   # (by rank 0's watchdog, or rank 1's: both wait)
+
+
+def launch_stalled(args, stall):
+    """Launch 2 ranks with DBS_MPI_STALL_AT=stall; (seconds to the end, status, stderr)."""
+    started = time.monotonic()
+    proc = subprocess.Popen([mpiexec(), "-n", "2", *dbs_mpi_cmd(), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "DBS_MPI_STALL_AT": stall})
+    try:
+        _, err = proc.communicate(timeout=LAUNCH + TIMEOUT + 60)
+        return time.monotonic() - started, proc.returncode, err
+    finally:
+        left = rank_pids(proc.pid) if proc.poll() is None else {}
+        proc.kill()
+        for pid in left.values():                     # a stopped rank the job left behind
+            os.kill(pid, signal.SIGKILL)
