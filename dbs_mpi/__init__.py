@@ -26,6 +26,7 @@ Where each idea of the papers lives:
   optimizer.py      DistributedOptimizer: sample-weighted gradients, weighted or mean
   sync_batchnorm.py BatchNorm over the global batch, with the sample-weighted backward
   comm.py           the bucketed allreduce, non-spinning waits, failing together, init()
+  startup.py        a bounded start-up: the watchdog process that ends a stalled launch
   devices.py        each rank's device (CPU or GPU), thread shares, a clock true on GPUs
   transport.py      how buckets are summed: host-staged MPI, CUDA-aware MPI, NCCL, gloo
   ddp.py            the same weighting for DistributedDataParallel (a comm hook); torch.distributed from MPI

@@ -225,7 +225,7 @@ def _epoch_rows(name: str, data: dict) -> pd.DataFrame:
 
 def _rank_rows(name: str, data: dict) -> pd.DataFrame:
     per_rank = {key.partition("/")[2]: value for key, value in data.items()
-                if key.startswith("epoch/") and value.ndim == 2}
+                if key.startswith("epoch/") and value.ndim == 2 and len(value)}
     if not per_rank:
         return pd.DataFrame()
     n, ranks = next(iter(per_rank.values())).shape
@@ -243,11 +243,12 @@ def _rank_rows(name: str, data: dict) -> pd.DataFrame:
 
 
 def _step_rows(name: str, data: dict) -> pd.DataFrame:
-    if "step/loss" not in data:
+    if "step/loss" not in data or not len(data["step/loss"]):
         return pd.DataFrame()
     loss, epoch = data["step/loss"], data["step/epoch"]
     n = loss.shape[0]
-    parts = [data[k] for k in ("step/data_time", "step/compute_time", "step/comm_time", "step/wait_time") if k in data]
+    parts = [data[k] for k in ("step/data_time", "step/compute_time", "step/comm_time", "step/wait_time")
+             if k in data and len(data[k]) == n]
     step_time = np.nanmean(sum(p for p in parts), axis=1) if parts else np.ones(n)   # NaN: a rank not in that world
     wall = np.zeros(n)
     durations = data.get("epoch/duration", np.zeros(0))
@@ -266,12 +267,12 @@ def _step_rows(name: str, data: dict) -> pd.DataFrame:
 
 def _vector_rows(name: str, data: dict) -> pd.DataFrame:
     """Every step's local batch per rank (older files: the epoch's vector for every step)."""
-    if "step/epoch" not in data:
+    if "step/epoch" not in data or not len(data["step/epoch"]):
         return pd.DataFrame()
     epoch = data["step/epoch"]
-    if "step/batch_sizes" in data:
+    if "step/batch_sizes" in data and len(data["step/batch_sizes"]) == len(epoch):
         batches = data["step/batch_sizes"]
-    elif "epoch/batch_sizes" in data and len(epoch):
+    elif "epoch/batch_sizes" in data and len(data["epoch/batch_sizes"]):
         batches = data["epoch/batch_sizes"][np.minimum(epoch, len(data["epoch/batch_sizes"]) - 1)]
     else:
         return pd.DataFrame()
@@ -286,7 +287,7 @@ def _vector_rows(name: str, data: dict) -> pd.DataFrame:
 def _replan_rows(name: str, data: dict) -> pd.DataFrame:
     """One row per vector change: where it applied, when it was decided, the new vector
     (a tuple), the predicted step times and the ranks whose speed changed."""
-    if "replan/run_step" not in data:
+    if "replan/run_step" not in data or not len(data["replan/run_step"]):
         return pd.DataFrame()
     n = data["replan/run_step"].shape[0]
     cols = {"run": [name] * n}
@@ -302,6 +303,8 @@ def _update_rows(name: str, data: dict) -> pd.DataFrame:
     if not fields:
         return pd.DataFrame()
     n = max(v.shape[0] for v in fields.values())
+    if n == 0:                         # a synchronous run (its update/* datasets are empty)
+        return pd.DataFrame()
     df = pd.DataFrame({"run": [name] * n, "gradient": np.arange(n),
                        **{k: v for k, v in fields.items() if v.shape[0] == n}})
     if "time" in df:

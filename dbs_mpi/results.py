@@ -191,6 +191,11 @@ def default_path(strategy: str) -> Path:
     return Path("results") / f"{strategy}-{stamp}.h5"
 
 
+def _dims(shape: str) -> list[str]:
+    """'(E, R) int' -> ['E', 'R']: the dimensions of a SCHEMA_DATASETS shape."""
+    return [d.strip() for d in shape[shape.index("(") + 1:shape.index(")")].split(",") if d.strip()]
+
+
 def pad_columns(rows: np.ndarray, width: int) -> np.ndarray:
     """rows (n, k) with columns k.. width-1 of ranks that did not exist: NaN, or -1."""
     if rows.shape[1] >= width:
@@ -222,6 +227,7 @@ class RunWriter:
         f.attrs["command"] = " ".join(sys.argv)
         f.attrs["created"] = datetime.datetime.now().isoformat(timespec="seconds")
         f.attrs["git_revision"] = git_revision()
+        self._create_schema()
         f.flush()
 
     @classmethod
@@ -251,8 +257,20 @@ class RunWriter:
             f.attrs[key] = value
         f.attrs["resumed"] = resumed
         f.attrs["status"] = STATUS_RUNNING
+        self._create_schema()               # a file of an older version: what it lacks
         f.flush()
         return self
+
+    def _create_schema(self) -> None:
+        """Every documented dataset, empty (0 rows; a per-rank one as wide as the world)
+        unless it exists: the file has the same groups and datasets from its creation on."""
+        for name, (shape, _, _) in SCHEMA_DATASETS.items():
+            if name in self.file:
+                continue
+            dims = (0, *[self.world_size if d == "R" else int(d) for d in _dims(shape)[1:]])
+            self.file.create_dataset(name, shape=dims, maxshape=(None,) * len(dims), chunks=(256, *dims[1:]),
+                                     dtype=np.int64 if "int" in shape else np.float64)
+            self._describe(name)
 
     def _describe(self, name: str) -> None:
         """The dataset's unit and meaning as attributes (SCHEMA_DATASETS; a loop's own extras
@@ -290,7 +308,7 @@ class RunWriter:
     def write_startup(self, startup: dict) -> None:
         """A calibration: startup/* if this is the run's first launch, else its segment's."""
         segments = json.loads(self.file.attrs.get("segments", "[]"))
-        if len(segments) <= 1 and "startup" not in self.file:
+        if len(segments) <= 1 and not any(len(ds) for ds in self.file.get("startup", {}).values()):
             for name, value in startup.items():
                 self.write(f"startup/{name}", value)
             return
@@ -309,7 +327,12 @@ class RunWriter:
         self.file.flush()
 
     def write(self, name: str, data) -> None:
-        self.file.create_dataset(name, data=np.asarray(data))
+        data = np.asarray(data)
+        if name in self.file and self.file[name].ndim == data.ndim:     # created empty with the file
+            self.file[name].resize(data.shape)
+            self.file[name][...] = data
+            return
+        self.file.create_dataset(name, data=data)
         self._describe(name)
 
     def append_epoch(self, epoch: dict, steps: dict, replans: dict | None = None) -> None:
@@ -330,7 +353,7 @@ class RunWriter:
         group = self.file.get("epoch")
         if group is None:
             return []
-        columns = {name: group[name][()] for name in group}
+        columns = {name: group[name][()] for name in group if len(group[name])}   # (not another kind of run's)
         count = min((len(v) for v in columns.values()), default=0)
         return [{name: values[i] for name, values in columns.items()} for i in range(count)]
 

@@ -593,7 +593,8 @@ def read_inputs(path) -> dict:
     import h5py
     with h5py.File(path, "r") as f:
         attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
-        startup = {k: f[f"startup/{k}"][()] for k in ("local_batch", "step_time", "batch_sizes") if f"startup/{k}" in f}
+        startup = {k: f[f"startup/{k}"][()] for k in ("local_batch", "step_time", "batch_sizes")
+                   if f"startup/{k}" in f and len(f[f"startup/{k}"])}      # (empty: killed before its calibration)
     return {"config": json.loads(attrs["config"]), "hostnames": list(attrs["hostnames"]),
             "rank_cores": list(attrs.get("rank_cores", [])), "sleeping": bool(attrs.get("sleep_while_waiting", False)),
             "startup": startup}
@@ -636,7 +637,7 @@ def replay(path, machine: Machine, noise: float | None = None, seed: int = 0) ->
         result = simulate_async(job, cluster, network, noise, seed, load, None, fit, cfg["checkpoint_every"])
     result.simulate_seconds = time.perf_counter() - start
     return {"run": str(path), "strategy": job.strategy, "world_size": cluster.size, "load_factor": load,
-            **result.as_dict(), "epoch_time_measured": measured_epochs(path)}
+            "status": inputs_status(path), **result.as_dict(), "epoch_time_measured": measured_epochs(path)}
 
 
 def machine_noise(machine: Machine, cluster: Cluster) -> np.ndarray:
@@ -646,10 +647,25 @@ def machine_noise(machine: Machine, cluster: Cluster) -> np.ndarray:
     return np.where(crowded, machine.noise.get("crowded", DEFAULT_NOISE), machine.noise.get("alone", DEFAULT_NOISE))
 
 
+def inputs_status(path) -> str:
+    import h5py
+    with h5py.File(path, "r") as f:
+        status = f.attrs.get("status", "unknown")
+    return status.decode() if isinstance(status, bytes) else str(status)
+
+
 def measured_epochs(path) -> list[float]:
     import h5py
     with h5py.File(path, "r") as f:
         return [float(t) for t in f["epoch/duration"][()]] if "epoch/duration" in f else []
+
+
+def _measured_note(out: dict) -> str:
+    """A replayed run that recorded no epoch (it stopped, failed or was killed first)."""
+    if "run" not in out or out.get("epoch_time_measured"):
+        return ""
+    return (f"{out['run']}: the run recorded no epoch (status {out.get('status', 'unknown')}): predictions "
+            f"only, nothing measured to compare them with")
 
 
 def speeds_from(args, ranks: int) -> np.ndarray:
@@ -758,6 +774,8 @@ def _print(out: dict) -> None:
                  f"{100 * out['wait_share']:.1f}%; simulated in {out['simulate_seconds']:.2f} s")
     if "speedup" in out:
         lines.append(f"speed-up over {out['compared']}: {out['speedup']:.3f}x")
+    if _measured_note(out):
+        lines.append(_measured_note(out))
     print("\n".join(lines))
 
 

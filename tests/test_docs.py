@@ -96,7 +96,7 @@ def test_the_readme_options_are_the_code_s():
     from dbs_mpi.bench import _parser as bench_parser
     known = {a for parser in (_train_parser(), simulate_parser(), bench_parser()) for action in parser._actions
              for a in action.option_strings} | {"--version"}
-    others = {"--kinds", "--ranks", "--repeats", "--strategies", "--variant", "--np", "--base", "--mirror", "--only",
+    others = {"--kinds", "--ranks", "--repeats", "--strategies", "--variant", "--np", "--base", "--mirror", "--only", "--seeds",
               "--scale", "--out", "--job",      # scripts and `dbs-mpi bench|data` subcommands
               "--mpi",                          # srun's (srun --mpi=pmi2)
               "--ntasks-per-node", "--gpus-per-node",   # sbatch's

@@ -24,7 +24,7 @@ def test_library_modules_do_not_import_the_command_line(module):
 
 
 @pytest.mark.parametrize("module", ["models", "data", "allocation", "dynamic", "sharding", "heterogeneity", "config",
-                                    "bench_tracking"])
+                                    "bench_tracking", "startup"])   # startup: it must run before MPI_Init
 def test_models_data_and_pure_functions_do_not_import_mpi(module):
     code = f"import sys, dbs_mpi.{module}; print('mpi4py.MPI' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, dbs_mpi_cmd, mpiexec, rank_pids, read_released
+from conftest import ROOT, dbs_mpi_cmd, mpiexec, rank_pids, read_released, run_cli
 
 TIMEOUT = 5          # --comm-timeout of these runs, seconds
 SLACK = 6            # seconds the job may take beyond it to end
@@ -111,8 +111,23 @@ def test_a_rank_that_stalls_during_start_up_ends_the_job(tmp_path, phase, policy
     assert says in err, err
     if phase in ("data", "calibration"):
         assert "rank(s) [1] did not arrive" in err, err
-    if out.exists():
+    if phase == "calibration":       # the file exists: failed, every documented dataset there, zero epochs
+        check_file_of_a_run_killed_before_its_first_epoch(out, tmp_path)
+    elif out.exists():
         assert read_released(out, time.time() + 10)["attrs"]["status"] == "failed"
+
+
+def check_file_of_a_run_killed_before_its_first_epoch(out, folder):
+    from dbs_mpi import analysis
+    from dbs_mpi.results import SCHEMA_DATASETS
+    run = read_released(out, time.time() + 10)
+    assert run["attrs"]["status"] == "failed"
+    assert set(SCHEMA_DATASETS) <= set(run["data"]), set(SCHEMA_DATASETS) - set(run["data"])
+    assert run["data"]["epoch/train_loss"].shape == (0,) and run["data"]["step/batch_sizes"].shape == (0, 2)
+    tables = analysis.load(folder, statuses=None, strict=True)
+    assert tables.runs.epochs_done.tolist() == [0] and tables.epochs.empty and tables.steps.empty
+    proc = run_cli(["simulate", "--from", str(out)], timeout=120)
+    assert proc.returncode == 0 and "the run recorded no epoch (status failed)" in proc.stdout, proc.stderr
 
 
 def test_the_launch_has_its_own_limit(tmp_path):
