@@ -140,7 +140,8 @@ def rel_difference(a, b):
 
 
 @pytest.mark.parametrize("strategy, ranks, loader", [("static", 3, ["--loader", "auto"]),
-                                                     ("dbs", 1, ["--loader", "dataloader", "--loader-workers", "2"])])
+                                                     ("dbs", 1, ["--loader", "dataloader", "--loader-workers", "2"]),
+                                                     ("ssgd", 3, ["--loader", "dataloader", "--loader-workers", "1"])])
 def test_a_run_stopped_on_2_ranks_continues_on_another_number(tmp_path, strategy, ranks, loader):
     """Stopped mid-run on 2 ranks, resumed on `ranks`: every step once, one history in the
     file, and the parameters of the run that never stopped. Tolerance: two uninterrupted
