@@ -97,6 +97,8 @@ def test_the_readme_options_are_the_code_s():
     known = {a for parser in (_train_parser(), simulate_parser(), bench_parser()) for action in parser._actions
              for a in action.option_strings} | {"--version"}
     others = {"--kinds", "--ranks", "--repeats", "--strategies", "--variant", "--np", "--base", "--mirror", "--only", "--seeds",
+              "--timeout", "--startup",         # scripts/stuck-exit-time.py
+              "--durations",                    # pytest's
               "--scale", "--out", "--job",      # scripts and `dbs-mpi bench|data` subcommands
               "--mpi",                          # srun's (srun --mpi=pmi2)
               "--ntasks-per-node", "--gpus-per-node",   # sbatch's
