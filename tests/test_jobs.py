@@ -424,23 +424,31 @@ def _job_state(env, job):
     return m.group(1) if m else None, out
 
 
-def test_slurm_time_limit_signal_checkpoints_requeues_and_resumes(cluster, tmp_path):
-    """What Slurm does before a time limit (--signal=B:USR1@120), done now: the batch
-    shell gets USR1, the ranks checkpoint and exit 3, the job requeues itself, and the
-    second start continues the same result file from the checkpoint."""
-    env = cluster.job_env(tmp_path, CONFIG="", EXTRA_ARGS="--dataset synthetic --synthetic-samples 20000 "
-                          "--epochs 2 --global-batch 64 --strategy ssgd --progress false")
+def _submit_and_signal(env, tmp_path, result=None):
+    """Submit train.sbatch on 2 tasks, wait for its result file (default: the script's
+    train-JOB.h5), then send the batch shell USR1 as Slurm does before a time limit.
+    Returns (job id, result file)."""
     p = _run(["sbatch", "--parsable", "-n", "2", "-t", str(JOB_MINUTES), "-o", f"{tmp_path}/%x-%j.out",
               "jobs/slurm/train.sbatch"], env)
     job = p.stdout.strip().split(";")[0]
     assert job.isdigit(), p.stdout + p.stderr
-    result = tmp_path / f"train-{job}.h5"
+    result = result or tmp_path / f"train-{job}.h5"
     deadline = time.monotonic() + 120
     while not result.exists():
         assert time.monotonic() < deadline, f"{result} never appeared"
         time.sleep(0.2)
     time.sleep(2)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
+    return job, result
+
+
+def test_slurm_time_limit_signal_checkpoints_requeues_and_resumes(cluster, tmp_path):
+    """What Slurm does before a time limit (--signal=B:USR1@120), done now: the batch
+    shell gets USR1, the ranks checkpoint and exit 3, the job requeues itself, and the
+    second start continues the same result file from the checkpoint."""
+    env = cluster.job_env(tmp_path, CONFIG="", EXTRA_ARGS="--dataset synthetic --synthetic-samples 20000 "
+                          "--epochs 2 --global-batch 64 --strategy ssgd --progress false")
+    job, result = _submit_and_signal(env, tmp_path)
     deadline = time.monotonic() + 180
     while True:
         state, text = _job_state(env, job)
@@ -473,16 +481,7 @@ def test_slurm_stopped_job_resubmitted_with_another_ntasks_continues_the_run(clu
     env = cluster.job_env(tmp_path, CONFIG="", OUT=str(result), REQUEUE="0",
                           EXTRA_ARGS="--dataset synthetic --synthetic-samples 20000 --epochs 2 --global-batch 64 "
                                      "--strategy ssgd --progress false")
-    p = _run(["sbatch", "--parsable", "-n", "2", "-t", str(JOB_MINUTES), "-o", f"{tmp_path}/%x-%j.out",
-              "jobs/slurm/train.sbatch"], env)
-    job = p.stdout.strip().split(";")[0]
-    assert job.isdigit(), p.stdout + p.stderr
-    deadline = time.monotonic() + 120
-    while not result.exists():
-        assert time.monotonic() < deadline, f"{result} never appeared"
-        time.sleep(0.2)
-    time.sleep(2)
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
+    job, _ = _submit_and_signal(env, tmp_path, result)
     deadline = time.monotonic() + 180
     while (state := _job_state(env, job)[0]) in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING"):
         assert time.monotonic() < deadline, f"job {job} did not stop"
