@@ -71,8 +71,10 @@ test-np%:
 test-mpi: test-np2 test-np4
 
 # The main job: NP ranks with emulated heterogeneous speeds, Fashion-MNIST, LeNet-5.
+# ARGS: more `dbs-mpi train` options, which override the file's (make run ARGS="--epochs 1").
+ARGS     ?=
 run: install
-	$(MPIEXEC) -n $(NP) $(VENV)/bin/dbs-mpi train --config jobs/main.toml --data-dir $(DATA_DIR)
+	$(MPIEXEC) -n $(NP) $(VENV)/bin/dbs-mpi train --config jobs/main.toml --data-dir $(DATA_DIR) $(ARGS)
 
 # Every benchmark case in one job (cases needing fewer ranks run on the first ranks; the
 # 4-rank runs are oversubscribed on a 2-core machine and marked so); one table at the end,
