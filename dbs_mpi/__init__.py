@@ -25,11 +25,13 @@ Where each idea of the papers lives:
   sharding.py       uneven shards with equal step counts; HeteroSampler; allocation invariance
   optimizer.py      DistributedOptimizer: sample-weighted gradients, weighted or mean
   sync_batchnorm.py BatchNorm over the global batch, with the sample-weighted backward
-  comm.py           the bucketed allreduce, non-spinning waits, failing together, init()
+  exchange.py       the bucketed sample-weighted allreduce of every step
+  comm.py           bounded, non-spinning waits and collectives, failing together, init()
   startup.py        a bounded start-up: the watchdog process that ends a stalled launch
   devices.py        each rank's device (CPU or GPU), thread shares, a clock true on GPUs
   transport.py      how buckets are summed: host-staged MPI, CUDA-aware MPI, NCCL, gloo
-  ddp.py            the same weighting for DistributedDataParallel (a comm hook); torch.distributed from MPI
+  ddp.py            the same weighting for DistributedDataParallel (a comm hook)
+  process_group.py  torch.distributed over the ranks of an MPI communicator
   profiling.py      compute / communication / wait times; the calibration's clock
   heterogeneity.py  emulated speeds and disturbances
   results.py        the HDF5 result file (RunWriter, Recorder)
@@ -66,7 +68,7 @@ _API = {
     "UserError": "config",
     "select_device": "devices",
     "sample_weighted": "ddp", "sample_weighted_hook": "ddp", "SampleWeightedState": "ddp",
-    "init_process_group": "ddp",
+    "init_process_group": "process_group",
 }
 __all__ = sorted([*_API, "save_checkpoint", "load_checkpoint"])
 

@@ -48,6 +48,7 @@ import pandas as pd
 
 from . import allocation
 from .config import ASYNC_STRATEGIES, LEGACY
+from .heterogeneity import Emulator
 
 # Columns copied from `runs` into every other table, for grouping without a join.
 KEY_COLUMNS = ("strategy", "variant", "aggregation", "seed", "world_size", "experiment", "case")
@@ -429,7 +430,6 @@ def disturbances(run: pd.Series | dict, epochs: int | None = None) -> pd.DataFra
     `extra_sleep` (seconds of the DBS paper's random sleeps in that epoch). The random
     draws are seeded by (seed, rank) and made once per epoch whatever happens, so the
     replay is exactly what the run did (heterogeneity.Emulator)."""
-    from .heterogeneity import Emulator
     get = run.get
     epochs = int(epochs if epochs is not None else get("epochs_done", get("epochs", 0)))
     world = int(get("world_size", len(get("speeds", ())) or 1))

@@ -43,6 +43,7 @@ import torch
 
 from . import allocation, comm as mpi, dynamic, sharding
 from .config import UserError
+from .data import first_samples
 from .devices import model_device
 from .heterogeneity import Emulator
 from .profiling import StepTimes, model_step, split_wait, time_step
@@ -291,7 +292,6 @@ class Balancer:
     def calibrate_model(self, model, loss_fn, dataset, steps: int = 5, warmup: int = 2) -> np.ndarray:
         """calibrate() with the usual step: loss_fn(model(x), y).backward() on a copy of
         `model`, x and y the first samples of `dataset` (a map-style dataset)."""
-        from .data import first_samples
         self.on_device(model_device(model))
         inputs, targets = first_samples(dataset, self.calibration_batches()[1])
         return self.calibrate(model_step(model, loss_fn, inputs, targets), steps, warmup)

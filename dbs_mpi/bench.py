@@ -44,9 +44,14 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from . import bench_tracking as tracking, comm as mpi
-from .config import UserError
+from . import allocation, bench_tracking as tracking, comm as mpi, devices, sharding, sync_batchnorm
+from .config import ArgumentParser, UserError
 from .config import load as load_config
+from .data import load_synthetic
+from .exchange import BUCKET_BYTES, FIRST_BUCKET_BYTES, GradientExchange
+from .models import MLP, build_model
+from .results import git_revision, versions
+from .train import load_data, train
 
 IDLE_POLL = 0.01            # seconds between polls of a rank that sits a case out
 CHUNK = 10                  # overlap: steps of one variant before the next variant runs
@@ -54,13 +59,8 @@ OVERLAP_BUDGET = 10.0       # overlap: seconds per model and repeat after which 
 CASES = ("exchange", "ddp", "hetero", "overhead", "scaling", "overlap", "wait", "tracking", "batchnorm")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UserError(message)
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="dbs-mpi bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = ArgumentParser(prog="dbs-mpi bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                 allow_abbrev=False)
     p.add_argument("case", choices=[*CASES, "all"], help="which benchmark")
     p.add_argument("--repeats", type=int, default=0, help="repetitions of every variant (median reported); "
@@ -169,7 +169,6 @@ def _config(args, **values):
 
 def _train_epoch(comm, cfg, path: Path) -> dict:
     """One training run with `train`; its last epoch's record (rank 0's view)."""
-    from .train import train
     summary = train(comm, cfg, out=str(path), log=lambda msg: None)
     return summary.epochs[-1]
 
@@ -193,7 +192,6 @@ SAMPLE_SHAPES = {"resnet20": (3, 32, 32), "cifar-cnn": (3, 32, 32)}   # the othe
 def _bench_model(name: str):
     """A model of models.py for its usual inputs, or "mlp-wide": the MLP with two hidden
     layers of 1024 (1.86 M parameters, 7.4 MB of gradients: two buckets at DDP's caps)."""
-    from .models import MLP, build_model
     if name == "mlp-wide":
         return MLP(784, 10, hidden=(1024, 1024))
     return build_model(name, SAMPLE_SHAPES.get(name, (1, 28, 28)), 10)
@@ -214,8 +212,8 @@ def _exchange(comm, args) -> dict:
     checks = []
     for name in [m for m in args.models.split(",") if m]:
         model = _bench_model(name)
-        sleep = mpi.GradientExchange(comm, model.parameters(), sleep_while_waiting=True)
-        spin = mpi.GradientExchange(comm, model.parameters())    # last: the .grad tensors view its buffer
+        sleep = GradientExchange(comm, model.parameters(), sleep_while_waiting=True)
+        spin = GradientExchange(comm, model.parameters())    # last: the .grad tensors view its buffer
         raw = np.ones(spin.numel + 1, dtype=np.float32)
         grads_only = raw[:-1]
         loss = raw[-1:]
@@ -309,8 +307,6 @@ def _plain_epoch(comm, cfg, train_set, wrap=None, warmup: int = 5) -> float:
     import torch
     import torch.nn.functional as F
 
-    from . import allocation, devices, sharding
-    from .models import build_model
     torch.manual_seed(cfg.seed)
     device = devices.select(comm, cfg.device, cfg.devices or None, threads=False)
     model = build_model(cfg.model, train_set.sample_shape, train_set.num_classes).to(device)
@@ -343,7 +339,6 @@ def _ddp(comm, args, folder) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from .train import load_data
     repeats = args.repeats or 5
     n = comm.Get_size()
     samples = args.local_batch * n * args.steps
@@ -403,7 +398,6 @@ def ideal_epoch_time(record: dict, samples: int, global_batch: int) -> dict:
     """N / sum_i v_i plus what no allocation can divide: the measured communication,
     optimiser update and data time (means over ranks). v_i is rank i's measured speed
     in this epoch (samples per second of pre-collective compute)."""
-    from . import sharding
     if "rank_samples" in record:                  # dbs may have changed the vector within the epoch
         per_rank = np.asarray(record["rank_samples"])
     else:
@@ -489,7 +483,6 @@ def case_overhead(comm, args, folder) -> dict:
 def _overhead(comm, args, folder) -> dict:
     import torch
 
-    from .train import load_data
     repeats = args.repeats or 5
     samples = args.local_batch * args.steps
     cfg = _config(args, strategy="ssgd", global_batch=args.local_batch, subset=samples, synthetic_samples=samples)
@@ -590,14 +583,13 @@ def _overlap(comm, args) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from .data import load_synthetic
     torch.set_num_threads(args.threads)
     repeats = args.repeats or 5
     steps, warmup = max(args.steps // 3, CHUNK), 2
     b = args.local_batch
     rows = slice(comm.Get_rank() * b, (comm.Get_rank() + 1) * b)
     small = int(args.bucket_kb * 1024), int(args.first_bucket_kb * 1024)
-    ddp_caps = (mpi.BUCKET_BYTES, mpi.FIRST_BUCKET_BYTES)
+    ddp_caps = (BUCKET_BYTES, FIRST_BUCKET_BYTES)
     variants = {"one bucket": ((0, 0), True), "DDP caps, overlap": (ddp_caps, True), "buckets, overlap": (small, True),
                 "buckets, after backward": (small, False)}
     out = {"case": "overlap", "world_size": comm.Get_size(), "repeats": repeats, "steps": steps, "local_batch": b,
@@ -623,7 +615,7 @@ def _overlap(comm, args) -> dict:
                 names = list(variants)
                 for v in (names if (chunk + rep) % 2 == 0 else names[::-1]):
                     (cap, first), overlap = variants[v]
-                    ex = mpi.GradientExchange(comm, model.parameters(), bucket_bytes=cap, first_bucket_bytes=first,
+                    ex = GradientExchange(comm, model.parameters(), bucket_bytes=cap, first_bucket_bytes=first,
                                               overlap=overlap)
                     buckets[v] = ex.num_buckets
                     for i in range(warmup + CHUNK):
@@ -720,8 +712,6 @@ def case_batchnorm(comm, args, folder) -> dict:
 def _batchnorm(comm, args, folder) -> dict:
     """ResNet-20's step with each normalisation, side by side (even local batches: the
     cost, not the allocation)."""
-    from . import sync_batchnorm
-    from .train import train
     repeats, steps = args.repeats or 3, args.batchnorm_steps
     n = comm.Get_size()
     base = _config(args, strategy="ssgd", model="resnet20", dataset="synthetic", synthetic_shape="3,32,32",
@@ -815,7 +805,6 @@ def _steady_checks(steady: dict) -> list[dict]:
 
 
 def _steps(cfg) -> int:
-    from . import sharding
     return sharding.steps_per_epoch(train_samples(cfg), cfg.global_batch, cfg.drop_last)
 
 
@@ -937,7 +926,6 @@ def _setup(argv, world_size: int):
 
 
 def main(comm, argv) -> int:
-    from .results import git_revision, versions
     args = mpi.agree(comm, _setup, argv, comm.Get_size())
     cases = list(CASES) if args.case == "all" else [args.case]
     stamp = comm.bcast(datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), root=0)

@@ -16,16 +16,11 @@ import argparse
 import sys
 
 from . import config as config_mod
-from .config import UserError
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage block; raised so that ranks agree
-        raise UserError(message)
+from .config import ArgumentParser, UserError
 
 
 def _train_parser(prog="dbs-mpi train") -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description="Train on all MPI ranks; every option may also be given "
+    p = ArgumentParser(prog=prog, description="Train on all MPI ranks; every option may also be given "
                                        "in the --config TOML file (same name, underscores).", allow_abbrev=False)
     p.add_argument("--config", metavar="FILE", help="TOML configuration file (command-line options override it)")
     p.add_argument("--resume", metavar="RESULT.h5", help="continue the stopped run whose result file this is, "
@@ -149,7 +144,7 @@ def cmd_info(comm, argv) -> int:
 
     from . import devices
 
-    parser = _Parser(prog="dbs-mpi info", description="Print the MPI, PyTorch and device environment of every rank: "
+    parser = ArgumentParser(prog="dbs-mpi info", description="Print the MPI, PyTorch and device environment of every rank: "
                      "the device each rank would train on with the same --device/--devices.")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     parser.add_argument("--devices", default="", metavar="A,B,...", help="per-rank devices (overrides --device)")

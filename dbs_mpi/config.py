@@ -6,6 +6,7 @@ configuration is saved (as JSON) with every result file.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -27,6 +28,14 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     pass
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The parser of every `dbs-mpi` command: a bad command line raises UserError (one
+    line, no usage block, exit 2), so that every rank of a job reports it alike."""
+
+    def error(self, message):
+        raise UserError(message)
 
 
 SYNC_STRATEGIES = ("ssgd", "static", "dbs")

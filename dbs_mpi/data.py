@@ -50,7 +50,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .config import UserError
+from .config import ArgumentParser, UserError
 
 ENV_DATA_DIR = "DBS_MPI_DATA_DIR"
 ENV_MIRROR = "DBS_MPI_MIRROR"
@@ -680,11 +680,6 @@ def fetch_files(name: str, dest: Path, base: str, timeout: float, say) -> None:
 
 # --- `dbs-mpi data` ------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage block
-        raise UserError(message)
-
-
 def _dataset_name(text: str) -> str:
     if text not in REAL_DATASETS:
         raise argparse.ArgumentTypeError(f"unknown dataset {text!r} (choose from {', '.join(REAL_DATASETS)})")
@@ -692,7 +687,7 @@ def _dataset_name(text: str) -> str:
 
 
 def _data_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="dbs-mpi data", description="Download and verify the datasets (no MPI).",
+    p = ArgumentParser(prog="dbs-mpi data", description="Download and verify the datasets (no MPI).",
                 allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True, metavar="{fetch,check}")
     data_dir_help = f"folder holding <dataset>/ (default: ${ENV_DATA_DIR}, else ./data)"

@@ -33,10 +33,13 @@ No MPI here except in `select` (one allgather of every rank's host and visible G
 from __future__ import annotations
 
 import ctypes
+import platform
 import socket
 
 import torch
+from mpi4py import MPI
 
+from . import comm as mpi
 from .config import DEVICE_SPEC, UserError
 
 
@@ -125,8 +128,6 @@ def select(comm, device: str = "auto", devices=None, timeout: float = 600.0,
     The GPU becomes the rank's current CUDA device. threads: set this rank's torch threads
     to its share (`cpu_threads`: 1 on a GPU rank, the cores GPU ranks leave on a CPU rank);
     None: unless dbs_mpi.init(threads=...) was given them."""
-    from . import comm as mpi
-
     def choose():
         specs = per_rank_specs(device, devices, comm.Get_size())
         inventory = mpi.allgather_object(comm, (socket.gethostname(), visible_gpus()), timeout,
@@ -152,7 +153,6 @@ select_device = select          # the public name (dbs_mpi.select_device)
 
 def all_devices(comm, device: torch.device, timeout: float = 600.0) -> list[dict]:
     """Every rank's `describe(device)`, in rank order (for records, thread shares, info)."""
-    from . import comm as mpi
     return mpi.allgather_object(comm, describe(device), timeout, "gathering every rank's device")
 
 
@@ -161,14 +161,13 @@ def cpu_threads(places, device_names: list[str], rank: int, limit: int | None = 
     by its GPU ranks' processes, shared out over its CPU ranks (at least 1).
 
     places: (host, cores) per rank (comm.placement); device_names: every rank's device."""
-    from .comm import node_cores
     if device_names[rank] != "cpu":
         return 1
     host = places[rank][0]
     on_node = [r for r, (h, _) in enumerate(places) if h == host]
     gpu_ranks = sum(1 for r in on_node if device_names[r] != "cpu")
     cpu_ranks = len(on_node) - gpu_ranks
-    share = max(1, (node_cores(places)[host] - gpu_ranks) // max(cpu_ranks, 1))
+    share = max(1, (mpi.node_cores(places)[host] - gpu_ranks) // max(cpu_ranks, 1))
     share = min(share, len(places[rank][1]) or share)
     return min(share, limit) if limit else share
 
@@ -189,7 +188,6 @@ def describe(device) -> dict:
         props = torch.cuda.get_device_properties(device)
         return {"device": str(device), "name": props.name, "memory_gib": props.total_memory / 2 ** 30,
                 "capability": f"{props.major}.{props.minor}"}
-    import platform
     memory = _proc_field("/proc/meminfo", "MemTotal")
     return {"device": "cpu", "name": _proc_field("/proc/cpuinfo", "model name") or platform.machine(),
             "memory_gib": int(memory.split()[0]) / 2 ** 20 if memory else float("nan"), "capability": ""}
@@ -216,7 +214,6 @@ def cuda_versions() -> dict:
 def mpi_cuda_aware() -> bool | None:
     """Whether the MPI library takes device buffers: MPIX_Query_cuda_support() (MPICH and
     Open MPI export it), None if the library cannot say."""
-    from mpi4py import MPI
     try:
         query = getattr(ctypes.CDLL(MPI.__file__), "MPIX_Query_cuda_support", None)
     except OSError:

@@ -9,7 +9,7 @@ measures once, on a quiet machine:
   seconds of one optimizer update (SGD with momentum), and the framework's own cost per
   step (a DistributedOptimizer step at 1 rank, less the forward, backward and update);
 * the seconds per sample of reading a batch out of an in-memory dataset;
-* the gradient allreduce (comm.GradientExchange, spin policy) at several message sizes
+* the gradient allreduce (exchange.GradientExchange, spin policy) at several message sizes
   between 2 ranks of one node, fitted to alpha + m * beta (one message each way);
 * what a sleeping wait adds to a collective (the wait policy "sleep");
 * with more ranks than cores (e.g. `mpirun -n 4` on 2 cores): what every message of an
@@ -190,7 +190,8 @@ def measure_allreduce(comm, sizes=(2 ** 10, 2 ** 14, 2 ** 17, 2 ** 19, 2 ** 21),
     = 2 alpha + m beta; and the median extra time of the sleeping wait policy."""
     import torch
 
-    from .comm import GradientExchange, barrier
+    from .comm import barrier
+    from .exchange import GradientExchange
     rows, times, sleeps = [], [], []
     for numel in sizes:
         for sleep in (False, True):
@@ -220,7 +221,8 @@ def measure_crowding(comm, alpha: float, beta: float, sleep_wait: float, repeats
     the ranks outnumber the cores (sleeping wait policy, as training uses there)."""
     import torch
 
-    from .comm import GradientExchange, barrier
+    from .comm import barrier
+    from .exchange import GradientExchange
     p, extra = comm.Get_size(), []
     for nbytes in (2 ** 14, 2 ** 18, 2 ** 20):
         param = torch.nn.Parameter(torch.zeros(nbytes // 4))

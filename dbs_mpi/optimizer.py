@@ -8,7 +8,7 @@
         optimizer.step(loss=loss)          # exchange, then the wrapped optimizer's update
 
 All communication lives behind this one object (as in Horovod's DistributedOptimizer):
-the model's .grad tensors are views of comm.GradientExchange's flat buffer, cut into
+the model's .grad tensors are views of exchange.GradientExchange's flat buffer, cut into
 DDP-style buckets that start reducing from autograd hooks during backward. step()
 completes the exchange, so that every .grad holds
 
@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from . import comm as mpi, devices, startup, sync_batchnorm, transport
-from .comm import GradientExchange
+from .exchange import GradientExchange
 
 AGGREGATIONS = ("weighted", "mean")
 MIB = 2 ** 20

@@ -19,7 +19,7 @@ models instead of running (docs/simulator.md has the formulas and what limits th
 * cores: the ranks of a node share its cores (processor sharing: while k ranks compute on
   C cores, each runs at min(1, C/k) of a core), which is what makes 4 ranks on 2 cores
   slower than their parts;
-* the allreduce: alpha-beta, per gradient bucket (the DDP layout of comm.bucket_layout):
+* the allreduce: alpha-beta, per gradient bucket (the DDP layout of exchange.bucket_layout):
   ring 2 (p-1) alpha + 2 (p-1)/p m beta, tree (binomial reduce, then broadcast)
   2 ceil(log2 p) (alpha + m beta), "auto" the cheaper; a sleeping wait adds a constant;
 * a synchronous step: every rank reads its batch and computes; the allreduce starts when
@@ -40,10 +40,14 @@ from pathlib import Path
 
 import numpy as np
 
-from . import allocation, config as config_mod, dynamic, sharding
+from . import allocation, comm as mpi, config as config_mod, dynamic, sharding
 from .balancer import calibration_batches
+from .config import ArgumentParser, Config, UserError, tomllib
+from .data import SPLIT_SIZES
 from .heterogeneity import Emulator
-from .machine import Machine, ModelCost
+from .machine import Machine, ModelCost, calibrate
+from .parameter_server import group_size
+from .train import train
 
 # Named networks (alpha: seconds per message, beta: seconds per byte).
 NETWORKS = {"ib-100g": (2e-6, 1 / 12.5e9),      # InfiniBand HDR 100 Gb/s
@@ -386,7 +390,6 @@ class ServerSim:
     step and waits; the clock stops), as the engine does."""
 
     def __init__(self, job: Job, workers: int, vector, controller, checkpoint_every: int):
-        from .parameter_server import group_size
         self.job, self.workers, self.controller, self.every = job, workers, controller, checkpoint_every
         self.c = group_size(job.strategy, workers, job.softsync_n)
         self.wait_mode = job.strategy == "nsoftsync" and job.softsync_wait
@@ -552,7 +555,6 @@ LEGACY = {**config_mod.LEGACY, "dbs_window": 32, "slow_steps": (0, 0), "slow_sec
 
 
 def job_from_config(cfg: dict, model: ModelCost, data_per_sample: float) -> Job:
-    from .data import SPLIT_SIZES
     samples = SPLIT_SIZES.get(cfg["dataset"], {}).get("train", cfg.get("synthetic_samples", 0))
     if cfg.get("subset"):
         samples = min(samples, cfg["subset"])
@@ -679,7 +681,6 @@ def speeds_from(args, ranks: int) -> np.ndarray:
 
 
 def _speeds_file(path: Path) -> np.ndarray:
-    from .config import tomllib
     try:
         data = tomllib.loads(path.read_text())
         if "speeds" in data:
@@ -731,8 +732,7 @@ def project(args, machine: Machine) -> dict:
 # --- the command ---------------------------------------------------------------------------
 
 def _parser() -> argparse.ArgumentParser:
-    from .cli import _Parser
-    p = _Parser(prog="dbs-mpi simulate", description="Replay a run (--from) or project one at scale (--ranks or "
+    p = ArgumentParser(prog="dbs-mpi simulate", description="Replay a run (--from) or project one at scale (--ranks or "
                 "--speeds); `dbs-mpi simulate calibrate` measures the machine constants.")
     p.add_argument("--from", dest="source", metavar="RUN.h5", help="replay this result file from its configuration "
                    "and start-up calibration")
@@ -783,13 +783,11 @@ def mpi_bcast_tmp(comm) -> str:
     """A temporary folder that every rank of comm agrees on (rank 0 makes it)."""
     import tempfile
 
-    from . import comm as mpi
     return mpi.bcast_object(comm, tempfile.mkdtemp(prefix="dbs-mpi-calibrate-") if comm.Get_rank() == 0 else None)
 
 
 def _setup(argv):
     """Arguments and machine constants, checked (under comm.agree: a mistake is one line)."""
-    from .config import UserError
     args = _parser().parse_args(argv)
     if not args.source and not (args.ranks or args.speeds):
         raise UserError("simulate: give --from RUN.h5, or --ranks N (or --speeds FILE.toml)")
@@ -809,7 +807,6 @@ def _setup(argv):
 
 def _check_values(args, machine: Machine) -> None:
     """The options' values, each refused with one line that names it."""
-    from .config import UserError
     if args.noise is not None and not args.noise >= 0:
         raise UserError(f"noise: must be 0 or more, got {args.noise}")
     if not args.speed_spread >= 1:
@@ -837,7 +834,6 @@ def _check_values(args, machine: Machine) -> None:
 
 
 def main(comm, argv) -> int:
-    from . import comm as mpi
     if argv[:1] == ["calibrate"]:
         return _calibrate(comm, argv[1:])
     args, machine = mpi.agree(comm, _setup, argv)
@@ -873,9 +869,6 @@ def measure_residuals(comm, machine: Machine, folder: Path) -> dict:
     gradient of a parameter-server worker ("async"): each is one short run of the engine
     (train.train on a sub-communicator; the other ranks sleep), replayed without residual;
     the median over its epochs after the first of (measured - predicted) / steps."""
-    from . import comm as mpi
-    from .config import Config
-    from .train import train
     runs, residual = residual_runs(machine.cores, comm.Get_size()), {}
     for name, (ranks, strategy) in runs.items():
         member = comm.Get_rank() < ranks
@@ -921,15 +914,12 @@ def _residual(path: Path, machine: Machine) -> float:
 
 
 def _calibrate(comm, argv) -> int:
-    from .cli import _Parser
-    from .machine import calibrate
-    p = _Parser(prog="dbs-mpi simulate calibrate", description="Measure the machine constants (run under "
+    p = ArgumentParser(prog="dbs-mpi simulate calibrate", description="Measure the machine constants (run under "
                 "mpirun -n 2 on one node, nothing else running).")
     p.add_argument("--out", required=True, metavar="FILE.json")
     p.add_argument("--name", default="this machine")
     args = p.parse_args(argv)
     if comm.Get_size() < 2:
-        from .config import UserError
         raise UserError("simulate calibrate: run it under mpirun -n 2 or more, on one node (mpirun -n 4 on a "
                         "2-core machine also measures crowded collectives)")
     machine = calibrate(comm, args.name)

@@ -29,6 +29,7 @@ from .data import InMemoryLoader, first_samples, load_dataset, sample_shape_and_
 from .evaluation import evaluate
 from .models import num_parameters
 from .optimizer import DistributedOptimizer, make_optimizer
+from .parameter_server import AsyncTrainer
 from .results import Recorder, default_path
 from .sharding import HeteroSampler, steps_per_epoch
 
@@ -180,10 +181,7 @@ def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state:
                 if resized(checkpoint_state, comm) and cfg.strategy not in ASYNC_STRATEGIES:
                     recorder.append_steps(steps_before_resume([part["balancer"] for part in checkpoint_state[
                         "per_rank"]], recorder.records["epochs"]))
-            if cfg.strategy in ASYNC_STRATEGIES:
-                from .parameter_server import AsyncTrainer as Trainer
-            else:
-                Trainer = SyncTrainer
+            Trainer = AsyncTrainer if cfg.strategy in ASYNC_STRATEGIES else SyncTrainer
             try:
                 Trainer(run).train()
             except Stopped:

@@ -1,6 +1,6 @@
 """Transports: how a gradient bucket's bytes get summed over the ranks, wherever they live.
 
-GradientExchange (comm.py) decides *when* a bucket is reduced and with which weight; a
+GradientExchange (exchange.py) decides *when* a bucket is reduced and with which weight; a
 transport decides *how*. One per rank, agreed by all ranks at construction (`choose`),
 recorded in the result file (attribute `exchange`):
 
@@ -18,7 +18,7 @@ recorded in the result file (attribute `exchange`):
               GPU current. Needs an MPI library built with CUDA support
               (devices.mpi_cuda_aware); CPU ranks of the job use host memory.
   nccl        torch.distributed's NCCL backend, initialised from the MPI communicator
-              (ddp.init_process_group): every rank on a GPU of its own (NCCL refuses
+              (process_group.init_process_group): every rank on a GPU of its own (NCCL refuses
               two ranks on one GPU).
   gloo        torch.distributed's gloo backend on CPU tensors: the nccl path's logic on
               any machine (tests), or a CPU job's alternative to MPI.
@@ -50,7 +50,10 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
+from . import comm as mpi
 from .config import EXCHANGES, UserError
+from .devices import gpu_identity, mpi_cuda_aware
+from .process_group import init_process_group
 
 GRACE = 30.0        # seconds torch.distributed waits beyond comm_timeout (see TorchDistributed)
 
@@ -253,12 +256,11 @@ class TorchDistributed:
     deferred = False                             # every all_reduce begins when it is started
 
     def __init__(self, comm, flat: torch.Tensor, bounds, backend: str, timeout: float = 600.0, tail: int = 1):
-        from . import ddp
         self.name, self.flat, self.bounds = backend, flat, bounds
         self.loss_at = flat.numel() - tail
         # torch's own timeout a little later than comm_timeout: the supervisor's deadline
         # ends a stuck step first, with its message naming the ranks that did not arrive
-        self.group = ddp.init_process_group(comm, backend, timeout + GRACE, flat.device)
+        self.group = init_process_group(comm, backend, timeout + GRACE, flat.device)
         self.views = [flat[start:stop] for start, stop in bounds]
 
     def stage(self, b: int) -> None:
@@ -411,8 +413,6 @@ def _check_nccl(on_gpu: list, shared: list, nccl: bool) -> None:
 
 def agree(comm, requested: str, device: torch.device, timeout: float = 600.0) -> str:
     """Collective: the exchange every rank uses (see `choose`); fails on every rank together."""
-    from . import comm as mpi
-    from .devices import gpu_identity, mpi_cuda_aware
     cuda = device.type == "cuda"
     report = (gpu_identity(device) if cuda else None,
               cuda and torch.distributed.is_available() and torch.distributed.is_nccl_available(),

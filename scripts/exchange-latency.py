@@ -3,8 +3,8 @@
     .venv/bin/mpirun -n 2 .venv/bin/python scripts/exchange-latency.py --base dc09c60 --repeats 5
 
 The package at --base is exported (`git archive`) into a temporary folder as
-`dbs_mpi_base`, so that both versions of comm.GradientExchange live in the same
-processes. For each model, both exchanges are built over the same parameters (the .grad
+`dbs_mpi_base`, so that both versions of GradientExchange (exchange.py; comm.py before
+it had a module of its own) live in the same processes. For each model, both exchanges are built over the same parameters (the .grad
 tensors end up viewing the last one; both buffers are filled before each call) and timed
 alternately: every repeat times `iterations` calls of each (a barrier before every call,
 the order swapped from call to call), and keeps the median. Reported: the median over
@@ -21,6 +21,7 @@ ratio is the whole per-step cost of re-planning within the epoch on the spin pat
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import subprocess
 import sys
@@ -106,9 +107,10 @@ def main() -> int:
         export_base(a.base, Path(folder))
     comm.Barrier()
     sys.path.insert(0, folder)
-    import dbs_mpi_base.comm as base_comm
+    base_module = "exchange" if (Path(folder) / "dbs_mpi_base" / "exchange.py").exists() else "comm"
+    base_exchange = importlib.import_module(f"dbs_mpi_base.{base_module}")
 
-    import dbs_mpi.comm as current_comm
+    import dbs_mpi.exchange as current_exchange
     from dbs_mpi.models import build_model
     weight = 1.0 / comm.Get_size()
     rows = []
@@ -117,8 +119,8 @@ def main() -> int:
         work = training_step(model, a.step) if a.step else (lambda: None)
         replanner = make_replanner(comm) if a.telemetry else None
         extra = replanner.size if replanner is not None else 0
-        variants = {"base": base_comm.GradientExchange(comm, model.parameters(), 60, a.sleep),
-                    "current": current_comm.GradientExchange(comm, model.parameters(), 60, a.sleep, extra=extra)}
+        variants = {"base": base_exchange.GradientExchange(comm, model.parameters(), 60, a.sleep),
+                    "current": current_exchange.GradientExchange(comm, model.parameters(), 60, a.sleep, extra=extra)}
         calls = {"base": lambda ex, i: ex.allreduce(weight, 0.5),
                  "current": (lambda ex, i: ex.allreduce(weight, 0.5)) if replanner is None else
                  (lambda ex, i: dbs_step(ex, replanner, weight, i))}

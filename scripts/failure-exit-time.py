@@ -22,12 +22,13 @@ CRASH = textwrap.dedent("""
     import sys, time
     from mpi4py import MPI
     from dbs_mpi import comm as mpi
+    from dbs_mpi.exchange import GradientExchange
     from dbs_mpi.models import LeNet5
     import torch, torch.nn.functional as F
     comm = MPI.COMM_WORLD
     mpi.abort_on_uncaught(comm)
     model = LeNet5()
-    exchange = mpi.GradientExchange(comm, model.parameters(), timeout=60)
+    exchange = GradientExchange(comm, model.parameters(), timeout=60)
     x, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
     for step in range(100000):
         exchange.zero_grad()

@@ -138,10 +138,11 @@ CRASH = textwrap.dedent("""
     import numpy as np, torch
     from mpi4py import MPI
     from dbs_mpi import comm as mpi
+    from dbs_mpi.exchange import GradientExchange
     from dbs_mpi.models import LeNet5
     comm = MPI.COMM_WORLD
     mpi.abort_on_uncaught(comm)
-    exchange = mpi.GradientExchange(comm, LeNet5().parameters(), timeout=60)
+    exchange = GradientExchange(comm, LeNet5().parameters(), timeout=60)
     for step in range(1000):
         if comm.Get_rank() == comm.Get_size() - 1 and step == 3:
             raise RuntimeError("injected failure on the last rank")

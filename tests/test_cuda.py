@@ -21,7 +21,7 @@ from torch import nn
 
 from conftest import read_released, run_cli
 from dbs_mpi import devices
-from dbs_mpi.comm import GradientExchange
+from dbs_mpi.exchange import GradientExchange
 from dbs_mpi.data import load_synthetic
 from dbs_mpi.models import LeNet5
 

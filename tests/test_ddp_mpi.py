@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 import dbs_mpi
-from dbs_mpi import allocation, ddp
+from dbs_mpi import allocation, ddp, process_group
 from dbs_mpi.sharding import epoch_permutation
 from test_api_mpi import SPEEDS, Pairs, UserNet as Net   # a user's model and data, uneven speeds
 
@@ -154,19 +154,19 @@ def test_a_group_initialised_otherwise_is_refused_on_every_rank(comm):
 def test_the_backend_is_agreed_from_every_ranks_device():
     gpu = lambda host, uuid: (host, uuid)
     own = [(None, gpu("a", "G0"), True), (None, gpu("a", "G1"), True)]
-    assert ddp.agree_backend(own) == "nccl"
-    assert ddp.agree_backend([own[0], (None, gpu("a", "G0"), True)]) == "gloo"          # ranks sharing a GPU
-    assert ddp.agree_backend([own[0], (None, None, True)]) == "gloo"                   # a CPU rank
-    assert ddp.agree_backend([(None, gpu("a", "G0"), False), own[1]]) == "gloo"        # no NCCL on one rank
-    assert ddp.agree_backend([("gloo", gpu("a", "G0"), True), (None, None, True)]) == "gloo"
+    assert process_group.agree_backend(own) == "nccl"
+    assert process_group.agree_backend([own[0], (None, gpu("a", "G0"), True)]) == "gloo"          # ranks sharing a GPU
+    assert process_group.agree_backend([own[0], (None, None, True)]) == "gloo"                   # a CPU rank
+    assert process_group.agree_backend([(None, gpu("a", "G0"), False), own[1]]) == "gloo"        # no NCCL on one rank
+    assert process_group.agree_backend([("gloo", gpu("a", "G0"), True), (None, None, True)]) == "gloo"
     with pytest.raises(dbs_mpi.UserError, match=r"different torch.distributed backends \(gloo, nccl\)"):
-        ddp.agree_backend([("nccl", gpu("a", "G0"), True), ("gloo", None, True)])
+        process_group.agree_backend([("nccl", gpu("a", "G0"), True), ("gloo", None, True)])
 
 
 def test_the_master_address(monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
-    assert ddp.master_address(["a", "a", "a"]) == "127.0.0.1"
-    assert ddp.master_address(["a", "no-such-host.invalid"]).count(".") == 3
+    assert process_group.master_address(["a", "a", "a"]) == "127.0.0.1"
+    assert process_group.master_address(["a", "no-such-host.invalid"]).count(".") == 3
 
 
 @pytest.mark.mpi(min_size=1)

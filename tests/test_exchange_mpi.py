@@ -1,4 +1,4 @@
-"""The bucketed gradient exchange (comm.GradientExchange): bucket layout as pure unit
+"""The bucketed gradient exchange (exchange.GradientExchange): bucket layout as pure unit
 tests; under MPI (pytest-mpi), buckets reduced during backward give the blocking
 exchange's result and the union-batch gradient at any number of ranks, also when hooks
 fire out of order, a parameter is unused, or a rank has no samples in a step."""
@@ -10,7 +10,7 @@ from mpi4py import MPI
 from torch import nn
 
 from dbs_mpi import allocation, transport
-from dbs_mpi.comm import FIRST_BUCKET_BYTES, MIB, GradientExchange, bucket_layout
+from dbs_mpi.exchange import FIRST_BUCKET_BYTES, MIB, GradientExchange, bucket_layout
 from dbs_mpi.config import Config
 from dbs_mpi.data import load_synthetic
 from dbs_mpi.models import MLP, LeNet5

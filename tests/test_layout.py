@@ -1,8 +1,11 @@
 """The package's shape: the public API resolves, models and data know nothing of MPI,
-and the modules the training loop builds on never import the command line's train.py
-(no circular import between train.py and parameter_server.py)."""
+the modules the training loop builds on never import the command line's train.py, and
+no module imports, even inside a function, a module that imports it back (a cycle that
+a local import only hides)."""
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +27,8 @@ def test_library_modules_do_not_import_the_command_line(module):
 
 
 @pytest.mark.parametrize("module", ["models", "data", "allocation", "dynamic", "sharding", "heterogeneity", "config",
-                                    "bench_tracking", "startup"])   # startup: it must run before MPI_Init
+                                    "bench_tracking", "startup",    # startup: it must run before MPI_Init
+                                    "results", "analysis", "machine"])   # see LAZY
 def test_models_data_and_pure_functions_do_not_import_mpi(module):
     code = f"import sys, dbs_mpi.{module}; print('mpi4py.MPI' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
@@ -36,3 +40,80 @@ def test_every_public_name_resolves():
         assert getattr(dbs_mpi, name) is not None, name
     with pytest.raises(AttributeError):
         dbs_mpi.no_such_name
+
+
+PACKAGE = Path(dbs_mpi.__file__).parent
+
+
+def package_imports(inside_functions_only: bool = False) -> dict[str, set[str]]:
+    """{module: the package's modules it imports}, at the top or inside a function alike
+    (or only those imported inside a function)."""
+    names = {p.relative_to(PACKAGE).with_suffix("").as_posix().replace("/", "."): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in names.items():
+        here = name.split(".")[:-1]                # the package a relative import starts from
+        found, tree = set(), ast.parse(path.read_text())
+        top = {id(node) for node in tree.body}
+        for node in ast.walk(tree):
+            if inside_functions_only and id(node) in top:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = here[:len(here) - node.level + 1] + (node.module.split(".") if node.module else [])
+                candidates = [".".join(base)] + [".".join(base + [a.name]) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dbs_mpi"):
+                rest = node.module.split(".")[1:]
+                candidates = [".".join(rest)] + [".".join(rest + [a.name]) for a in node.names]
+            elif isinstance(node, ast.Import):
+                candidates = [a.name.split(".", 1)[1] for a in node.names if a.name.startswith("dbs_mpi.")]
+            else:
+                continue
+            found |= {c for c in candidates if c in names and c not in (name, "__init__", "__main__")}
+        graph[name] = found
+    return graph
+
+
+def cycle_through(graph, start):
+    """A path start -> ... -> start, or None."""
+    todo, seen = [(start, [start])], set()
+    while todo:
+        node, path = todo.pop()
+        for nxt in sorted(graph.get(node, ())):
+            if nxt == start:
+                return path + [start]
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append((nxt, path + [nxt]))
+    return None
+
+
+def test_no_module_imports_itself_back():
+    graph = package_imports()
+    assert graph["optimizer"] >= {"exchange", "comm"} and "train" in graph["cli"], "the import graph is misread"
+    cycles = [" -> ".join(c) for c in (cycle_through(graph, m) for m in sorted(graph)) if c]
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_a_cycle_is_found():
+    assert cycle_through({"a": {"b"}, "b": {"c"}, "c": {"a"}}, "a") == ["a", "b", "c", "a"]
+    assert cycle_through({"a": {"b"}, "b": {"c"}, "c": set()}, "a") is None
+
+
+def test_names_that_moved_are_the_same_objects_where_they_were_documented():
+    from dbs_mpi import ddp, process_group
+    assert dbs_mpi.init_process_group is ddp.init_process_group is process_group.init_process_group
+    assert ddp.destroy_process_group is process_group.destroy_process_group
+
+
+# The only modules that import package modules inside functions, and why: to keep a
+# dependency away from whoever does not need it, never to hide a cycle.
+LAZY = {
+    "__init__": "the public API loads on first use: `import dbs_mpi` starts no MPI and loads no torch",
+    "cli": "the start-up watchdog forks before MPI and torch load; a command loads only what it runs",
+    "results": "readers of result files (the analysis, the notebooks) need neither MPI nor torch",
+    "machine": "the simulator's machine constants need neither torch nor MPI; measuring them does",
+}
+
+
+def test_imports_inside_functions_are_only_where_a_reason_is_given():
+    local = {module for module, imported in package_imports(inside_functions_only=True).items() if imported}
+    assert local <= set(LAZY), f"imports inside functions in {sorted(local - set(LAZY))}: move them to the top"

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 from dbs_mpi import allocation, sharding
-from dbs_mpi.comm import GradientExchange
+from dbs_mpi.exchange import GradientExchange
 from dbs_mpi.config import Config
 from dbs_mpi.data import load_synthetic
 from dbs_mpi.models import LeNet5

@@ -1,0 +1,342 @@
+"""The bucketed gradient exchange: the sample-weighted allreduce of every step.
+
+`GradientExchange` owns one flat float32 buffer that the model's .grad tensors are
+views of (autograd accumulates straight into it: no copies), cut into buckets as in
+PyTorch DDP (reverse registration order, 25 MiB cap, a 1 MiB first bucket), plus one
+slot for the loss. Every rank scales its gradients by its weight b_i/B and sums them
+with an in-place allreduce: the sample-weighted gradient sum_i (b_i/B) g_i and the
+global mean loss (docs/method.md, "Sample-weighted gradients"). With several buckets, a
+bucket's reduction starts from autograd hooks as soon as backward has filled it.
+
+It decides *when* a bucket is reduced and with which weight; a transport (transport.py)
+moves the bytes (MPI from host memory, CUDA-aware MPI, or torch.distributed). Its waits
+are comm's bounded ones, with comm's two wait policies (see comm.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from . import transport as transports
+from .comm import SUPERVISOR, allgather_object, wait
+
+MIB = 2 ** 20
+BUCKET_BYTES = 25 * MIB        # PyTorch DDP's bucket cap
+FIRST_BUCKET_BYTES = 1 * MIB   # PyTorch DDP's first-bucket cap (the last layers: ready first)
+
+
+def bucket_layout(numels, bucket_bytes: int = BUCKET_BYTES, first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+                  itemsize: int = 4) -> list[list[int]]:
+    """Parameter indices of each bucket, in launch order (PyTorch DDP's rule).
+
+    Parameters are taken in reverse registration order (backward produces the last
+    layers' gradients first); a bucket is closed as soon as it holds at least its cap
+    in bytes: `first_bucket_bytes` for the first bucket, `bucket_bytes` for the others
+    (so a bucket exceeds its cap by at most one tensor, and a tensor larger than the
+    cap gets a bucket of its own). A cap of 0 means no cap. There is always at least
+    one bucket (empty if there are no parameters)."""
+    buckets, current, size = [], [], 0
+    for index in reversed(range(len(numels))):
+        current.append(index)
+        size += numels[index] * itemsize
+        cap = first_bucket_bytes if not buckets else bucket_bytes
+        if cap and size >= cap:
+            buckets.append(current)
+            current, size = [], 0
+    if current or not buckets:
+        buckets.append(current)
+    return buckets
+
+
+class GradientExchange:
+    """Sample-weighted gradient allreduce over flat buckets that the .grad tensors view.
+
+    One float32 buffer holds every gradient, bucket after bucket in launch order (inside
+    a bucket, parameters keep their registration order), then one slot for the step's
+    loss and `extra` slots that any rank may fill (the balancer's telemetry: every rank's
+    step time reaches every rank in the same allreduce, no extra collective); each
+    parameter's .grad is a view of its place, so autograd accumulates straight into the
+    buffer (no copies) and the optimizer reads the reduced values.
+
+    A step is `zero_grad(weight)` (or `arm(weight)` on already zeroed gradients),
+    `backward(loss)` (or loss.backward()), `allreduce(weight, loss_share)`.
+    A .grad that something replaced (optimizer.zero_grad() or model.zero_grad() with
+    set_to_none=True, the default, then a backward that made a fresh tensor) is taken
+    over: its values are copied into the buffer and the view is put back, in the
+    parameter's hook or at the latest in `allreduce`; a .grad set to None counts as
+    zero. So every form of zero_grad gives the right gradient. Weighting: `backward(loss)` seeds autograd with
+    the weight, so the gradients arrive already multiplied by b_i/B and nothing is
+    scaled afterwards; after a plain loss.backward() every bucket is scaled (one pass
+    over its bytes) just before its allreduce starts.
+
+    * Overlap. With several buckets and several ranks, a post-accumulate-grad hook on
+      every parameter counts down its bucket; when all of a bucket's gradients are
+      there, the bucket is weighted (see above) and its non-blocking sum-allreduce
+      (Iallreduce) starts, while backward goes on.
+      Buckets start strictly in bucket order, whatever order the hooks fire in, and
+      every bucket is reduced by the same kind of call on every rank (non-final
+      buckets: Iallreduce; the final bucket: blocking Allreduce), so no rank can
+      mismatch another. MPICH moves a non-blocking collective on only inside MPI calls:
+      every hook Tests the oldest request in flight, so communication progresses
+      between the layers' backward kernels.
+    * The final bucket carries the loss slot, so it starts in `allreduce`, when the
+      loss is known; everything not started yet (a rank with no samples runs no
+      backward; a parameter unused in this step fires no hook; zero_grad() was called
+      without a weight) starts there too, in bucket order. With one bucket (LeNet-5 and
+      the MLP at the default caps) a step is one blocking Allreduce, no hooks; on
+      this 2-core machine overlap did not pay even with small buckets (see bench
+      overlap), so the DDP caps are the default.
+    * Waiting. "spin": blocking Allreduce of the final bucket, then Waitall. "sleep":
+      first a sleeping Ibarrier (posted after the buckets' Iallreduces, so MPI_Test on
+      it progresses them too) until every rank has arrived, then the same calls, which
+      spin only while bytes move. The choice is agreed by all ranks at construction."""
+
+    def __init__(self, comm: MPI.Comm, params, timeout: float = 600.0, sleep_while_waiting: bool = False,
+                 bucket_bytes: int = BUCKET_BYTES, first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+                 overlap: bool = True, transport: str = "host", stage: bool | None = None, extra: int = 0):
+        self.comm = comm
+        self.timeout = timeout
+        self.world_size = comm.Get_size()
+        self.params = [p for p in params if p.requires_grad]
+        for p in self.params:
+            if p.dtype != torch.float32:
+                raise TypeError("GradientExchange supports float32 parameters only")
+        devices = {p.device for p in self.params}
+        if len(devices) > 1:
+            raise ValueError(f"GradientExchange: the parameters are on several devices ({sorted(map(str, devices))}); "
+                             f"move the model to one device (model.to(device)) before wrapping the optimizer")
+        self.device = devices.pop() if devices else torch.device("cpu")
+        self.numel = sum(p.numel() for p in self.params)
+        # Every rank must take the same waiting path (the Ibarrier is a collective).
+        self.sleep_while_waiting = bool(any(allgather_object(comm, bool(sleep_while_waiting), timeout,
+                                                             "agreeing on the wait policy"))) \
+            if self.world_size > 1 else False
+        self.layout = bucket_layout([p.numel() for p in self.params], bucket_bytes, first_bucket_bytes)
+        self.extra_slots = int(extra)
+        self.flat = torch.zeros(self.numel + 1 + self.extra_slots, dtype=torch.float32, device=self.device)
+        self.bounds = []                 # (start, stop) of every bucket in flat; the final one ends with the tail
+        self._bucket_of = [0] * len(self.params)
+        self._grad_ptr = [0] * len(self.params)
+        self._grad_views = [None] * len(self.params)
+        offset = 0
+        for b, indices in enumerate(self.layout):
+            start = offset
+            for index in sorted(indices):
+                p = self.params[index]
+                n = p.numel()
+                p.grad = self.flat[offset:offset + n].view_as(p)
+                self._bucket_of[index] = b
+                self._grad_ptr[index] = p.grad.data_ptr()
+                self._grad_views[index] = p.grad
+                offset += n
+            self.bounds.append((start, offset))
+        self.bounds[-1] = (self.bounds[-1][0], self.numel + 1 + self.extra_slots)
+        # What the weighting pass scales: numpy views on the CPU (a few microseconds less per
+        # step than torch's mul_ on LeNet-5's buffer), tensor slices on a GPU.
+        whole = self.flat.numpy() if self.device.type == "cpu" else self.flat
+        self._buckets = [whole[start:stop] for start, stop in self.bounds]
+        self._final_grads = whole[self.bounds[-1][0]:self.numel]
+        self.transport = transports.make(transport, comm, self.flat, self.bounds, timeout, stage,
+                                         1 + self.extra_slots)
+        self.extra = None                # the sum of the last step's extra slots (numpy), if there are any
+        self._gated = self.transport.deferred        # its requests may begin late (their data on a GPU)
+        self._sizes = [len(indices) for indices in self.layout]
+        # On a GPU the hooks run on autograd's device thread: MPI calls from there need
+        # MPI_THREAD_MULTIPLE (mpi4py's default); without it every bucket starts in allreduce().
+        self.overlap = bool(overlap) and self.world_size > 1 and len(self.layout) > 1 and (
+            not self.flat.is_cuda or MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+        self._hooks = []
+        if self.overlap:
+            for index, p in enumerate(self.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook_for(index)))
+        self._reset()
+
+    @property
+    def busy(self) -> bool:
+        """True while buckets started during backward are being reduced."""
+        return bool(self._requests)
+
+    @property
+    def armed_weight(self) -> float | None:
+        """The weight given to zero_grad/arm for the step under way (None: not armed)."""
+        return self._weight
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.layout)
+
+    def bucket_numels(self) -> list[int]:
+        """Gradient elements of every bucket, in launch order (the loss and extra slots not counted)."""
+        return [stop - start for start, stop in self.bounds[:-1]] + [self.numel - self.bounds[-1][0]]
+
+    def gradient(self) -> torch.Tensor:
+        """A copy of all gradients, flattened in registration order (like torch.cat of the .grad)."""
+        return torch.cat([p.grad.reshape(-1) for p in self.params]) if self.params else torch.zeros(0)
+
+    def close(self) -> None:
+        """Remove the hooks (the .grad views stay)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.overlap = False
+
+    # --- a step ---------------------------------------------------------------
+    def _reset(self) -> None:
+        self._weight = None                       # set by zero_grad(weight): hooks may start buckets
+        self._prescaled = False                   # backward(loss) seeded the gradients with the weight
+        self._left = list(self._sizes)            # gradients still to come, per bucket
+        self._next = 0                            # next bucket to start
+        self._requests = []                       # in flight: buckets 0 .. self._next - 1
+        self._oldest = 0                          # first request not known to be complete
+
+    def zero_grad(self, weight: float | None = None) -> None:
+        """Zero all gradients and begin a step. With this rank's weight (b_i/B, 1/n for
+        plain averaging), buckets start as soon as backward has filled them; without,
+        everything starts in allreduce()."""
+        if self._requests:
+            raise RuntimeError("zero_grad() while gradient buckets are still being reduced: call allreduce() "
+                               "(strategy.reduce) once after every backward")
+        self._reset()
+        self.flat.zero_()
+        self._weight = None if weight is None else float(weight)
+
+    def arm(self, weight: float) -> None:
+        """Begin a step on gradients that are already zero (the buffer was zeroed after
+        the last step): buckets may start during backward, weighted by `weight`."""
+        if self._requests:
+            raise RuntimeError("arm() while gradient buckets are still being reduced: call allreduce() once "
+                               "after every backward")
+        self._weight = float(weight)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), seeded with this rank's weight (given to zero_grad): autograd
+        then produces weight * gradient directly, so no bucket needs a scaling pass
+        (the seed multiplies only the scalar at the root of the graph). Without a
+        weight it is plain loss.backward() and allreduce() scales."""
+        if self._weight is None or self._weight == 1.0:
+            loss.backward()
+            return
+        if self._left != self._sizes and not self._prescaled:
+            raise RuntimeError("backward(loss) after a plain backward in the same step: the gradients would "
+                               "be weighted unevenly")
+        self._prescaled = True
+        loss.backward(torch.full_like(loss, self._weight))
+
+    def _hook_for(self, index: int):
+        bucket = self._bucket_of[index]
+        ptr = self._grad_ptr[index]
+
+        def hook(p):
+            if p.grad is None or p.grad.data_ptr() != ptr:
+                self._adopt(index)
+            self._left[bucket] -= 1
+            if bucket < self._next:
+                raise RuntimeError("a gradient changed after its bucket's allreduce had started: with overlap, "
+                                   "run one backward per step between zero_grad() and allreduce()")
+            if self._left[bucket] == 0 and self._weight is not None:
+                self._start_ready()
+            elif self._oldest < len(self._requests):
+                self._progress()
+        return hook
+
+    def _adopt(self, index: int) -> None:
+        """Put parameter `index`'s .grad back into the buffer (zero if it is None)."""
+        p, view = self.params[index], self._grad_views[index]
+        if p.grad is None:
+            view.zero_()
+        else:
+            view.copy_(p.grad.detach().reshape(view.shape))
+        p.grad = view
+
+    def adopt_grads(self) -> None:
+        """Take over every .grad that no longer views the buffer (see the class docstring)."""
+        for index, (p, ptr) in enumerate(zip(self.params, self._grad_ptr)):
+            if p.grad is None or p.grad.data_ptr() != ptr:
+                self._adopt(index)
+
+    def _start(self, bucket: int, weight: float) -> None:
+        if weight != 1.0 and not self._prescaled:
+            _scale(self._buckets[bucket], weight)
+        self.transport.stage(bucket)
+        self._requests.append(self.transport.start(bucket))
+        self._next = bucket + 1
+
+    def _start_ready(self) -> None:
+        last = len(self.layout) - 1
+        while self._next < last and self._left[self._next] <= 0:
+            self._start(self._next, self._weight)
+        self._progress()
+
+    def _progress(self) -> None:
+        """Let MPICH move the buckets in flight on (it does only inside MPI calls); on a GPU,
+        begin the collectives of the buckets whose data has become ready, in bucket order."""
+        requests = self._requests
+        while self._oldest < len(requests) and requests[self._oldest].Test():
+            self._oldest += 1
+        if self._gated:
+            for r in requests[self._oldest:]:
+                if not r.begin(block=False):
+                    break
+
+    def views_intact(self) -> bool:
+        """True if every .grad views the buffer (nothing replaced them since the last step)."""
+        return all(p.grad is not None and p.grad.data_ptr() == ptr for p, ptr in zip(self.params, self._grad_ptr))
+
+    def allreduce(self, weight: float, loss_share: float, extra=None) -> float:
+        """flat <- sum over ranks of weight_r * grad_r; returns sum_r loss_share_r.
+
+        weight is b_i/B for sample-weighted aggregation (1/n for plain averaging);
+        loss_share is loss_i * b_i/B, so the returned value is the global mean loss.
+        extra: this rank's values of the extra slots (float32, `extra` of them at
+        construction), summed over ranks into self.extra. Waits for every bucket:
+        afterwards the .grad tensors hold the reduced gradient."""
+        weight = float(weight)
+        if self._weight is not None and weight != self._weight:
+            raise RuntimeError(f"allreduce(weight={weight:g}) but zero_grad was given weight {self._weight:g}: "
+                               f"the buckets already started were scaled by that")
+        last = len(self.layout) - 1
+        self.adopt_grads()
+        try:
+            while self._next < last:       # not started yet (no backward, unused parameters, no weight given)
+                self._start(self._next, weight)
+            if weight != 1.0 and not self._prescaled:
+                _scale(self._final_grads, weight)
+            transport = self.transport
+            transport.stage(last)
+            if self.extra_slots and (extra is None or len(extra) != self.extra_slots):
+                raise ValueError(f"allreduce: {self.extra_slots} extra values expected (the balancer's telemetry)")
+            transport.set_tail(loss_share, extra if self.extra_slots else None)
+            if self.world_size > 1:
+                # Every bucket's collective is under way before the barrier (on a GPU some
+                # wait for their data): all ranks call the collectives in the same order.
+                transport.begin_all(self._requests)
+                if self.sleep_while_waiting:
+                    wait(self.comm.Ibarrier(), self.timeout, "the gradient allreduce (waiting for the other ranks)")
+                SUPERVISOR.arm(self.comm, self.timeout, "the gradient allreduce")
+                try:
+                    transport.reduce(last, self._requests)
+                    transport.wait(self._requests)
+                    transport.finish()
+                    return self._sums(transport)
+                finally:
+                    SUPERVISOR.disarm()
+            transport.finish()
+            return self._sums(transport)
+        finally:
+            self._requests = []
+            self._reset()
+
+
+    def _sums(self, transport) -> float:
+        if self.extra_slots:
+            self.extra = transport.extra()
+        return transport.loss()
+
+
+def _scale(view, weight: float) -> None:
+    """view *= weight, in place (a numpy view of CPU memory, or a tensor on its device)."""
+    if isinstance(view, np.ndarray):
+        np.multiply(view, weight, out=view)
+    else:
+        view.mul_(weight)
