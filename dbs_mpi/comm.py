@@ -294,10 +294,12 @@ class Supervisor:
             os._exit(1)
         if channel is not None and channel[0].Get_rank() != 0:
             self._send_notice(channel, timed_out)
-        elif channel is not None and timed_out:
-            self._report_arrivals(channel, notified)
         else:
-            time.sleep(ABORT_GRACE)        # mpirun forwards the message before the abort tears it down
+            if channel is not None and timed_out:
+                self._report_arrivals(channel, notified)
+            # mpirun forwards the last line written (the message, or who did not arrive) before
+            # the abort tears it down: without this pause, a loaded machine lost it now and then
+            time.sleep(ABORT_GRACE)
         comm.Abort(1)
 
     @staticmethod
