@@ -197,7 +197,30 @@ def cmd_data(comm, argv) -> int:
     return data_main(argv)
 
 
-COMMANDS = {"train": cmd_train, "info": cmd_info, "bench": cmd_bench, "data": cmd_data, "simulate": cmd_simulate}
+def cmd_close(comm, argv) -> int:
+    from . import comm as mpi
+    parser = ArgumentParser(
+        prog="dbs-mpi close",
+        description="After a launch that ended with every rank killed (a lost node, SIGKILL): mark its result "
+                    "file, still `running`, `failed` (attribute `crashed`: when and how). A file in any other "
+                    "state is left as it is; so is one still open by a live run. One process, without mpirun.")
+    parser.add_argument("result", metavar="RESULT.h5")
+    parser.add_argument("--exit-status", type=int, help="the launcher's exit status, recorded in `crashed`")
+    args = mpi.agree(comm, parser.parse_args, argv)
+    before, after = mpi.agree(comm, _close_alone, comm, args)
+    print(f"dbs-mpi close: {args.result}: " + (f"{before} -> {after}" if after != before else f"{before}, left as it is"))
+    return 0
+
+
+def _close_alone(comm, args):
+    from .results import close_crashed
+    if comm.Get_size() != 1:
+        raise UserError(f"close: run it as one process, not on {comm.Get_size()} ranks")
+    return close_crashed(args.result, args.exit_status)
+
+
+COMMANDS = {"train": cmd_train, "info": cmd_info, "bench": cmd_bench, "data": cmd_data, "simulate": cmd_simulate,
+            "close": cmd_close}
 
 
 def main(argv=None) -> int:
@@ -207,7 +230,7 @@ def main(argv=None) -> int:
         print(f"dbs-mpi {__version__}")
         return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        usage = ("usage: dbs-mpi {train,info,bench,data,simulate} [options]   (dbs-mpi COMMAND --help for details; "
+        usage = ("usage: dbs-mpi {train,info,bench,data,simulate,close} [options]   (dbs-mpi COMMAND --help for details; "
                  "dbs-mpi --version)")
         if argv and argv[0] not in ("-h", "--help"):
             print(f"dbs-mpi: error: unknown command {argv[0]!r}; {usage}", file=sys.stderr)

@@ -13,6 +13,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,10 @@ from .config import UserError
 SCHEMA_ATTRIBUTES = {
     "status": "`running` while training, then `complete`, `failed` (an exception or a timeout; written by rank 0 "
               "if it is alive) or `interrupted` (stopped on SIGTERM/SIGUSR1 with a checkpoint: resume with "
-              "`dbs-mpi train --resume FILE`). A `running` file whose job is gone is a crashed run",
+              "`dbs-mpi train --resume FILE`). A `running` file whose job is gone is a crashed run; the job scripts "
+              "mark it `failed` (`dbs-mpi close`) when the launch ends with every rank killed",
+    "crashed": "set by `dbs-mpi close`: when and how the launch of a `running` run ended with no rank left to "
+               "mark it `failed` (a lost node, SIGKILL)",
     "resumed": "ISO times at which the run was resumed (absent if never)",
     "segments": "JSON list, one entry per launch that trained this run (the first, then every resume): its "
                 "`world_size`, `hostnames`, `rank_devices`, `device_names`, where it began (`epoch`, `step` in it, "
@@ -492,6 +496,41 @@ class Recorder:
         else:
             self.close(STATUS_FAILED)
         return False
+
+
+def close_crashed(path, exit_status: int | None = None, timeout: float = 10.0) -> tuple[str, str]:
+    """After a launch that ended with none of its ranks left: a result file still `running`
+    (rank 0 was killed before it could write `failed`: a lost node, SIGKILL, a launcher
+    that tore the job down) becomes `failed`, and `crashed` says how it ended; a file in
+    any other state is left as it is. Returns its status before and after. A live run
+    holds HDF5's lock on its file: if the lock is not free within `timeout` seconds (a
+    rank still exiting), this raises UserError instead of touching the file."""
+    import h5py
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"close: no result file {path}")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            f = h5py.File(path, "r+")
+            break
+        except OSError as exc:
+            if "lock" not in str(exc):
+                raise UserError(f"close: {path} is not a readable result file ({exc})") from None
+            if time.monotonic() > deadline:
+                raise UserError(f"close: {path} is still open for writing after {timeout:g} s "
+                                "(is its run alive?); left as it is") from None
+            time.sleep(0.2)
+    with f:
+        before = f.attrs.get("status", b"")
+        before = before.decode() if isinstance(before, bytes) else str(before)
+        if before != STATUS_RUNNING:
+            return before, before
+        f.attrs["status"] = STATUS_FAILED
+        how = f"exit status {exit_status}" if exit_status is not None else "an unknown exit status"
+        f.attrs["crashed"] = (f"{datetime.datetime.now().isoformat(timespec='seconds')}: the launch ended with "
+                              f"{how} and no rank had marked the run")
+    return before, STATUS_FAILED
 
 
 def read_run(path) -> dict:

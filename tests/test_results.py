@@ -48,3 +48,52 @@ def test_never_overwrites(tmp_path):
     with pytest.raises(UserError, match="exists already"):
         _writer(path)
     assert path.read_bytes() == b"x"
+
+
+# --- closing a crashed run (dbs-mpi close) -------------------------------------------
+
+def test_close_marks_a_running_file_failed_and_leaves_others(tmp_path):
+    from dbs_mpi.results import close_crashed
+    crashed = tmp_path / "crashed.h5"
+    w = _writer(crashed)
+    w.append_epoch(dict(train_loss=0.5, batch_sizes=np.array([3, 1])), {})
+    w.file.close()                                  # as a SIGKILL leaves it: `running`, epoch 1 kept
+    assert close_crashed(crashed, 255) == ("running", STATUS_FAILED)
+    run = read_run(crashed)
+    assert run["attrs"]["status"] == STATUS_FAILED and "exit status 255" in run["attrs"]["crashed"]
+    assert run["data"]["epoch/train_loss"].tolist() == [0.5]
+    assert close_crashed(crashed, 1) == (STATUS_FAILED, STATUS_FAILED)        # again: nothing changes
+    done = tmp_path / "done.h5"
+    _writer(done).close(STATUS_COMPLETE)
+    assert close_crashed(done, 1) == (STATUS_COMPLETE, STATUS_COMPLETE)
+    assert "crashed" not in read_run(done)["attrs"]
+
+
+def test_close_refuses_a_missing_file_and_one_a_live_run_holds(tmp_path):
+    import subprocess
+    import sys
+    from dbs_mpi.results import close_crashed
+    with pytest.raises(UserError, match="no result file"):
+        close_crashed(tmp_path / "none.h5")
+    live = tmp_path / "live.h5"
+    _writer(live).file.close()
+    holder = subprocess.Popen([sys.executable, "-c", "import h5py, sys, time; f = h5py.File(sys.argv[1], 'r+'); "
+                               "print('open', flush=True); time.sleep(60)", str(live)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        with pytest.raises(UserError, match="still open for writing"):
+            close_crashed(live, 1, timeout=0.5)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert read_run(live)["attrs"]["status"] == "running"
+
+
+def test_close_command(tmp_path):
+    from conftest import run_cli
+    path = tmp_path / "crashed.h5"
+    _writer(path).file.close()
+    p = run_cli(["close", str(path), "--exit-status", "137"])
+    assert p.returncode == 0 and "running -> failed" in p.stdout, p.stdout + p.stderr
+    p = run_cli(["close", str(tmp_path / "none.h5")])
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("dbs-mpi: error: close: no result file")
