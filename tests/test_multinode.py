@@ -1,0 +1,319 @@
+"""Jobs across nodes, on a real two-node Slurm cluster inside this machine
+(scripts/slurm-cluster.sh with DBS_MPI_SLURM_NODES=2): each node is a network, UTS and
+mount namespace of its own (hostname node1/node2, an address on a private bridge, its
+share of the cores), with its own slurmd; MPI between the nodes goes over TCP through
+the bridge. The module starts one such cluster (fresh directory, free ports, its own
+bridge and subnet) and tears it down at the end.
+
+What is checked: the job scripts unchanged with `sbatch -N 2` and `qsub -l nodes=2`,
+per-node placement (hosts, cores, thread shares, oversubscription) in the result file,
+`dbs-mpi info` over both nodes, allocation invariance across nodes (2 nodes x 2 ranks
+train the model 1 rank trains), and a node lost in the middle of a run, cut off the
+network or killed: the ranks that remain end within the timeout, the job fails, the
+result file says `failed` with its finished epochs, and `--resume` continues on the
+node that is left. Needs root and network namespaces; skipped with the reason elsewhere.
+Every wait is bounded.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from test_jobs import (JOB_MINUTES, ROOT, SCRIPT, TINY, Cluster, _free_port_pair, _main_toml, _read, _run,
+                       _skip_reason, check_result, job_records, qsub_block, sbatch_wait, wait_gone)
+
+h5py = pytest.importorskip("h5py")
+
+pytestmark = pytest.mark.timeout(1200)
+
+COMM_TIMEOUT = 10            # --comm-timeout of the runs that lose a node
+LOST_NODE_SLACK = 8          # seconds past it within which the job must have ended
+# Long enough that a node can be lost in epoch 2 (about 2 s an epoch here), short
+# enough that resuming the rest on one node stays quick.
+LONG = ("--dataset synthetic --model mlp --synthetic-samples 12000 --global-batch 64 --epochs 3 "
+        f"--strategy dbs --speeds 1,1,1,1 --comm-timeout {COMM_TIMEOUT} --progress false")
+
+
+def _namespaces_reason():
+    reason = _skip_reason()
+    if reason:
+        return reason
+    for tool in ("ip", "nsenter", "unshare", "taskset"):
+        if shutil.which(tool) is None:
+            return f"no {tool} (iproute2 / util-linux) to build the nodes"
+    probe = subprocess.run(["unshare", "--net", "--uts", "--mount", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"network/UTS/mount namespaces not allowed here: {probe.stderr.strip()}"
+    return None
+
+
+class Nodes(Cluster):
+    def script(self, *args, timeout=120):
+        p = subprocess.run(["bash", str(SCRIPT), *args], env=self.env, capture_output=True, text=True,
+                           timeout=timeout)
+        assert p.returncode == 0, f"slurm-cluster.sh {' '.join(args)} failed:\n{p.stdout}\n{p.stderr}"
+        return p
+
+    def node_state(self, node):
+        env = self.job_env(results="")
+        return subprocess.run(["sinfo", "-h", "-n", node, "-o", "%t"], env=env, capture_output=True,
+                              text=True, timeout=30).stdout.strip()
+
+    def ranks_on(self, node):
+        """PIDs of the `dbs-mpi train` processes running on `node` (in its network namespace):
+        its ranks, and any child they have forked."""
+        ns = f"dbs{self.env['DBS_MPI_SLURM_PORT']}-{node}"
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout.split()
+        out = []
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"dbs-mpi\x00train\x00" in f.read() and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                        out.append(int(pid))
+            except OSError:
+                pass            # gone meanwhile
+        return out
+
+    def wait_idle(self, node, timeout=90):
+        deadline = time.monotonic() + timeout
+        while (state := self.node_state(node)) != "idle":
+            assert time.monotonic() < deadline, f"{node} is '{state}', not idle, after {timeout} s"
+            time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def nodes(request):
+    reason = _namespaces_reason()
+    if reason:
+        pytest.skip(reason)
+    directory = tempfile.mkdtemp(prefix="dbs-mpi-slurm-nodes-", dir="/tmp")
+    os.chmod(directory, 0o755)          # munged (user munge) reaches its socket inside
+    env = {**os.environ, "DBS_MPI_SLURM_DIR": directory, "DBS_MPI_SLURM_NODES": "2",
+           "DBS_MPI_SLURM_PORT": str(_free_port_pair(first=6927))}
+    cluster = Nodes(env, directory)
+    failed_before = request.session.testsfailed
+    try:
+        start = cluster.script("start", timeout=1000)
+        print(f"two-node test cluster: {start.stderr.strip().splitlines()[-1]}")
+        status = cluster.script("status", timeout=60)
+        assert "slurmd node1: running" in status.stdout and "slurmd node2: running" in status.stdout
+        yield cluster
+    finally:
+        stop = subprocess.run(["bash", str(SCRIPT), "stop"], env=env, capture_output=True, text=True, timeout=120)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert not [n for n in os.listdir("/run/netns") if n.startswith(f"dbs{env['DBS_MPI_SLURM_PORT']}-")] \
+            if os.path.isdir("/run/netns") else True, "stop left a node's namespace behind"
+        if request.session.testsfailed == failed_before:
+            shutil.rmtree(directory, ignore_errors=True)
+        else:
+            print(f"test cluster's configuration and logs kept in {directory}")
+
+
+def _placement(path):
+    with h5py.File(path, "r") as f:
+        return ([h.decode() if isinstance(h, bytes) else str(h) for h in f.attrs["hostnames"]],
+                [str(c.decode() if isinstance(c, bytes) else c) for c in f.attrs["rank_cores"]],
+                [int(t) for t in f.attrs["rank_threads"]], bool(f.attrs["oversubscribed"]))
+
+
+def check_placement(path, per_node):
+    """Ranks 0..k-1 on node1, the next on node2; each node's ranks share its cores, the
+    nodes' cores differ; threads are the node's cores over its ranks; oversubscription is
+    judged per node."""
+    hosts, cores, threads, over = _placement(path)
+    assert hosts == ["node1"] * per_node + ["node2"] * per_node, hosts
+    node_cores = {h: {c for c, hh in zip(cores, hosts) if hh == h} for h in ("node1", "node2")}
+    assert all(len(s) == 1 for s in node_cores.values()), f"one core set per node: {node_cores}"
+    sets = {h: set(next(iter(s)).split(",")) for h, s in node_cores.items()}
+    assert not sets["node1"] & sets["node2"], f"the nodes are bound to different cores: {sets}"
+    for host, t in zip(hosts, threads):
+        assert t == max(1, len(sets[host]) // per_node), (hosts, cores, threads)
+    assert over == any(per_node > len(s) for s in sets.values()), (hosts, cores, over)
+
+
+def test_slurm_job_across_two_nodes(nodes, tmp_path):
+    env = nodes.job_env(tmp_path, EXTRA_ARGS=f"{TINY} --speeds 1,1,0.5,0.5")
+    rc, job, out = sbatch_wait(nodes, env, "-N", "2", "--ntasks-per-node=2", "-o", f"{tmp_path}/%x-%j.out",
+                               "jobs/slurm/train.sbatch")
+    log = _read(tmp_path / f"dbs-mpi-train-{job}.out")
+    assert rc == 0, f"sbatch --wait exited {rc}: {out}\njob log:\n{log}"
+    assert job_records(nodes, job, 1) == {None: ("COMPLETED", "0:0")}
+    assert "4 ranks on node[1-2]" in log, log
+    main = _main_toml()
+    check_result(tmp_path / f"train-{job}.h5", log, strategy=main["strategy"], seed=main["seed"],
+                 speeds=[1, 1, 0.5, 0.5], world_size=4)
+    check_placement(tmp_path / f"train-{job}.h5", per_node=2)
+
+
+def test_pbs_job_across_two_nodes(nodes, tmp_path):
+    env = nodes.job_env(tmp_path, EXTRA_ARGS=f"{TINY} --speeds 1,0.5")
+    out = tmp_path / "train.out"
+    job = qsub_block(nodes, env, "-l", f"nodes=2:ppn=1,walltime=00:{JOB_MINUTES:02d}:00",
+                     "-j", "oe", "-o", str(out), "jobs/pbs/train.pbs")
+    wait_gone(env, job)
+    assert job_records(nodes, job, 1) == {None: ("COMPLETED", "0:0")}, _read(out)
+    log = _read(out)
+    assert "2 ranks on node1 node2" in log, log          # from $PBS_NODEFILE
+    main = _main_toml()
+    check_result(tmp_path / f"train-{job}.h5", log, strategy=main["strategy"], seed=main["seed"],
+                 speeds=[1, 0.5], world_size=2)
+    check_placement(tmp_path / f"train-{job}.h5", per_node=1)
+
+
+def test_info_lists_both_nodes_and_names_the_node_of_a_missing_device(nodes):
+    """srun --mpi=pmi2 (Slurm starts the ranks itself) across the nodes: `dbs-mpi info`
+    has a line per rank with its node; a device that does not exist on rank 3 is named
+    with its node, on every rank, exit 2."""
+    env = nodes.job_env(results="")
+    srun = ["srun", "--mpi=pmi2", "-N", "2", "--ntasks-per-node=2", "-t", str(JOB_MINUTES),
+            str(ROOT / ".venv" / "bin" / "dbs-mpi") if (ROOT / ".venv" / "bin" / "dbs-mpi").exists() else "dbs-mpi"]
+    p = _run([*srun, "info"], env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = re.findall(r"^\s+(\d+)\s+(node\d)\s+\d+\s+(\d+)\s+(\d+)\s+cpu\b", p.stdout, re.M)
+    assert [(r, h) for r, h, _, _ in rows] == [("0", "node1"), ("1", "node1"), ("2", "node2"), ("3", "node2")], p.stdout
+    p = _run([*srun, "info", "--devices", "cpu,cpu,cpu,cuda"], env)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "dbs-mpi: error: device: cuda requested for rank 3 on node2" in p.stderr, p.stderr
+    assert re.search(r"node1: tasks 0-1: Exited with exit code 2", p.stderr), p.stderr
+    assert re.search(r"node2: tasks 2-3: Exited with exit code 2", p.stderr), p.stderr
+
+
+def _final_model(path):
+    state = torch.load(f"{path}.ckpt", map_location="cpu", weights_only=True)
+    return torch.cat([v.flatten().double() for v in state["model"].values()])
+
+
+def test_two_nodes_train_the_model_one_rank_trains(nodes, tmp_path):
+    """Allocation invariance across nodes: static batch sizes (uneven: emulated speeds),
+    2 nodes x 2 ranks, against the same run on 1 rank without MPI."""
+    args = f"{TINY} --strategy static --speeds 1,0.5,1,0.25 --seed 5"
+    env = nodes.job_env(tmp_path, CONFIG="", EXTRA_ARGS=args, OUT=str(tmp_path / "nodes.h5"))
+    rc, job, out = sbatch_wait(nodes, env, "-N", "2", "--ntasks-per-node=2", "-o", f"{tmp_path}/%x-%j.out",
+                               "jobs/slurm/train.sbatch")
+    assert rc == 0, out + _read(tmp_path / f"dbs-mpi-train-{job}.out")
+    one = subprocess.run([sys.executable, "-m", "dbs_mpi", "train", *args.replace("--speeds 1,0.5,1,0.25", "").split(),
+                          "--out", str(tmp_path / "one.h5")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stdout + one.stderr
+    with h5py.File(tmp_path / "nodes.h5", "r") as f:
+        sizes = f["epoch/batch_sizes"][()]
+        assert _placement(tmp_path / "nodes.h5")[0] == ["node1", "node1", "node2", "node2"]
+    assert len(set(sizes[0].tolist())) > 1, f"the batch sizes should be uneven: {sizes}"
+    torch.testing.assert_close(_final_model(tmp_path / "nodes.h5"), _final_model(tmp_path / "one.h5"),
+                               rtol=1e-4, atol=2e-5)
+
+
+def _start_long_run(nodes, tmp_path):
+    """A 2 x 2 run of LONG that does not requeue itself; returns (job, result, log) once
+    its first epoch is over."""
+    result = tmp_path / "lost.h5"
+    env = nodes.job_env(tmp_path, CONFIG="", EXTRA_ARGS=LONG, OUT=str(result), REQUEUE="0")
+    p = _run(["sbatch", "--parsable", "--no-requeue", "-N", "2", "--ntasks-per-node=2", "-t", str(JOB_MINUTES),
+              "-o", f"{tmp_path}/%x-%j.out", "jobs/slurm/train.sbatch"], env)
+    job = p.stdout.strip().split(";")[0]
+    assert job.isdigit(), p.stdout + p.stderr
+    log = tmp_path / f"dbs-mpi-train-{job}.out"
+    deadline = time.monotonic() + 120
+    while "epoch 1/3" not in _read(log):
+        assert time.monotonic() < deadline and "exited with status" not in _read(log), _read(log)
+        time.sleep(0.2)
+    return job, result, log
+
+
+def _time_to_end(log, since):
+    deadline = since + COMM_TIMEOUT + 60
+    while not (m := re.search(r"dbs-mpi train exited with status (\d+)", _read(log))):
+        assert time.monotonic() < deadline, f"the job did not end within {deadline - since:.0f} s:\n{_read(log)}"
+        time.sleep(0.1)
+    return time.monotonic() - since, int(m.group(1))
+
+
+def _check_failed_with_epochs(result, log):
+    with h5py.File(result, "r") as f:
+        assert f.attrs["status"] == "failed", _read(log)
+        assert len(f["epoch/train_loss"][()]) >= 1
+        assert np.isfinite(f["epoch/train_loss"][()]).all()
+
+
+def test_a_node_cut_off_the_network_ends_the_job_and_the_run_resumes_on_the_other(nodes, tmp_path):
+    job, result, log = _start_long_run(nodes, tmp_path)
+    try:
+        nodes.script("cut", "node2")
+        took, status = _time_to_end(log, time.monotonic())
+    finally:
+        nodes.script("heal", "node2")
+    print(f"node2 cut off: the job ended {took:.1f} s later (comm_timeout {COMM_TIMEOUT} s)")
+    assert status != 0, _read(log)
+    assert took < COMM_TIMEOUT + LOST_NODE_SLACK, _read(log)
+    assert "rank(s) [2, 3] did not arrive" in _read(log), _read(log)
+    _check_failed_with_epochs(result, log)
+    # The run goes on where node1 alone can take it: 2 ranks, the same result file.
+    nodes.wait_idle("node2")
+    env = nodes.job_env(tmp_path, CONFIG="", EXTRA_ARGS=LONG.replace("--speeds 1,1,1,1", "--speeds 1,1"),
+                        OUT=str(result))
+    rc, job, out = sbatch_wait(nodes, env, "-N", "1", "-n", "2", "-w", "node1", "-o", f"{tmp_path}/%x-%j.out",
+                               "jobs/slurm/train.sbatch")
+    resumed = _read(tmp_path / f"dbs-mpi-train-{job}.out")
+    assert rc == 0, out + resumed
+    assert f"resuming {result}" in resumed, resumed
+    with h5py.File(result, "r") as f:
+        assert f.attrs["status"] == "complete"
+        assert len(f["epoch/train_loss"][()]) == 3
+        segments = json.loads(f.attrs["segments"])
+    assert [(s["world_size"], s["hostnames"]) for s in segments] == [
+        (4, ["node1", "node1", "node2", "node2"]), (2, ["node1", "node1"])]
+
+
+def test_a_node_killed_ends_the_job(nodes, tmp_path):
+    """MPI (Hydra) sees node2's proxy vanish and tears the whole job down at once, rank 0
+    included, before it can mark the file: the job script marks it (dbs-mpi close)."""
+    job, result, log = _start_long_run(nodes, tmp_path)
+    try:
+        nodes.script("kill", "node2")
+        took, status = _time_to_end(log, time.monotonic())
+    finally:
+        nodes.script("start", timeout=300)          # node2's slurmd again (idempotent for the rest)
+    print(f"node2 killed: the job ended {took:.1f} s later (comm_timeout {COMM_TIMEOUT} s)")
+    assert status != 0, _read(log)
+    assert took < COMM_TIMEOUT + LOST_NODE_SLACK, _read(log)
+    deadline = time.monotonic() + 60                 # the script's `dbs-mpi close` after the launcher
+    while "dbs-mpi close:" not in _read(log):
+        assert time.monotonic() < deadline, _read(log)
+        time.sleep(0.2)
+    _check_failed_with_epochs(result, log)
+    nodes.wait_idle("node2")
+
+
+def test_rank_0s_node_killed_ends_the_ranks_elsewhere_and_keeps_the_file(nodes, tmp_path):
+    """node1 (rank 0, the launcher, the batch script) killed: node2's ranks end within the
+    timeout; the file, which nobody is left to mark, stays readable with epoch 1."""
+    job, result, log = _start_long_run(nodes, tmp_path)
+    assert nodes.ranks_on("node2"), "ranks 2 and 3 run on node2"
+    try:
+        nodes.script("kill", "node1")
+        killed = time.monotonic()
+        while nodes.ranks_on("node2"):
+            left = nodes.ranks_on("node2")
+            assert time.monotonic() < killed + COMM_TIMEOUT + LOST_NODE_SLACK, \
+                f"node2's ranks still run {COMM_TIMEOUT + LOST_NODE_SLACK} s after node1 died:\n" + \
+                subprocess.run(["ps", "-o", "pid,ppid,stat,etime,wchan:30,args", "-p", ",".join(map(str, left or [1]))],
+                               capture_output=True, text=True).stdout
+            time.sleep(0.1)
+        took = time.monotonic() - killed
+    finally:
+        nodes.script("start", timeout=300)
+    # Its batch script died with node1's slurmd: Slurm would notice only much later.
+    subprocess.run(["scancel", job], env=nodes.job_env(results=""), timeout=30)
+    print(f"node1 killed: node2's ranks ended {took:.1f} s later (comm_timeout {COMM_TIMEOUT} s)")
+    with h5py.File(result, "r") as f:               # readable: no rank holds it any more
+        assert f.attrs["status"] == "running"
+        assert len(f["epoch/train_loss"][()]) >= 1
+    nodes.wait_idle("node1")
+    nodes.wait_idle("node2")
