@@ -22,7 +22,7 @@ trap 'rm -rf "$OUT"' EXIT
 PY=.venv/bin/python
 
 epoch_median() {   # median duration of the epochs after the first
-    "$PY" -c 'import sys, h5py, numpy as np; print(f"{np.median(h5py.File(sys.argv[1])[\"epoch/duration\"][1:]):.3f}")' "$1"
+    "$PY" -c 'import sys, h5py, numpy as np; print("%.3f" % np.median(h5py.File(sys.argv[1])["epoch/duration"][1:]))' "$1"
 }
 
 ratios=()
