@@ -154,18 +154,18 @@ def test_slurm_job_across_two_nodes(nodes, tmp_path):
 
 
 def test_pbs_job_across_two_nodes(nodes, tmp_path):
-    env = nodes.job_env(tmp_path, EXTRA_ARGS=f"{TINY} --speeds 1,0.5")
+    env = nodes.job_env(tmp_path, EXTRA_ARGS=f"{TINY} --speeds 1,0.5,1,0.5")
     out = tmp_path / "train.out"
-    job = qsub_block(nodes, env, "-l", f"nodes=2:ppn=1,walltime=00:{JOB_MINUTES:02d}:00",
+    job = qsub_block(nodes, env, "-l", f"nodes=2:ppn=2,walltime=00:{JOB_MINUTES:02d}:00",
                      "-j", "oe", "-o", str(out), "jobs/pbs/train.pbs")
     wait_gone(env, job)
     assert job_records(nodes, job, 1) == {None: ("COMPLETED", "0:0")}, _read(out)
     log = _read(out)
-    assert "2 ranks on node1 node2" in log, log          # from $PBS_NODEFILE
+    assert "4 ranks on node1 node2" in log, log          # from $PBS_NODEFILE
     main = _main_toml()
     check_result(tmp_path / f"train-{job}.h5", log, strategy=main["strategy"], seed=main["seed"],
-                 speeds=[1, 0.5], world_size=2)
-    check_placement(tmp_path / f"train-{job}.h5", per_node=1)
+                 speeds=[1, 0.5, 1, 0.5], world_size=4)
+    check_placement(tmp_path / f"train-{job}.h5", per_node=2)
 
 
 def test_info_lists_both_nodes_and_names_the_node_of_a_missing_device(nodes):
