@@ -37,7 +37,9 @@ Where each idea of the papers lives:
   results.py        the HDF5 result file (RunWriter, Recorder)
   checkpoint.py     checkpoints (weights_only), stop requests (SIGTERM/SIGUSR1)
   evaluation.py     test loss and accuracy over all ranks
-  parameter_server.py  asgd, n-softsync, dbs-sgd on an MPI parameter server
+  parameter_server/    asgd, n-softsync, dbs-sgd on an MPI parameter server: protocol.py,
+                       update.py (the update rule), records.py, snapshot.py, server.py,
+                       worker.py, trainer.py
   data.py, models.py   datasets and models (no MPI);  plugins.py  the user's model, data, loss
   train.py          `dbs-mpi train`;  cli.py  the `dbs-mpi` command;  bench.py, bench_tracking.py  benchmarks
   experiments.py    the experiment grid;  analysis.py  result files -> pandas tables

@@ -39,7 +39,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 SYNC_STRATEGIES = ("ssgd", "static", "dbs")
-ASYNC_STRATEGIES = ("asgd", "nsoftsync", "dbs-sgd")   # parameter_server.py
+ASYNC_STRATEGIES = ("asgd", "nsoftsync", "dbs-sgd")   # parameter_server/
 STRATEGIES = SYNC_STRATEGIES + ASYNC_STRATEGIES
 AGGREGATIONS = ("weighted", "mean")
 DATASETS = ("fashion-mnist", "mnist", "cifar10", "synthetic")

@@ -3,7 +3,7 @@
 `train(comm, cfg)` is library code (any communicator; the CLI passes COMM_WORLD). It
 builds the run from the configuration (built-in or plug-in dataset, model and loss,
 plugins.py), then trains with the synchronous loop below or, for asgd, nsoftsync and
-dbs-sgd, the parameter server (parameter_server.py).
+dbs-sgd, the parameter server (parameter_server/).
 
 The synchronous loop is a user of the public API, the same as examples/train_api.py:
 a Balancer owns the batch vector, a HeteroSampler serves this rank's shard of every

@@ -67,6 +67,7 @@ def package_imports(inside_functions_only: bool = False) -> dict[str, set[str]]:
                 candidates = [a.name.split(".", 1)[1] for a in node.names if a.name.startswith("dbs_mpi.")]
             else:
                 continue
+            candidates = [c if c in names else f"{c}.__init__" for c in candidates]   # a package: its __init__
             found |= {c for c in candidates if c in names and c not in (name, "__init__", "__main__")}
         graph[name] = found
     return graph
@@ -89,6 +90,8 @@ def cycle_through(graph, start):
 def test_no_module_imports_itself_back():
     graph = package_imports()
     assert graph["optimizer"] >= {"exchange", "comm"} and "train" in graph["cli"], "the import graph is misread"
+    assert "parameter_server.__init__" in graph["train"] and "comm" in graph["parameter_server.server"], \
+        "imports of and within a subpackage are misread"
     cycles = [" -> ".join(c) for c in (cycle_through(graph, m) for m in sorted(graph)) if c]
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
