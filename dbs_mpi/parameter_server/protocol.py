@@ -90,7 +90,7 @@ class Assignment:
 class ServerChannels:
     """The server's end of the protocol with every worker w (rank w + 1): a buffer its
     gradient arrives in, with the receive posted for it, and a buffer for the reply, with
-    that reply's send."""
+    that reply's send; the work each worker holds (outstanding) and since when."""
 
     def __init__(self, comm, workers: int, numel: int, timeout: float):
         self.comm, self.timeout = comm, timeout
@@ -98,13 +98,26 @@ class ServerChannels:
         self.replies = [Message(numel) for _ in range(workers)]
         self.recvs = [MPI.REQUEST_NULL] * workers
         self.sends = [MPI.REQUEST_NULL] * workers
+        self.outstanding: list[Assignment | None] = [None] * workers
+        self.sent_at = [0.0] * workers               # when each worker's outstanding work was sent
+
+    def check_late(self, now: float) -> None:
+        """A worker that holds work longer than the timeout is stuck or dead, even while the
+        others keep the server busy: fail (CommTimeout) naming it."""
+        late = [w + 1 for w, a in enumerate(self.outstanding) if a is not None and now - self.sent_at[w] > self.timeout]
+        if late:
+            raise mpi.CommTimeout(f"parameter server: worker(s) {late} sent no gradient for more than "
+                                  f"{self.timeout:g} s after being given work: stuck or dead (raise comm_timeout "
+                                  f"if a step can take that long)")
 
     def send_stop(self, w: int, held: float) -> None:
         msg = self._reply(w, held)
         msg.header[W_COMMAND] = CMD_STOP
         self.sends[w] = self.comm.Isend(msg.head, w + 1, TAG_WORK)
 
-    def send_work(self, w: int, held: float, version: int, epoch: int, start: int, count: int, weights) -> None:
+    def send_work(self, w: int, held: float, work: Assignment, weights, now: float) -> None:
+        self.outstanding[w], self.sent_at[w] = work, now
+        version, epoch, start, count = work.version, work.epoch, work.start, work.count
         msg = self._reply(w, held)
         msg.header[W_COMMAND] = CMD_WORK
         msg.header[W_VERSION], msg.header[W_EPOCH] = version, epoch
@@ -115,15 +128,17 @@ class ServerChannels:
         self.recvs[w] = self.comm.Irecv(self.grads[w].whole, w + 1, TAG_GRAD)
         self.sends[w] = self.comm.Isend(msg.whole, w + 1, TAG_WORK)
 
-    def gradient(self, w: int, given: Assignment | None) -> tuple[int, int, float, float, int]:
-        """Worker w's gradient message, checked against the work it was `given`:
-        (version, count, loss, compute seconds, stop signal); its body holds the gradient."""
+    def gradient(self, w: int) -> tuple[Assignment, int, int, float, float, int]:
+        """Worker w's gradient message, checked against the work it was given (no longer
+        outstanding): (that work, version, count, loss, compute seconds, stop signal); its
+        body holds the gradient."""
+        given, self.outstanding[w] = self.outstanding[w], None
         h = self.grads[w].header
         timestamp, count = int(h[G_VERSION]), int(h[G_COUNT])
         if given is None or timestamp != given.version or count != given.count:
             raise RuntimeError(f"parameter server: worker {w + 1} sent (version {timestamp}, {count} samples) "
                                f"but was given {given}")
-        return timestamp, count, float(h[G_LOSS]), float(h[G_COMPUTE]), int(h[G_SIGNAL])
+        return given, timestamp, count, float(h[G_LOSS]), float(h[G_COMPUTE]), int(h[G_SIGNAL])
 
     def _reply(self, w: int, held: float) -> Message:
         mpi.wait(self.sends[w], self.timeout, "parameter server: previous reply")   # reply buffer free again

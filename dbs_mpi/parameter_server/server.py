@@ -12,7 +12,6 @@ import time
 import torch
 
 from .. import comm as mpi, sharding
-from ..comm import CommTimeout
 from .protocol import END_CHECKPOINT, END_DONE, END_STOP, Assignment, ServerChannels, bind_parameters
 from .records import C_COMM, C_COMPUTE, C_WAIT, ServerRecords
 from .snapshot import load_server_state, server_state
@@ -36,8 +35,6 @@ class Server:
         self.plan = WorkPlan(cfg, num_samples, self.workers, vector, controller, log)
         self.records = ServerRecords(cfg.epochs, self.workers)
         self.channels = ServerChannels(pcomm, self.workers, self.numel, self.timeout)
-        self.outstanding: list[Assignment | None] = [None] * self.workers
-        self.sent_at = [0.0] * self.workers         # when each worker's outstanding work was sent
         self.arrived = [0.0] * self.workers          # when each worker's last gradient was taken in
         self.stopped = [False] * self.workers
         self.deferred: list[int] = []                # wait mode: workers whose gradient is in the open group
@@ -72,7 +69,7 @@ class Server:
         self.records.charge(C_COMM, time.perf_counter() - t)
         # Invariants of the protocol: nothing in flight, nothing half-applied.
         assert self.channels.none_posted(), "a receive is still posted"
-        assert not self.rule.group and not self.deferred and not any(self.outstanding), "work left over"
+        assert not self.rule.group and not self.deferred and not any(self.channels.outstanding), "work left over"
         end = END_DONE if self._out_of_work() else END_STOP if self.signal else END_CHECKPOINT
         if end == END_DONE:
             self._close_epochs(final=True)
@@ -82,12 +79,12 @@ class Server:
     def _serve(self) -> None:
         """Take in gradients until every worker has had STOP. Bounded: every pass either
         takes in at least one gradient (at most max_messages in all) or sleeps; a worker
-        that holds its work longer than comm_timeout raises CommTimeout (_check_workers)."""
+        that holds its work longer than comm_timeout raises CommTimeout (check_late)."""
         pause = mpi.POLL_SLEEP_MIN
         mpi.SUPERVISOR.waiting = "the parameter server's loop"
         while not all(self.stopped):
             t = time.perf_counter()
-            self._check_workers(t)
+            self.channels.check_late(t)
             if not self.signal and self.stop is not None and self.stop.requested:
                 self._stop_requested(self.stop.requested, "the server")
             done = self.channels.arrived()
@@ -105,16 +102,6 @@ class Server:
             pause = mpi.POLL_SLEEP_MIN
         mpi.SUPERVISOR.waiting = None
 
-    def _check_workers(self, now: float) -> None:
-        """A worker that holds work longer than comm_timeout is stuck or dead, even while the
-        others keep the server busy: fail (CommTimeout) naming it."""
-        late = [w + 1 for w in range(self.workers) if self.outstanding[w] is not None
-                and now - self.sent_at[w] > self.timeout]
-        if late:
-            raise CommTimeout(f"parameter server: worker(s) {late} sent no gradient for more than {self.timeout:g} s "
-                              f"after being given work: stuck or dead (raise comm_timeout if a step can take "
-                              f"that long)")
-
     def _stop_requested(self, signum: int, where: str) -> None:
         """From now on every worker gets STOP at its next push (drain), then all checkpoint."""
         self.signal = int(signum)
@@ -126,9 +113,7 @@ class Server:
         self.messages += 1
         if self.messages > self.max_messages:
             raise RuntimeError(f"parameter server: more than {self.max_messages} gradients for this budget")
-        a = self.outstanding[w]
-        timestamp, count, loss, seconds, signal = self.channels.gradient(w, a)
-        self.outstanding[w] = None
+        a, timestamp, count, loss, seconds, signal = self.channels.gradient(w)
         self.arrived[w] = t
         if signal and not self.signal:
             self._stop_requested(signal, f"worker {w + 1}")
@@ -144,7 +129,7 @@ class Server:
             self.deferred.append(w)
             if full:
                 self._reply_deferred()
-        if self.rule.group and not any(self.outstanding):
+        if self.rule.group and not any(self.channels.outstanding):
             # Nobody is computing, so the group cannot fill any more (no work is left):
             # apply what there is, and answer the workers that wait for it.
             self.apply()
@@ -182,9 +167,7 @@ class Server:
             epoch, start, count, opened = self.plan.take(w)
             if opened:
                 self.records.vectors[epoch] = self.plan.vector
-            self.outstanding[w] = Assignment(epoch, start, count, self.rule.version)
-            self.sent_at[w] = t
-            self.channels.send_work(w, held, self.rule.version, epoch, start, count, self.weights)
+            self.channels.send_work(w, held, Assignment(epoch, start, count, self.rule.version), self.weights, t)
         self.records.charge(C_COMM, time.perf_counter() - t)
 
     # --- checkpoints (snapshot.py) -------------------------------------------------
