@@ -150,71 +150,88 @@ def _fail(name: str, why: str):
 def _coerce(name: str, value):
     """Turn a TOML or command-line value into the field's type, or fail naming the field."""
     kind = _HINTS[name]
-    default = FIELDS[name].default
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            return value.lower() in ("1", "true", "yes", "on")
-        _fail(name, f"expected true or false, got {value!r}")
-    if kind is int:
-        if isinstance(value, bool):
-            _fail(name, f"expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                pass
-        _fail(name, f"expected an integer, got {value!r}")
-    if kind is float:
-        if isinstance(value, bool):
-            _fail(name, f"expected a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            out = float(value)
-        else:
-            try:
-                out = float(str(value).strip())
-            except ValueError:
-                _fail(name, f"expected a number, got {value!r}")
-        if not math.isfinite(out):
-            _fail(name, f"expected a finite number, got {value!r}")
-        return out
-    if kind is str:
-        if not isinstance(value, str):
-            _fail(name, f"expected a string, got {value!r}")
+    if kind not in _COERCE:  # pragma: no cover
+        raise AssertionError(f"no coercion for {name}")
+    return _COERCE[kind](name, value)
+
+
+def _to_bool(name: str, value) -> bool:
+    if isinstance(value, bool):
         return value
-    if kind is tuple:
-        elem = type(default[0]) if default else STRING_LISTS.get(name, float)
-        if elem is str:
-            return _string_list(name, value)
-        if isinstance(value, str):
-            value = [v for v in value.replace(" ", "").split(",") if v != ""] if value.strip() else []
-            if name == "synthetic_shape" and len(value) == 1 and "x" in value[0]:
-                value = value[0].split("x")
-        if not isinstance(value, (list, tuple)):
-            _fail(name, f"expected a comma-separated list, got {value!r}")
-        out = []
-        for v in value:
-            try:
-                if elem is int:
-                    if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
-                        raise ValueError
-                    out.append(int(v))
-                else:
-                    if isinstance(v, bool):
-                        raise ValueError
-                    x = float(v)
-                    if not math.isfinite(x):
-                        raise ValueError
-                    out.append(x)
-            except (TypeError, ValueError):
-                _fail(name, f"expected a list of {'integers' if elem is int else 'numbers'}, got {value!r}")
-        return tuple(out)
-    raise AssertionError(f"no coercion for {name}")  # pragma: no cover
+    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value.lower() in ("1", "true", "yes", "on")
+    _fail(name, f"expected true or false, got {value!r}")
+
+
+def _to_int(name: str, value) -> int:
+    if isinstance(value, bool):
+        _fail(name, f"expected an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    _fail(name, f"expected an integer, got {value!r}")
+
+
+def _to_float(name: str, value) -> float:
+    if isinstance(value, bool):
+        _fail(name, f"expected a number, got {value!r}")
+    if isinstance(value, (int, float)):
+        out = float(value)
+    else:
+        try:
+            out = float(str(value).strip())
+        except ValueError:
+            _fail(name, f"expected a number, got {value!r}")
+    if not math.isfinite(out):
+        _fail(name, f"expected a finite number, got {value!r}")
+    return out
+
+
+def _to_str(name: str, value) -> str:
+    if not isinstance(value, str):
+        _fail(name, f"expected a string, got {value!r}")
+    return value
+
+
+def _to_tuple(name: str, value) -> tuple:
+    """A list field: strings (STRING_LISTS), or integers or finite numbers, the type of
+    the default's elements; a string is split at commas (synthetic_shape also at x)."""
+    default = FIELDS[name].default
+    elem = type(default[0]) if default else STRING_LISTS.get(name, float)
+    if elem is str:
+        return _string_list(name, value)
+    if isinstance(value, str):
+        value = [v for v in value.replace(" ", "").split(",") if v != ""] if value.strip() else []
+        if name == "synthetic_shape" and len(value) == 1 and "x" in value[0]:
+            value = value[0].split("x")
+    if not isinstance(value, (list, tuple)):
+        _fail(name, f"expected a comma-separated list, got {value!r}")
+    try:
+        return tuple(_list_element(v, elem) for v in value)
+    except (TypeError, ValueError):
+        _fail(name, f"expected a list of {'integers' if elem is int else 'numbers'}, got {value!r}")
+
+
+def _list_element(v, elem):
+    if isinstance(v, bool):
+        raise ValueError
+    if elem is int:
+        if isinstance(v, float) and not v.is_integer():
+            raise ValueError
+        return int(v)
+    x = float(v)
+    if not math.isfinite(x):
+        raise ValueError
+    return x
+
+
+_COERCE = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str, tuple: _to_tuple}
 
 
 STRING_LISTS = {"devices": str}     # tuple fields of strings (the others hold numbers)
@@ -229,26 +246,30 @@ def _string_list(name: str, value) -> tuple:
 
 
 def validate(c: Config) -> None:
-    """Checks that do not depend on the number of ranks or on files."""
-    def choice(name, options):
-        if getattr(c, name) not in options:
-            _fail(name, f"must be one of {', '.join(options)}; got {getattr(c, name)!r}")
+    """Checks that do not depend on the number of ranks or on files, in this order: the
+    types (a frozen dataclass built by hand gets no coercion), the choices, the ranges,
+    the emulation's settings."""
+    _check_types(c)
+    _check_choices(c)
+    _check_ranges(c)
+    _check_emulation(c)
 
-    def positive(name):
-        if getattr(c, name) <= 0:
-            _fail(name, f"must be positive; got {getattr(c, name)!r}")
 
-    def non_negative(name):
-        if getattr(c, name) < 0:
-            _fail(name, f"must be zero or positive; got {getattr(c, name)!r}")
-
-    for name in FIELDS:  # types first: a frozen dataclass built by hand gets no coercion
+def _check_types(c: Config) -> None:
+    for name in FIELDS:
         value = getattr(c, name)
         kind = _HINTS[name]
         ok = (isinstance(value, kind) and not (kind is int and isinstance(value, bool))) or (
             kind is float and isinstance(value, int) and not isinstance(value, bool))
         if not ok:
             _fail(name, f"expected {kind.__name__}, got {value!r}")
+
+
+def _check_choices(c: Config) -> None:
+    def choice(name, options):
+        if getattr(c, name) not in options:
+            _fail(name, f"must be one of {', '.join(options)}; got {getattr(c, name)!r}")
+
     choice("strategy", STRATEGIES)
     choice("aggregation", AGGREGATIONS)
     if ":" not in c.dataset:
@@ -272,6 +293,17 @@ def validate(c: Config) -> None:
         for spec in specs:
             if not DEVICE_SPEC.match(spec):
                 _fail(name, f"{spec!r} is not a device; use auto, cpu, cuda or cuda:N")
+
+
+def _check_ranges(c: Config) -> None:
+    def positive(name):
+        if getattr(c, name) <= 0:
+            _fail(name, f"must be positive; got {getattr(c, name)!r}")
+
+    def non_negative(name):
+        if getattr(c, name) < 0:
+            _fail(name, f"must be zero or positive; got {getattr(c, name)!r}")
+
     for name in ("epochs", "global_batch", "softsync_n", "synthetic_samples", "synthetic_classes", "benchmark_steps",
                  "comm_timeout", "slow_factor"):
         positive(name)
@@ -289,6 +321,15 @@ def validate(c: Config) -> None:
         _fail("dbs_smoothing", f"must be in (0, 1]; got {c.dbs_smoothing}")
     if c.dbs_follow < 0:
         _fail("dbs_follow", f"must be zero or positive; got {c.dbs_follow}")
+    if len(c.synthetic_shape) != 3 or min(c.synthetic_shape) < 1:
+        _fail("synthetic_shape", f"must be three positive integers C,H,W; got {c.synthetic_shape}")
+    parse_interval(c.dbs_interval)
+    if c.dbs_window < 5:
+        _fail("dbs_window", f"must be at least 5 steps; got {c.dbs_window}")
+
+
+def _check_emulation(c: Config) -> None:
+    """Emulated speeds and disturbances (heterogeneity.py)."""
     if c.sleep_prob > 1:
         _fail("sleep_prob", f"must be in [0, 1]; got {c.sleep_prob}")
     for s in c.speeds:
@@ -299,11 +340,6 @@ def validate(c: Config) -> None:
     if c.speeds and min(c.speeds) < 1e-3 * max(c.speeds):
         # the emulator sleeps (1/s - 1) x the compute time: beyond 1000x a run would never end
         _fail("speeds", f"the slowest rank must be at least 1/1000 as fast as the fastest; got {list(c.speeds)}")
-    if len(c.synthetic_shape) != 3 or min(c.synthetic_shape) < 1:
-        _fail("synthetic_shape", f"must be three positive integers C,H,W; got {c.synthetic_shape}")
-    parse_interval(c.dbs_interval)
-    if c.dbs_window < 5:
-        _fail("dbs_window", f"must be at least 5 steps; got {c.dbs_window}")
     for name in ("slow_epochs", "slow_steps", "slow_seconds", "sleep_seconds", "sleep_epochs", "contention_steps"):
         pair = getattr(c, name)
         if len(pair) != 2 or pair[0] < 0 or pair[1] < pair[0]:
