@@ -214,64 +214,74 @@ def _exchange(comm, args) -> dict:
         model = _bench_model(name)
         sleep = GradientExchange(comm, model.parameters(), sleep_while_waiting=True)
         spin = GradientExchange(comm, model.parameters())    # last: the .grad tensors view its buffer
-        raw = np.ones(spin.numel + 1, dtype=np.float32)
-        grads_only = raw[:-1]
-        loss = raw[-1:]
-
-        params = list(model.parameters())
-
-        def step_start(ex, seeded=True, last=None):
-            """What a training step does before the exchange (untimed, the same for every
-            variant: it changes the caches): zero_grad with the weight, a backward (seeded
-            with the weight as strategy.backward does, or plain), non-zero gradients. The
-            buffer that the timed call sends is written last (warm in cache for everybody)."""
-            ex.zero_grad(weight)
-            dummy = sum((p * 0).sum() for p in params)
-            ex.backward(dummy) if seeded else dummy.backward()
-            if last is raw:
-                ex.flat.fill_(1.0)
-                raw.fill(1.0)
-            else:
-                raw.fill(1.0)
-                ex.flat.fill_(1.0)
-
-        variants = {
-            "framework": (lambda: step_start(spin), lambda: spin.allreduce(weight, 0.5)),
-            "raw": (lambda: step_start(spin, last=raw), lambda: comm.Allreduce(MPI.IN_PLACE, raw, op=MPI.SUM)),
-            "raw, loss apart": (lambda: step_start(spin, last=raw),
-                                lambda: (comm.Allreduce(MPI.IN_PLACE, grads_only, op=MPI.SUM),
-                                         comm.Allreduce(MPI.IN_PLACE, loss, op=MPI.SUM))),
-            "framework, scaling": (lambda: step_start(spin, False), lambda: spin.allreduce(weight, 0.5)),
-            "framework, sleep": (lambda: step_start(sleep), lambda: sleep.allreduce(weight, 0.5)),
-        }
-        times = {v: [] for v in variants}          # per repeat: median seconds
-        for rep in range(repeats):
-            samples = {v: [] for v in variants}
-            names = list(variants)
-            for i in range(iters):
-                for v in (names if (i + rep) % 2 == 0 else names[::-1]):
-                    prepare, run = variants[v]
-                    prepare()
-                    samples[v].append(_timed(run, comm.Barrier))
-            for v in variants:
-                times[v].append(_med(samples[v]))
+        times = _alternating(_exchange_variants(comm, model, spin, sleep, weight), repeats, iters, comm.Barrier)
         ratios = [f / r for f, r in zip(times["framework"], times["raw"])]
-        out["models"][name] = {"bytes": 4 * (spin.numel + 1), "times": times, "ratio": ratios,
-                               "ratio_loss_apart": [a / r for a, r in zip(times["raw, loss apart"], times["raw"])],
-                               "ratio_sleep": [s / r for s, r in zip(times["framework, sleep"], times["raw"])],
-                               "ratio_scaling": [s / r for s, r in zip(times["framework, scaling"], times["raw"])]}
-        checks.append(check(f"{name} exchange / raw Allreduce ({4 * (spin.numel + 1) // 1000} kB)",
-                            _med(ratios), 1.10, "<="))
-        checks.append(check(f"{name} loss in own Allreduce / in the buffer", _med(out["models"][name]
-                                                                                  ["ratio_loss_apart"]), None))
-        checks.append(check(f"{name} plain backward + scaling pass / raw",
-                            _med(out["models"][name]["ratio_scaling"]), None))
-        checks.append(check(f"{name} sleeping exchange / raw Allreduce", _med(out["models"][name]["ratio_sleep"]),
-                            None))
+        record = out["models"][name] = {
+            "bytes": 4 * (spin.numel + 1), "times": times, "ratio": ratios,
+            "ratio_loss_apart": [a / r for a, r in zip(times["raw, loss apart"], times["raw"])],
+            "ratio_sleep": [s / r for s, r in zip(times["framework, sleep"], times["raw"])],
+            "ratio_scaling": [s / r for s, r in zip(times["framework, scaling"], times["raw"])]}
+        checks += [check(f"{name} exchange / raw Allreduce ({record['bytes'] // 1000} kB)", _med(ratios), 1.10, "<="),
+                   check(f"{name} loss in own Allreduce / in the buffer", _med(record["ratio_loss_apart"]), None),
+                   check(f"{name} plain backward + scaling pass / raw", _med(record["ratio_scaling"]), None),
+                   check(f"{name} sleeping exchange / raw Allreduce", _med(record["ratio_sleep"]), None)]
         spin.close()
         sleep.close()
     out["checks"] = checks
     return out
+
+
+def _exchange_variants(comm, model, spin, sleep, weight) -> dict:
+    """{variant: (prepare, run)}: the framework's exchange (spinning, without the seeded
+    backward's scaling, sleeping) and a raw Allreduce of the same bytes (loss in the
+    buffer, or apart)."""
+    raw = np.ones(spin.numel + 1, dtype=np.float32)
+    grads_only = raw[:-1]
+    loss = raw[-1:]
+    params = list(model.parameters())
+
+    def step_start(ex, seeded=True, last=None):
+        """What a training step does before the exchange (untimed, the same for every
+        variant: it changes the caches): zero_grad with the weight, a backward (seeded
+        with the weight as strategy.backward does, or plain), non-zero gradients. The
+        buffer that the timed call sends is written last (warm in cache for everybody)."""
+        ex.zero_grad(weight)
+        dummy = sum((p * 0).sum() for p in params)
+        ex.backward(dummy) if seeded else dummy.backward()
+        if last is raw:
+            ex.flat.fill_(1.0)
+            raw.fill(1.0)
+        else:
+            raw.fill(1.0)
+            ex.flat.fill_(1.0)
+
+    return {
+        "framework": (lambda: step_start(spin), lambda: spin.allreduce(weight, 0.5)),
+        "raw": (lambda: step_start(spin, last=raw), lambda: comm.Allreduce(MPI.IN_PLACE, raw, op=MPI.SUM)),
+        "raw, loss apart": (lambda: step_start(spin, last=raw),
+                            lambda: (comm.Allreduce(MPI.IN_PLACE, grads_only, op=MPI.SUM),
+                                     comm.Allreduce(MPI.IN_PLACE, loss, op=MPI.SUM))),
+        "framework, scaling": (lambda: step_start(spin, False), lambda: spin.allreduce(weight, 0.5)),
+        "framework, sleep": (lambda: step_start(sleep), lambda: sleep.allreduce(weight, 0.5)),
+    }
+
+
+def _alternating(variants: dict, repeats: int, iters: int, barrier) -> dict:
+    """{variant: per repeat, the median seconds of its run()}: every iteration runs each
+    variant's prepare() untimed, then its run() timed after a barrier, the variants in
+    alternating order so that drift favours none."""
+    times = {v: [] for v in variants}
+    names = list(variants)
+    for rep in range(repeats):
+        samples = {v: [] for v in variants}
+        for i in range(iters):
+            for v in (names if (i + rep) % 2 == 0 else names[::-1]):
+                prepare, run = variants[v]
+                prepare()
+                samples[v].append(_timed(run, barrier))
+        for v in variants:
+            times[v].append(_med(samples[v]))
+    return times
 
 
 def format_exchange(report: dict) -> str:
@@ -581,7 +591,6 @@ def _overlap(comm, args) -> dict:
     step) with one bucket, with small buckets reduced during backward, and with the
     same small buckets all reduced after backward."""
     import torch
-    import torch.nn.functional as F
 
     torch.set_num_threads(args.threads)
     repeats = args.repeats or 5
@@ -596,7 +605,6 @@ def _overlap(comm, args) -> dict:
            "bucket_kb": args.bucket_kb, "first_bucket_kb": args.first_bucket_kb,
            "oversubscribed": _oversubscribed(comm), "models": {}}
     checks = []
-    weight = 1.0 / comm.Get_size()
     for name in [m for m in args.overlap_models.split(",") if m]:
         torch.manual_seed(0)
         model = _bench_model(name)
@@ -614,20 +622,8 @@ def _overlap(comm, args) -> dict:
                     break
                 names = list(variants)
                 for v in (names if (chunk + rep) % 2 == 0 else names[::-1]):
-                    (cap, first), overlap = variants[v]
-                    ex = GradientExchange(comm, model.parameters(), bucket_bytes=cap, first_bucket_bytes=first,
-                                              overlap=overlap)
-                    buckets[v] = ex.num_buckets
-                    for i in range(warmup + CHUNK):
-                        start = time.perf_counter()
-                        ex.zero_grad(weight)
-                        loss = F.cross_entropy(model(x), y)
-                        ex.backward(loss)
-                        ex.allreduce(weight, loss.item() * weight)
-                        optimizer.step()
-                        if i >= warmup:
-                            per_step[v].append(time.perf_counter() - start)
-                    ex.close()
+                    seconds, buckets[v] = _lean_steps(comm, model, optimizer, x, y, *variants[v], warmup)
+                    per_step[v] += seconds
             for v in variants:
                 times[v].append(_med(per_step[v]))
         ratio = [a / o for a, o in zip(times["one bucket"], times["buckets, overlap"])]
@@ -643,6 +639,27 @@ def _overlap(comm, args) -> dict:
         checks.append(check(f"{name} step: small buckets after backward / overlapped", _med(ratio_after), None))
     out["checks"] = checks
     return out
+
+
+def _lean_steps(comm, model, optimizer, x, y, caps, overlap: bool, warmup: int) -> tuple[list[float], int]:
+    """CHUNK timed steps (after `warmup` untimed ones) of the lean loop with an exchange of
+    these bucket caps (bytes: buckets, first bucket), reducing during backward or after;
+    returns their seconds and the exchange's number of buckets."""
+    import torch.nn.functional as F
+    weight = 1.0 / comm.Get_size()
+    ex = GradientExchange(comm, model.parameters(), bucket_bytes=caps[0], first_bucket_bytes=caps[1], overlap=overlap)
+    buckets, seconds = ex.num_buckets, []
+    for i in range(warmup + CHUNK):
+        start = time.perf_counter()
+        ex.zero_grad(weight)
+        loss = F.cross_entropy(model(x), y)
+        ex.backward(loss)
+        ex.allreduce(weight, loss.item() * weight)
+        optimizer.step()
+        if i >= warmup:
+            seconds.append(time.perf_counter() - start)
+    ex.close()
+    return seconds, buckets
 
 
 def format_overlap(report: dict) -> str:
