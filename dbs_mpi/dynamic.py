@@ -104,6 +104,49 @@ def _median(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 # --- the within-epoch rule ------------------------------------------------------------
 
+def robust_fit(b, t, ratio, valid, recent: int) -> dict:
+    """The steady rule, per rank (columns) over the window's steps (rows): twice, a line
+    (or, where the local batches do not spread, a level) through the steps kept so far
+    and the outliers out by their distance from it; then the line through the rest, and
+    the rest's mean ratio (`scale`, where at least `recent` steps are left) and spread."""
+    log_ratio = np.log(np.where(valid, ratio, np.nan))
+    spread = np.where(valid, b, -np.inf).max(axis=0) >= SPREAD * np.where(valid, b, np.inf).min(axis=0)
+    inlier = valid
+    for _ in range(2):
+        residual = log_ratio
+        if spread.any():
+            line = least_squares_line(b, t, inlier, recent)
+            residual = np.where(line["ok"], np.log(t / (line["overhead"] + line["per_sample"] * b)), log_ratio)
+        deviation = np.abs(residual - _median(residual, inlier))
+        mad = np.nan_to_num(_median(deviation, inlier))
+        inlier = valid & (deviation <= np.maximum(OUTLIER * MAD_SIGMA * mad, math.log1p(NOISE_FLOOR)))
+    count = inlier.sum(axis=0)
+    mean_log = np.where(inlier, log_ratio, 0.0).sum(axis=0) / np.maximum(count, 1)
+    kept = np.where(inlier, residual, 0.0)
+    sigma = np.sqrt(np.maximum((kept ** 2).sum(0) - kept.sum(0) ** 2 / np.maximum(count, 1), 0.0)
+                    / np.maximum(count - 1, 1))
+    line = least_squares_line(b, t, inlier, recent) if spread.any() else \
+        {"ok": np.zeros(len(count), bool), "per_sample": np.ones(len(count)), "overhead": np.zeros(len(count))}
+    return {"scale": np.where(count >= recent, np.exp(mean_log), 1.0), "sigma": sigma, **line}
+
+
+def least_squares_line(b, t, mask, recent: int) -> dict:
+    """Least-squares t = a + c b per rank over the masked steps (0 <= a <= FIXED_MAX
+    min t); ok where there are enough steps (recent + 3) and their local batches spread."""
+    count = mask.sum(axis=0)
+    bi, ti = np.where(mask, b, 0.0), np.where(mask, t, 0.0)
+    low, high = np.where(mask, b, np.inf).min(axis=0), np.where(mask, b, -np.inf).max(axis=0)
+    shortest = np.where(mask, t, np.inf).min(axis=0)
+    sb, st, sbb, sbt = bi.sum(0), ti.sum(0), (bi * bi).sum(0), (bi * ti).sum(0)
+    denominator = count * sbb - sb * sb
+    slope = (count * sbt - sb * st) / denominator
+    overhead = np.clip((st - slope * sb) / np.maximum(count, 1), 0.0, FIXED_MAX * shortest)
+    per_sample = (sbt - overhead * sb) / sbb           # the best slope for the clipped fixed cost
+    ok = (count >= recent + 3) & (high >= SPREAD * low) & (denominator > 0) & np.isfinite(per_sample) \
+        & (per_sample > 0) & np.isfinite(overhead)
+    return {"ok": ok, "per_sample": np.where(ok, per_sample, 1.0), "overhead": np.where(ok, overhead, 0.0)}
+
+
 class StepTimeEstimator:
     """Every rank's affine step-time model, kept up to date from the steps actually run
     (the rule is in the module docstring). observe() once per step and moved() (cheap:
@@ -205,7 +248,7 @@ class StepTimeEstimator:
         from_end = np.cumsum(valid[::-1], axis=0)[::-1]           # valid steps from this one to the newest
         recent = valid & (from_end <= self.recent)
         level = _median(ratio, recent)
-        fitted = self._fit(b, t, ratio, valid)
+        fitted = robust_fit(b, t, ratio, valid, self.recent)
         self.count = valid.sum(axis=0)
         # the steps' spread, smoothed over re-estimates (a window's own is itself noisy); a
         # rank with few steps in its window (after a change) keeps its last
@@ -240,46 +283,6 @@ class StepTimeEstimator:
     def uncertainty(self) -> np.ndarray:
         """Per rank, the standard error of the model's level (log) from the window's noise."""
         return self.sigma / np.sqrt(np.maximum(self.count, 1))
-
-    def _fit(self, b, t, ratio, valid) -> dict:
-        """The steady rule: twice, a line (or, where the local batches do not spread, a
-        level) through the steps kept so far and the outliers out by their distance from
-        it; then the line through the rest, and the rest's mean ratio."""
-        log_ratio = np.log(np.where(valid, ratio, np.nan))
-        spread = np.where(valid, b, -np.inf).max(axis=0) >= SPREAD * np.where(valid, b, np.inf).min(axis=0)
-        inlier = valid
-        for _ in range(2):
-            residual = log_ratio
-            if spread.any():
-                line = self._line(b, t, inlier)
-                residual = np.where(line["ok"], np.log(t / (line["overhead"] + line["per_sample"] * b)), log_ratio)
-            deviation = np.abs(residual - _median(residual, inlier))
-            mad = np.nan_to_num(_median(deviation, inlier))
-            inlier = valid & (deviation <= np.maximum(OUTLIER * MAD_SIGMA * mad, math.log1p(NOISE_FLOOR)))
-        count = inlier.sum(axis=0)
-        mean_log = np.where(inlier, log_ratio, 0.0).sum(axis=0) / np.maximum(count, 1)
-        kept = np.where(inlier, residual, 0.0)
-        sigma = np.sqrt(np.maximum((kept ** 2).sum(0) - kept.sum(0) ** 2 / np.maximum(count, 1), 0.0)
-                        / np.maximum(count - 1, 1))
-        line = self._line(b, t, inlier) if spread.any() else \
-            {"ok": np.zeros(len(count), bool), "per_sample": np.ones(len(count)), "overhead": np.zeros(len(count))}
-        return {"scale": np.where(count >= self.recent, np.exp(mean_log), 1.0), "sigma": sigma, **line}
-
-    def _line(self, b, t, mask) -> dict:
-        """Least-squares t = a + c b per rank over the masked steps (0 <= a <= FIXED_MAX
-        min t); ok where there are enough steps and their local batches spread."""
-        count = mask.sum(axis=0)
-        bi, ti = np.where(mask, b, 0.0), np.where(mask, t, 0.0)
-        low, high = np.where(mask, b, np.inf).min(axis=0), np.where(mask, b, -np.inf).max(axis=0)
-        shortest = np.where(mask, t, np.inf).min(axis=0)
-        sb, st, sbb, sbt = bi.sum(0), ti.sum(0), (bi * bi).sum(0), (bi * ti).sum(0)
-        denominator = count * sbb - sb * sb
-        slope = (count * sbt - sb * st) / denominator
-        overhead = np.clip((st - slope * sb) / np.maximum(count, 1), 0.0, FIXED_MAX * shortest)
-        per_sample = (sbt - overhead * sb) / sbb           # the best slope for the clipped fixed cost
-        ok = (count >= self.recent + 3) & (high >= SPREAD * low) & (denominator > 0) & np.isfinite(per_sample) \
-            & (per_sample > 0) & np.isfinite(overhead)
-        return {"ok": ok, "per_sample": np.where(ok, per_sample, 1.0), "overhead": np.where(ok, overhead, 0.0)}
 
     def state_dict(self) -> dict:
         self._flush()
