@@ -110,6 +110,77 @@ class _NoHook:
         return None
 
 
+class StepChecks:
+    """Never silently wrong: the samples the model saw in training since the last step
+    (counted by its forward hook) against this rank's local batch, and a warning, once,
+    where plain BatchNorm layers see uneven local batches."""
+
+    def __init__(self, model, check_batch: bool):
+        self.check_batch = check_batch
+        self.plain_batchnorm = sync_batchnorm.unsynchronised(model)
+        self.warned_batchnorm = False
+        self.forward_seen = False          # the hook fires for this model (counts can be checked)
+        self.reset()
+
+    def reset(self) -> None:
+        self.samples = 0                   # samples the model saw in training mode (None: unknown)
+        self.forwards = 0
+
+    def forward(self, args, kwargs) -> None:
+        self.forward_seen = True
+        self.forwards += 1
+        n = batch_length(args, kwargs)
+        self.samples = None if n is None or self.samples is None else self.samples + n
+
+    def samples_match(self, rank: int, local: int, row, balancer) -> None:
+        """Fail loudly if the model did not see this rank's local batch since the last step."""
+        if not self.check_batch or not self.forward_seen or self.samples is None:
+            return
+        seen, expected = self.samples, (local or 1)      # an empty share gets one placeholder sample
+        if seen == expected or (local == 0 and seen == 0):
+            return
+        raise RuntimeError(
+            f"rank {rank}, step {balancer.step + 1} of epoch {balancer.open_epoch + 1}: the model saw {seen} "
+            f"training sample(s) since the last step, but this rank's local batch is {local} (step's local batches "
+            f"{np.asarray(row).tolist()}), so the gradient would be weighted wrongly. Feed the model the batches "
+            f"of dbs_mpi.HeteroSampler (DataLoader(dataset, batch_sampler=sampler)), one optimizer.step() per "
+            f"batch; pass check_batch=False if the model's first input is not batch-first")
+
+    def batchnorm(self, row) -> None:
+        """Warn once (every rank) if plain BatchNorm layers see uneven local batches."""
+        if self.warned_batchnorm or not self.plain_batchnorm or np.min(row) == np.max(row):
+            return
+        self.warned_batchnorm = True
+        names = self.plain_batchnorm
+        warnings.warn(f"the model's BatchNorm layers ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) "
+                      f"normalise over each rank's own local batch and the local batches are uneven "
+                      f"({np.asarray(row).tolist()}), so training depends on the vector: convert them with "
+                      f"dbs_mpi.convert_sync_batchnorm(model, comm) (dbs-mpi train --sync-bn)", UserWarning,
+                      stacklevel=4)
+
+
+class _WrappedOptimizer(torch.optim.Optimizer):
+    """What torch.optim code reads of an optimizer, taken from the wrapped one (self.optimizer)."""
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+
 def _attach_batchnorm(model, comm, exchange_transport, timeout: float) -> sync_batchnorm.StepShare:
     """One StepShare for the model's SyncBatchNorm layers, which must span comm's ranks;
     they move to the exchange's torch.distributed group when it has one (nccl, gloo)."""
@@ -151,7 +222,7 @@ def make_optimizer(name: str, params, cfg) -> torch.optim.Optimizer:
     raise ValueError(f"optimizer: must be sgd, adam or adamw; got {name!r}")
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(_WrappedOptimizer):
     """Wraps `optimizer` (any torch.optim.Optimizer over `model`'s parameters) so that
     step() applies the sample-weighted gradient of all ranks of `balancer.comm`.
 
@@ -177,7 +248,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation: must be one of {', '.join(AGGREGATIONS)}; got {aggregation!r}")
         self.optimizer, self.model, self.balancer = optimizer, model, balancer
-        self.comm, self.aggregation, self.check_batch = balancer.comm, aggregation, check_batch
+        self.comm, self.aggregation = balancer.comm, aggregation
         self.timeout = balancer.timeout if timeout is None else float(timeout)
         params = [p for p in model.parameters() if p.requires_grad]
         mine = {id(p) for p in params}
@@ -198,32 +269,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.sleep_while_waiting = self.exchange.sleep_while_waiting
         self._share = _attach_batchnorm(model, self.comm, self.exchange.transport, self.timeout)
         self._channels = list({id(layer.channel): layer.channel for layer in sync_batchnorm.layers(model)}.values())
-        self._plain_batchnorm = sync_batchnorm.unsynchronised(model)
-        self._warned_batchnorm = False
+        self.checks = StepChecks(model, check_batch)
         floating = [b for b in model.buffers() if b.is_floating_point()]
         self._buffers = floating if broadcast_buffers and self.comm.Get_size() > 1 else []
         self._hook = model.register_forward_pre_hook(_ForwardHook(self), with_kwargs=True)
-        self._forward_seen = False          # the hook fires for this model (counts can be checked)
         self._new_step(time.perf_counter())
-
-    # --- what torch.optim code reads ------------------------------------------------
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def defaults(self):
-        return self.optimizer.defaults
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict) -> None:
         raise RuntimeError("DistributedOptimizer: the gradient buckets are fixed at construction; add parameter "
@@ -237,8 +287,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._last_end = now               # end of the last step: data time runs from here
         self._compute_start = None         # the model's first training forward of this step
         self._compute_cpu = None           # the process's CPU time then
-        self._samples = 0                  # samples the model saw in training mode (None: unknown)
-        self._forwards = 0
+        self.checks.reset()
         self._synced = False
         self._row = None                   # the step's local batches, once known
         self._loss = float("nan")
@@ -256,10 +305,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 weight = step_weight(self._row, self.comm.Get_rank(), self.aggregation)
                 self.exchange.arm(weight)
                 self._share.local, self._share.weight = int(self._row[self.comm.Get_rank()]), weight
-        self._forward_seen = True
-        self._forwards += 1
-        n = batch_length(args, kwargs)
-        self._samples = None if n is None or self._samples is None else self._samples + n
+        self.checks.forward(args, kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients (set_to_none is ignored: the .grad tensors stay views of the
@@ -283,8 +329,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             row = self.balancer.step_batch_sizes()
             if self._row is not None and not np.array_equal(row, self._row):
                 raise RuntimeError("the balancer's step changed during this step")
-            self._check_samples(int(row[rank]), row)
-            self._check_batchnorm(row)
+            self.checks.samples_match(rank, int(row[rank]), row, self.balancer)
+            self.checks.batchnorm(row)
         except Exception:
             self._new_step(self._last_end)      # a refused step leaves nothing behind for the next one
             raise
@@ -329,34 +375,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._new_step(end)
         return global_loss
 
-    def _check_samples(self, local: int, row) -> None:
-        """Fail loudly if the model did not see this rank's local batch since the last step."""
-        if not self.check_batch or not self._forward_seen or self._samples is None:
-            return
-        seen, expected = self._samples, (local or 1)      # an empty share gets one placeholder sample
-        if seen == expected or (local == 0 and seen == 0):
-            return
-        b = self.balancer
-        raise RuntimeError(
-            f"rank {self.comm.Get_rank()}, step {b.step + 1} of epoch {b.open_epoch + 1}: the model saw {seen} "
-            f"training sample(s) since the last step, but this rank's local batch is {local} (step's local batches "
-            f"{np.asarray(row).tolist()}), so the gradient would be weighted wrongly. Feed the model the batches "
-            f"of dbs_mpi.HeteroSampler (DataLoader(dataset, batch_sampler=sampler)), one optimizer.step() per "
-            f"batch; pass check_batch=False if the model's first input is not batch-first")
-
     def _sync_seconds(self) -> float:
         return sum(channel.seconds for channel in self._channels)
-
-    def _check_batchnorm(self, row) -> None:
-        """Warn once (every rank) if plain BatchNorm layers see uneven local batches."""
-        if self._warned_batchnorm or not self._plain_batchnorm or np.min(row) == np.max(row):
-            return
-        self._warned_batchnorm = True
-        warnings.warn(f"the model's BatchNorm layers ({', '.join(self._plain_batchnorm[:3])}"
-                      f"{', ...' if len(self._plain_batchnorm) > 3 else ''}) normalise over each rank's own local batch "
-                      f"and the local batches are uneven ({np.asarray(row).tolist()}), so training depends on the "
-                      f"vector: convert them with dbs_mpi.convert_sync_batchnorm(model, comm) (dbs-mpi train "
-                      f"--sync-bn)", UserWarning, stacklevel=4)
 
     def resync(self, root: int = 0) -> float:
         """Collective: every rank's parameters, buffers and optimizer state become root's;
