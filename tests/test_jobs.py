@@ -10,6 +10,7 @@ root (it installs Debian's Slurm packages if they are missing and runs munged as
 munge user); elsewhere the cluster tests are skipped.
 Every wait is bounded: each submission by a subprocess timeout, each job by a time limit.
 """
+import contextlib
 import json
 import os
 import re
@@ -93,14 +94,15 @@ class Cluster:
         return env
 
 
-@pytest.fixture(scope="module")
-def cluster(request):
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
-    directory = tempfile.mkdtemp(prefix="dbs-mpi-slurm-test-", dir="/tmp")
+@contextlib.contextmanager
+def running_cluster(request, cls=None, prefix="dbs-mpi-slurm-test-", first_port=6827, **settings):
+    """A test cluster of its own (a fresh /tmp/<prefix>* and free ports; `settings`: more
+    DBS_MPI_SLURM_* variables), started, checked up, and stopped at the end; its directory
+    is removed unless a test failed. Yields a `cls` (default Cluster)."""
+    directory = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
     os.chmod(directory, 0o755)          # munged (user munge) reaches its socket inside
-    env = {**os.environ, "DBS_MPI_SLURM_DIR": directory, "DBS_MPI_SLURM_PORT": str(_free_port_pair())}
+    env = {**os.environ, "DBS_MPI_SLURM_DIR": directory, "DBS_MPI_SLURM_PORT": str(_free_port_pair(first_port)),
+           **settings}
     failed_before = request.session.testsfailed
     try:
         t0 = time.monotonic()
@@ -111,7 +113,7 @@ def cluster(request):
         status = subprocess.run(["bash", str(SCRIPT), "status"], env=env, capture_output=True,
                                 text=True, timeout=60)
         assert status.returncode == 0 and "idle" in status.stdout, status.stdout + status.stderr
-        yield Cluster(env, directory)
+        yield (cls or Cluster)(env, directory)
     finally:
         stop = subprocess.run(["bash", str(SCRIPT), "stop"], env=env, capture_output=True,
                               text=True, timeout=120)
@@ -120,6 +122,15 @@ def cluster(request):
             shutil.rmtree(directory, ignore_errors=True)
         else:
             print(f"test cluster's configuration and logs kept in {directory}")
+
+
+@pytest.fixture(scope="module")
+def cluster(request):
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with running_cluster(request) as c:
+        yield c
 
 
 # --- talking to Slurm -----------------------------------------------------------------

@@ -20,15 +20,14 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 import pytest
 import torch
 
-from test_jobs import (JOB_MINUTES, ROOT, SCRIPT, TINY, Cluster, _free_port_pair, _main_toml, _read, _run,
-                       _skip_reason, check_result, job_records, qsub_block, sbatch_wait, wait_gone)
+from test_jobs import (JOB_MINUTES, ROOT, SCRIPT, TINY, Cluster, _main_toml, _read, _run, _skip_reason, check_result,
+                       job_records, qsub_block, running_cluster, sbatch_wait, wait_gone)
 
 h5py = pytest.importorskip("h5py")
 
@@ -94,27 +93,13 @@ def nodes(request):
     reason = _namespaces_reason()
     if reason:
         pytest.skip(reason)
-    directory = tempfile.mkdtemp(prefix="dbs-mpi-slurm-nodes-", dir="/tmp")
-    os.chmod(directory, 0o755)          # munged (user munge) reaches its socket inside
-    env = {**os.environ, "DBS_MPI_SLURM_DIR": directory, "DBS_MPI_SLURM_NODES": "2",
-           "DBS_MPI_SLURM_PORT": str(_free_port_pair(first=6927))}
-    cluster = Nodes(env, directory)
-    failed_before = request.session.testsfailed
-    try:
-        start = cluster.script("start", timeout=1000)
-        print(f"two-node test cluster: {start.stderr.strip().splitlines()[-1]}")
+    with running_cluster(request, Nodes, "dbs-mpi-slurm-nodes-", 6927, DBS_MPI_SLURM_NODES="2") as cluster:
         status = cluster.script("status", timeout=60)
         assert "slurmd node1: running" in status.stdout and "slurmd node2: running" in status.stdout
         yield cluster
-    finally:
-        stop = subprocess.run(["bash", str(SCRIPT), "stop"], env=env, capture_output=True, text=True, timeout=120)
-        assert stop.returncode == 0, stop.stdout + stop.stderr
-        assert not [n for n in os.listdir("/run/netns") if n.startswith(f"dbs{env['DBS_MPI_SLURM_PORT']}-")] \
-            if os.path.isdir("/run/netns") else True, "stop left a node's namespace behind"
-        if request.session.testsfailed == failed_before:
-            shutil.rmtree(directory, ignore_errors=True)
-        else:
-            print(f"test cluster's configuration and logs kept in {directory}")
+    port = cluster.env["DBS_MPI_SLURM_PORT"]
+    left = [n for n in os.listdir("/run/netns") if n.startswith(f"dbs{port}-")] if os.path.isdir("/run/netns") else []
+    assert not left, f"stop left a node's namespace behind: {left}"
 
 
 def _placement(path):

@@ -159,5 +159,5 @@ class ServerChannels:
 
     def finish(self) -> None:
         """Wait until every reply has left (bounded)."""
-        for w, send in enumerate(self.sends):
+        for send in self.sends:
             mpi.wait(send, self.timeout, "parameter server: last reply")
