@@ -8,9 +8,11 @@ with an in-place allreduce: the sample-weighted gradient sum_i (b_i/B) g_i and t
 global mean loss (docs/method.md, "Sample-weighted gradients"). With several buckets, a
 bucket's reduction starts from autograd hooks as soon as backward has filled it.
 
-It decides *when* a bucket is reduced and with which weight; a transport (transport.py)
-moves the bytes (MPI from host memory, CUDA-aware MPI, or torch.distributed). Its waits
-are comm's bounded ones, with comm's two wait policies (see comm.py).
+It decides *when* a bucket is reduced and with which weight (the buffer and its .grad
+views are `GradientBuffer`'s, the order in which a step's buckets start during backward
+`BucketSchedule`'s); a transport (transport.py) moves the bytes (MPI from host memory,
+CUDA-aware MPI, or torch.distributed). Its waits are comm's bounded ones, with comm's
+two wait policies (see comm.py).
 """
 from __future__ import annotations
 
@@ -49,37 +51,177 @@ def bucket_layout(numels, bucket_bytes: int = BUCKET_BYTES, first_bucket_bytes: 
     return buckets
 
 
-class GradientExchange:
+class GradientBuffer:
+    """One flat float32 buffer that every gradient lives in, cut into buckets, and the
+    .grad views into it. It knows nothing of ranks (GradientExchange sums it over them).
+
+    Bucket after bucket in launch order (`layout`, from bucket_layout; inside a bucket,
+    parameters keep their registration order), then `tail` slots of the final bucket (the
+    step's loss and the extra ones). Each parameter's .grad is a view of its place, so
+    autograd accumulates straight into the buffer (no copies) and the optimizer reads the
+    reduced values. A .grad that something replaced (optimizer.zero_grad() or
+    model.zero_grad() with set_to_none=True, the default, then a backward that made a
+    fresh tensor) is taken over by `adopt`: its values are copied into the buffer and the
+    view is put back; a .grad set to None counts as zero."""
+
+    def __init__(self, params: list, layout: list[list[int]], tail: int, device: torch.device):
+        self.params, self.layout, self.device = params, layout, device
+        self.numel = sum(p.numel() for p in params)
+        self.flat = torch.zeros(self.numel + tail, dtype=torch.float32, device=device)
+        self.bounds = []                 # (start, stop) of every bucket in flat; the final one ends with the tail
+        self.bucket_of = [0] * len(params)
+        self.grad_ptr = [0] * len(params)        # the data of every .grad view: another one is a replaced .grad
+        self.grad_views = [None] * len(params)
+        offset = 0
+        for b, indices in enumerate(layout):
+            start = offset
+            for index in sorted(indices):
+                p = params[index]
+                n = p.numel()
+                p.grad = self.flat[offset:offset + n].view_as(p)
+                self.bucket_of[index] = b
+                self.grad_ptr[index] = p.grad.data_ptr()
+                self.grad_views[index] = p.grad
+                offset += n
+            self.bounds.append((start, offset))
+        self.bounds[-1] = (self.bounds[-1][0], self.numel + tail)
+        # What the weighting pass scales: numpy views on the CPU (a few microseconds less per
+        # step than torch's mul_ on LeNet-5's buffer), tensor slices on a GPU.
+        whole = self.flat.numpy() if device.type == "cpu" else self.flat
+        self.bucket_views = [whole[start:stop] for start, stop in self.bounds]
+        self.final_grads = whole[self.bounds[-1][0]:self.numel]
+
+    def bucket_numels(self) -> list[int]:
+        """Gradient elements of every bucket, in launch order (the loss and extra slots not counted)."""
+        return [stop - start for start, stop in self.bounds[:-1]] + [self.numel - self.bounds[-1][0]]
+
+    def gradient(self) -> torch.Tensor:
+        """A copy of all gradients, flattened in registration order (like torch.cat of the .grad)."""
+        return torch.cat([p.grad.reshape(-1) for p in self.params]) if self.params else torch.zeros(0)
+
+    def adopt(self, index: int) -> None:
+        """Put parameter `index`'s .grad back into the buffer (zero if it is None)."""
+        p, view = self.params[index], self.grad_views[index]
+        if p.grad is None:
+            view.zero_()
+        else:
+            view.copy_(p.grad.detach().reshape(view.shape))
+        p.grad = view
+
+    def adopt_grads(self) -> None:
+        """Take over every .grad that no longer views the buffer (see the class docstring)."""
+        for index, (p, ptr) in enumerate(zip(self.params, self.grad_ptr)):
+            if p.grad is None or p.grad.data_ptr() != ptr:
+                self.adopt(index)
+
+    def views_intact(self) -> bool:
+        """True if every .grad views the buffer (nothing replaced them since the last step)."""
+        return all(p.grad is not None and p.grad.data_ptr() == ptr for p, ptr in zip(self.params, self.grad_ptr))
+
+
+class BucketSchedule:
+    """Which of a step's buckets have started, with which weight, and their requests in
+    flight: the state of a step between zero_grad/arm and GradientExchange.allreduce.
+
+    Buckets start strictly in bucket order, whatever order backward fills them in, so
+    every rank calls the same collectives in the same order; the final bucket never
+    starts here (it carries the loss: allreduce starts it). With overlap, a
+    post-accumulate-grad hook on every parameter counts down its bucket; when all of a
+    bucket's gradients are there and the step has a weight, the bucket is weighted (unless
+    backward(loss) seeded the weight: `prescaled`) and its non-blocking sum-allreduce
+    (Iallreduce) starts, while backward goes on. MPICH moves a non-blocking collective on
+    only inside MPI calls: every hook Tests the oldest request in flight, so
+    communication progresses between the layers' backward kernels."""
+
+    def __init__(self, buffer: GradientBuffer, transport, overlap: bool):
+        self.buckets = buffer.bucket_views       # what the weighting pass scales
+        self.transport = transport
+        self.gated = transport.deferred          # its requests may begin late (their data on a GPU)
+        self.sizes = [len(indices) for indices in buffer.layout]
+        self.last = len(buffer.layout) - 1       # the final bucket
+        self.hooks = [p.register_post_accumulate_grad_hook(self._hook_for(buffer, index))
+                      for index, p in enumerate(buffer.params)] if overlap else []
+        self.reset()
+
+    def reset(self) -> None:
+        """A new step: no bucket started, no weight yet."""
+        self.weight = None                       # set by zero_grad(weight) or arm: hooks may start buckets
+        self.prescaled = False                   # backward(loss) seeded the gradients with the weight
+        self.left = list(self.sizes)             # gradients still to come, per bucket
+        self.next = 0                            # next bucket to start
+        self.requests = []                       # in flight: buckets 0 .. self.next - 1
+        self.oldest = 0                          # first request not known to be complete
+
+    def _hook_for(self, buffer: GradientBuffer, index: int):
+        bucket = buffer.bucket_of[index]
+        ptr = buffer.grad_ptr[index]
+
+        def hook(p):
+            if p.grad is None or p.grad.data_ptr() != ptr:
+                buffer.adopt(index)
+            self.left[bucket] -= 1
+            if bucket < self.next:
+                raise RuntimeError("a gradient changed after its bucket's allreduce had started: with overlap, "
+                                   "run one backward per step between zero_grad() and allreduce()")
+            if self.left[bucket] == 0 and self.weight is not None:
+                self.start_ready()
+            elif self.oldest < len(self.requests):
+                self.progress()
+        return hook
+
+    def start(self, bucket: int, weight: float) -> None:
+        """Weight `bucket` (unless backward did) and start its sum; it is the next one in order."""
+        if weight != 1.0 and not self.prescaled:
+            _scale(self.buckets[bucket], weight)
+        self.transport.stage(bucket)
+        self.requests.append(self.transport.start(bucket))
+        self.next = bucket + 1
+
+    def start_ready(self) -> None:
+        """Start every bucket before the final one that backward has filled, in order."""
+        while self.next < self.last and self.left[self.next] <= 0:
+            self.start(self.next, self.weight)
+        self.progress()
+
+    def progress(self) -> None:
+        """Let MPICH move the buckets in flight on (it does only inside MPI calls); on a GPU,
+        begin the collectives of the buckets whose data has become ready, in bucket order."""
+        requests = self.requests
+        while self.oldest < len(requests) and requests[self.oldest].Test():
+            self.oldest += 1
+        if self.gated:
+            for r in requests[self.oldest:]:
+                if not r.begin(block=False):
+                    break
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+
+class GradientExchange(GradientBuffer):
     """Sample-weighted gradient allreduce over flat buckets that the .grad tensors view.
 
-    One float32 buffer holds every gradient, bucket after bucket in launch order (inside
-    a bucket, parameters keep their registration order), then one slot for the step's
-    loss and `extra` slots that any rank may fill (the balancer's telemetry: every rank's
-    step time reaches every rank in the same allreduce, no extra collective); each
-    parameter's .grad is a view of its place, so autograd accumulates straight into the
-    buffer (no copies) and the optimizer reads the reduced values.
+    The buffer (GradientBuffer) holds every gradient, bucket after bucket in launch order,
+    then one slot for the step's loss and `extra` slots that any rank may fill (the
+    balancer's telemetry: every rank's step time reaches every rank in the same
+    allreduce, no extra collective). A .grad that something replaced is taken over in the
+    parameter's hook or at the latest in `allreduce`, so every form of zero_grad gives the
+    right gradient.
 
     A step is `zero_grad(weight)` (or `arm(weight)` on already zeroed gradients),
-    `backward(loss)` (or loss.backward()), `allreduce(weight, loss_share)`.
-    A .grad that something replaced (optimizer.zero_grad() or model.zero_grad() with
-    set_to_none=True, the default, then a backward that made a fresh tensor) is taken
-    over: its values are copied into the buffer and the view is put back, in the
-    parameter's hook or at the latest in `allreduce`; a .grad set to None counts as
-    zero. So every form of zero_grad gives the right gradient. Weighting: `backward(loss)` seeds autograd with
-    the weight, so the gradients arrive already multiplied by b_i/B and nothing is
-    scaled afterwards; after a plain loss.backward() every bucket is scaled (one pass
-    over its bytes) just before its allreduce starts.
+    `backward(loss)` (or loss.backward()), `allreduce(weight, loss_share)`. Weighting:
+    `backward(loss)` seeds autograd with the weight, so the gradients arrive already
+    multiplied by b_i/B and nothing is scaled afterwards; after a plain loss.backward()
+    every bucket is scaled (one pass over its bytes) just before its allreduce starts.
 
-    * Overlap. With several buckets and several ranks, a post-accumulate-grad hook on
-      every parameter counts down its bucket; when all of a bucket's gradients are
-      there, the bucket is weighted (see above) and its non-blocking sum-allreduce
-      (Iallreduce) starts, while backward goes on.
-      Buckets start strictly in bucket order, whatever order the hooks fire in, and
-      every bucket is reduced by the same kind of call on every rank (non-final
-      buckets: Iallreduce; the final bucket: blocking Allreduce), so no rank can
-      mismatch another. MPICH moves a non-blocking collective on only inside MPI calls:
-      every hook Tests the oldest request in flight, so communication progresses
-      between the layers' backward kernels.
+    * Overlap (BucketSchedule). With several buckets and several ranks, a bucket's
+      non-blocking Iallreduce starts from autograd hooks as soon as backward has filled
+      it, strictly in bucket order; every bucket is reduced by the same kind of call on
+      every rank (non-final buckets: Iallreduce; the final bucket: blocking Allreduce),
+      so no rank can mismatch another.
     * The final bucket carries the loss slot, so it starts in `allreduce`, when the
       loss is known; everything not started yet (a rank with no samples runs no
       backward; a parameter unused in this step fires no hook; zero_grad() was called
@@ -98,190 +240,79 @@ class GradientExchange:
         self.comm = comm
         self.timeout = timeout
         self.world_size = comm.Get_size()
-        self.params = [p for p in params if p.requires_grad]
-        for p in self.params:
-            if p.dtype != torch.float32:
-                raise TypeError("GradientExchange supports float32 parameters only")
-        devices = {p.device for p in self.params}
-        if len(devices) > 1:
-            raise ValueError(f"GradientExchange: the parameters are on several devices ({sorted(map(str, devices))}); "
-                             f"move the model to one device (model.to(device)) before wrapping the optimizer")
-        self.device = devices.pop() if devices else torch.device("cpu")
-        self.numel = sum(p.numel() for p in self.params)
+        params = [p for p in params if p.requires_grad]
+        device = _one_float32_device(params)
         # Every rank must take the same waiting path (the Ibarrier is a collective).
         self.sleep_while_waiting = bool(any(allgather_object(comm, bool(sleep_while_waiting), timeout,
                                                              "agreeing on the wait policy"))) \
             if self.world_size > 1 else False
-        self.layout = bucket_layout([p.numel() for p in self.params], bucket_bytes, first_bucket_bytes)
+        layout = bucket_layout([p.numel() for p in params], bucket_bytes, first_bucket_bytes)
         self.extra_slots = int(extra)
-        self.flat = torch.zeros(self.numel + 1 + self.extra_slots, dtype=torch.float32, device=self.device)
-        self.bounds = []                 # (start, stop) of every bucket in flat; the final one ends with the tail
-        self._bucket_of = [0] * len(self.params)
-        self._grad_ptr = [0] * len(self.params)
-        self._grad_views = [None] * len(self.params)
-        offset = 0
-        for b, indices in enumerate(self.layout):
-            start = offset
-            for index in sorted(indices):
-                p = self.params[index]
-                n = p.numel()
-                p.grad = self.flat[offset:offset + n].view_as(p)
-                self._bucket_of[index] = b
-                self._grad_ptr[index] = p.grad.data_ptr()
-                self._grad_views[index] = p.grad
-                offset += n
-            self.bounds.append((start, offset))
-        self.bounds[-1] = (self.bounds[-1][0], self.numel + 1 + self.extra_slots)
-        # What the weighting pass scales: numpy views on the CPU (a few microseconds less per
-        # step than torch's mul_ on LeNet-5's buffer), tensor slices on a GPU.
-        whole = self.flat.numpy() if self.device.type == "cpu" else self.flat
-        self._buckets = [whole[start:stop] for start, stop in self.bounds]
-        self._final_grads = whole[self.bounds[-1][0]:self.numel]
+        super().__init__(params, layout, 1 + self.extra_slots, device)
         self.transport = transports.make(transport, comm, self.flat, self.bounds, timeout, stage,
                                          1 + self.extra_slots)
         self.extra = None                # the sum of the last step's extra slots (numpy), if there are any
-        self._gated = self.transport.deferred        # its requests may begin late (their data on a GPU)
-        self._sizes = [len(indices) for indices in self.layout]
         # On a GPU the hooks run on autograd's device thread: MPI calls from there need
         # MPI_THREAD_MULTIPLE (mpi4py's default); without it every bucket starts in allreduce().
         self.overlap = bool(overlap) and self.world_size > 1 and len(self.layout) > 1 and (
             not self.flat.is_cuda or MPI.Query_thread() == MPI.THREAD_MULTIPLE)
-        self._hooks = []
-        if self.overlap:
-            for index, p in enumerate(self.params):
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook_for(index)))
-        self._reset()
+        self._schedule = BucketSchedule(self, self.transport, self.overlap)
 
     @property
     def busy(self) -> bool:
         """True while buckets started during backward are being reduced."""
-        return bool(self._requests)
+        return bool(self._schedule.requests)
 
     @property
     def armed_weight(self) -> float | None:
         """The weight given to zero_grad/arm for the step under way (None: not armed)."""
-        return self._weight
+        return self._schedule.weight
 
     @property
     def num_buckets(self) -> int:
         return len(self.layout)
 
-    def bucket_numels(self) -> list[int]:
-        """Gradient elements of every bucket, in launch order (the loss and extra slots not counted)."""
-        return [stop - start for start, stop in self.bounds[:-1]] + [self.numel - self.bounds[-1][0]]
-
-    def gradient(self) -> torch.Tensor:
-        """A copy of all gradients, flattened in registration order (like torch.cat of the .grad)."""
-        return torch.cat([p.grad.reshape(-1) for p in self.params]) if self.params else torch.zeros(0)
-
     def close(self) -> None:
         """Remove the hooks (the .grad views stay)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self._schedule.close()
         self.overlap = False
 
     # --- a step ---------------------------------------------------------------
-    def _reset(self) -> None:
-        self._weight = None                       # set by zero_grad(weight): hooks may start buckets
-        self._prescaled = False                   # backward(loss) seeded the gradients with the weight
-        self._left = list(self._sizes)            # gradients still to come, per bucket
-        self._next = 0                            # next bucket to start
-        self._requests = []                       # in flight: buckets 0 .. self._next - 1
-        self._oldest = 0                          # first request not known to be complete
-
     def zero_grad(self, weight: float | None = None) -> None:
         """Zero all gradients and begin a step. With this rank's weight (b_i/B, 1/n for
         plain averaging), buckets start as soon as backward has filled them; without,
         everything starts in allreduce()."""
-        if self._requests:
+        schedule = self._schedule
+        if schedule.requests:
             raise RuntimeError("zero_grad() while gradient buckets are still being reduced: call allreduce() "
                                "(strategy.reduce) once after every backward")
-        self._reset()
+        schedule.reset()
         self.flat.zero_()
-        self._weight = None if weight is None else float(weight)
+        schedule.weight = None if weight is None else float(weight)
 
     def arm(self, weight: float) -> None:
         """Begin a step on gradients that are already zero (the buffer was zeroed after
         the last step): buckets may start during backward, weighted by `weight`."""
-        if self._requests:
+        schedule = self._schedule
+        if schedule.requests:
             raise RuntimeError("arm() while gradient buckets are still being reduced: call allreduce() once "
                                "after every backward")
-        self._weight = float(weight)
+        schedule.weight = float(weight)
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), seeded with this rank's weight (given to zero_grad): autograd
         then produces weight * gradient directly, so no bucket needs a scaling pass
         (the seed multiplies only the scalar at the root of the graph). Without a
         weight it is plain loss.backward() and allreduce() scales."""
-        if self._weight is None or self._weight == 1.0:
+        schedule = self._schedule
+        if schedule.weight is None or schedule.weight == 1.0:
             loss.backward()
             return
-        if self._left != self._sizes and not self._prescaled:
+        if schedule.left != schedule.sizes and not schedule.prescaled:
             raise RuntimeError("backward(loss) after a plain backward in the same step: the gradients would "
                                "be weighted unevenly")
-        self._prescaled = True
-        loss.backward(torch.full_like(loss, self._weight))
-
-    def _hook_for(self, index: int):
-        bucket = self._bucket_of[index]
-        ptr = self._grad_ptr[index]
-
-        def hook(p):
-            if p.grad is None or p.grad.data_ptr() != ptr:
-                self._adopt(index)
-            self._left[bucket] -= 1
-            if bucket < self._next:
-                raise RuntimeError("a gradient changed after its bucket's allreduce had started: with overlap, "
-                                   "run one backward per step between zero_grad() and allreduce()")
-            if self._left[bucket] == 0 and self._weight is not None:
-                self._start_ready()
-            elif self._oldest < len(self._requests):
-                self._progress()
-        return hook
-
-    def _adopt(self, index: int) -> None:
-        """Put parameter `index`'s .grad back into the buffer (zero if it is None)."""
-        p, view = self.params[index], self._grad_views[index]
-        if p.grad is None:
-            view.zero_()
-        else:
-            view.copy_(p.grad.detach().reshape(view.shape))
-        p.grad = view
-
-    def adopt_grads(self) -> None:
-        """Take over every .grad that no longer views the buffer (see the class docstring)."""
-        for index, (p, ptr) in enumerate(zip(self.params, self._grad_ptr)):
-            if p.grad is None or p.grad.data_ptr() != ptr:
-                self._adopt(index)
-
-    def _start(self, bucket: int, weight: float) -> None:
-        if weight != 1.0 and not self._prescaled:
-            _scale(self._buckets[bucket], weight)
-        self.transport.stage(bucket)
-        self._requests.append(self.transport.start(bucket))
-        self._next = bucket + 1
-
-    def _start_ready(self) -> None:
-        last = len(self.layout) - 1
-        while self._next < last and self._left[self._next] <= 0:
-            self._start(self._next, self._weight)
-        self._progress()
-
-    def _progress(self) -> None:
-        """Let MPICH move the buckets in flight on (it does only inside MPI calls); on a GPU,
-        begin the collectives of the buckets whose data has become ready, in bucket order."""
-        requests = self._requests
-        while self._oldest < len(requests) and requests[self._oldest].Test():
-            self._oldest += 1
-        if self._gated:
-            for r in requests[self._oldest:]:
-                if not r.begin(block=False):
-                    break
-
-    def views_intact(self) -> bool:
-        """True if every .grad views the buffer (nothing replaced them since the last step)."""
-        return all(p.grad is not None and p.grad.data_ptr() == ptr for p, ptr in zip(self.params, self._grad_ptr))
+        schedule.prescaled = True
+        loss.backward(torch.full_like(loss, schedule.weight))
 
     def allreduce(self, weight: float, loss_share: float, extra=None) -> float:
         """flat <- sum over ranks of weight_r * grad_r; returns sum_r loss_share_r.
@@ -292,16 +323,17 @@ class GradientExchange:
         construction), summed over ranks into self.extra. Waits for every bucket:
         afterwards the .grad tensors hold the reduced gradient."""
         weight = float(weight)
-        if self._weight is not None and weight != self._weight:
-            raise RuntimeError(f"allreduce(weight={weight:g}) but zero_grad was given weight {self._weight:g}: "
+        schedule = self._schedule
+        if schedule.weight is not None and weight != schedule.weight:
+            raise RuntimeError(f"allreduce(weight={weight:g}) but zero_grad was given weight {schedule.weight:g}: "
                                f"the buckets already started were scaled by that")
-        last = len(self.layout) - 1
+        last = schedule.last
         self.adopt_grads()
         try:
-            while self._next < last:       # not started yet (no backward, unused parameters, no weight given)
-                self._start(self._next, weight)
-            if weight != 1.0 and not self._prescaled:
-                _scale(self._final_grads, weight)
+            while schedule.next < last:    # not started yet (no backward, unused parameters, no weight given)
+                schedule.start(schedule.next, weight)
+            if weight != 1.0 and not schedule.prescaled:
+                _scale(self.final_grads, weight)
             transport = self.transport
             transport.stage(last)
             if self.extra_slots and (extra is None or len(extra) != self.extra_slots):
@@ -310,13 +342,13 @@ class GradientExchange:
             if self.world_size > 1:
                 # Every bucket's collective is under way before the barrier (on a GPU some
                 # wait for their data): all ranks call the collectives in the same order.
-                transport.begin_all(self._requests)
+                transport.begin_all(schedule.requests)
                 if self.sleep_while_waiting:
                     wait(self.comm.Ibarrier(), self.timeout, "the gradient allreduce (waiting for the other ranks)")
                 SUPERVISOR.arm(self.comm, self.timeout, "the gradient allreduce")
                 try:
-                    transport.reduce(last, self._requests)
-                    transport.wait(self._requests)
+                    transport.reduce(last, schedule.requests)
+                    transport.wait(schedule.requests)
                     transport.finish()
                     return self._sums(transport)
                 finally:
@@ -324,14 +356,25 @@ class GradientExchange:
             transport.finish()
             return self._sums(transport)
         finally:
-            self._requests = []
-            self._reset()
-
+            schedule.reset()
 
     def _sums(self, transport) -> float:
         if self.extra_slots:
             self.extra = transport.extra()
         return transport.loss()
+
+
+def _one_float32_device(params) -> torch.device:
+    """The one device of `params`, all float32: what one flat buffer can hold (checked
+    before any collective, so that a wrong model fails on its own rank, at once)."""
+    for p in params:
+        if p.dtype != torch.float32:
+            raise TypeError("GradientExchange supports float32 parameters only")
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"GradientExchange: the parameters are on several devices ({sorted(map(str, devices))}); "
+                         f"move the model to one device (model.to(device)) before wrapping the optimizer")
+    return devices.pop() if devices else torch.device("cpu")
 
 
 def _scale(view, weight: float) -> None:
