@@ -181,6 +181,56 @@ class _WrappedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
 
 
+class StepClock:
+    """A step's phase clocks (profiling.py): data from the end of the last step to the
+    model's first training forward, compute from there to the exchange, the collective
+    after it. What SyncBatchNorm's collectives spent inside forward and backward, waiting
+    for the slowest rank, is communication, not this rank's compute: it moves from
+    compute to the collective, so that neither dbs nor the emulation sees it. On a GPU
+    the compute ends when the device is done, not when its kernels were launched."""
+
+    def __init__(self, channels, device: torch.device):
+        self.channels = channels           # the model's SyncBatchNorm channels: their seconds in collectives
+        self.device, self.cuda = device, device.type == "cuda"
+        self.restart(time.perf_counter())
+
+    def restart(self, now: float) -> None:
+        self.last_end = now                # end of the last step: data time runs from here
+        self.compute_start = None          # the model's first training forward of this step
+        self.compute_cpu = None            # the process's CPU time then
+        self.sync_start = 0.0              # SyncBatchNorm seconds before this step's first forward
+
+    def forward(self) -> bool:
+        """At a training forward: True if it is the step's first (its compute starts now)."""
+        if self.compute_start is not None:
+            return False
+        self.compute_start, self.compute_cpu = time.perf_counter(), time.process_time()
+        self.sync_start = self.sync_seconds()
+        return True
+
+    def compute(self) -> tuple[float, float | None, float]:
+        """At the end of the step's compute: when it began, its CPU seconds (None: no
+        forward was seen), and the seconds SyncBatchNorm's collectives took of it."""
+        began = self.compute_start if self.compute_start is not None else self.last_end
+        cpu = time.process_time() - self.compute_cpu if self.compute_cpu is not None else None
+        in_sync = self.sync_seconds() - self.sync_start if self.compute_start is not None else 0.0
+        return began, cpu, in_sync
+
+    def phases(self, began: float, pre_end: float, in_sync: float) -> tuple[float, float, float]:
+        """(data, compute, collective) seconds of a step whose exchange, begun at pre_end, ended now."""
+        return began - self.last_end, pre_end - began - in_sync, time.perf_counter() - pre_end + in_sync
+
+    def now(self) -> float:
+        """perf_counter() once the device has run everything launched so far."""
+        if self.cuda:
+            devices.synchronize(self.device)
+        return time.perf_counter()
+
+    def sync_seconds(self) -> float:
+        """Seconds the model's SyncBatchNorm collectives have taken so far."""
+        return sum(channel.seconds for channel in self.channels)
+
+
 def _attach_batchnorm(model, comm, exchange_transport, timeout: float) -> sync_batchnorm.StepShare:
     """One StepShare for the model's SyncBatchNorm layers, which must span comm's ranks;
     they move to the exchange's torch.distributed group when it has one (nccl, gloo)."""
@@ -208,6 +258,19 @@ def check_same_parameters(comm, params, timeout: float) -> None:
         raise mpi.AgreedError(f"DistributedOptimizer: the parameters of rank(s) {differ} differ from rank 0's; call "
                               f"dbs_mpi.broadcast_parameters(model, comm) before wrapping the optimizer",
                               0, comm.Get_rank() == 0, comm.Get_size())
+
+
+def broadcast_state(comm, model, state: dict, params, root: int, timeout: float) -> float:
+    """Collective: the model's parameters and buffers, and the tensors of the optimizer
+    `state` of `params` (in their order, keys sorted), become root's; returns the largest
+    difference any rank had (every rank gets the same number)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for p in params:
+        for key in sorted(state.get(p, {})):
+            if isinstance(state[p][key], torch.Tensor):
+                tensors.append(state[p][key])
+    drift = mpi.broadcast_tensors(tensors, comm, root, timeout)
+    return float(mpi.allgather_array(comm, [drift], timeout).max())
 
 
 def make_optimizer(name: str, params, cfg) -> torch.optim.Optimizer:
@@ -256,7 +319,6 @@ class DistributedOptimizer(_WrappedOptimizer):
             raise ValueError("DistributedOptimizer: the optimizer holds a parameter that is not one of the model's "
                              "trainable parameters")
         self.device = params[0].device if params else torch.device("cpu")
-        self._cuda = self.device.type == "cuda"
         balancer.on_device(self.device)
         check_same_parameters(self.comm, params, self.timeout)
         places = mpi.placement(self.comm, self.timeout)
@@ -268,7 +330,8 @@ class DistributedOptimizer(_WrappedOptimizer):
                                          extra=balancer.telemetry_size)
         self.sleep_while_waiting = self.exchange.sleep_while_waiting
         self._share = _attach_batchnorm(model, self.comm, self.exchange.transport, self.timeout)
-        self._channels = list({id(layer.channel): layer.channel for layer in sync_batchnorm.layers(model)}.values())
+        channels = {id(layer.channel): layer.channel for layer in sync_batchnorm.layers(model)}
+        self._clock = StepClock(list(channels.values()), self.device)
         self.checks = StepChecks(model, check_batch)
         floating = [b for b in model.buffers() if b.is_floating_point()]
         self._buffers = floating if broadcast_buffers and self.comm.Get_size() > 1 else []
@@ -284,27 +347,21 @@ class DistributedOptimizer(_WrappedOptimizer):
 
     # --- a step ---------------------------------------------------------------------
     def _new_step(self, now: float) -> None:
-        self._last_end = now               # end of the last step: data time runs from here
-        self._compute_start = None         # the model's first training forward of this step
-        self._compute_cpu = None           # the process's CPU time then
+        self._clock.restart(now)
         self.checks.reset()
         self._synced = False
         self._row = None                   # the step's local batches, once known
         self._loss = float("nan")
         self._telemetry = None             # the sum of the ranks' balancer.telemetry() (dbs within the epoch)
-        self._sync_start = 0.0             # SyncBatchNorm seconds before this step's first forward
 
     def _on_forward(self, module, args, kwargs):
         if module is not self.model or not module.training or not torch.is_grad_enabled():
             return
-        if self._compute_start is None:
-            self._compute_start, self._compute_cpu = time.perf_counter(), time.process_time()
-            self._sync_start = self._sync_seconds()
-            if self.balancer.step_pending:
-                self._row = self.balancer.step_batch_sizes()
-                weight = step_weight(self._row, self.comm.Get_rank(), self.aggregation)
-                self.exchange.arm(weight)
-                self._share.local, self._share.weight = int(self._row[self.comm.Get_rank()]), weight
+        if self._clock.forward() and self.balancer.step_pending:
+            self._row = self.balancer.step_batch_sizes()
+            weight = step_weight(self._row, self.comm.Get_rank(), self.aggregation)
+            self.exchange.arm(weight)
+            self._share.local, self._share.weight = int(self._row[self.comm.Get_rank()]), weight
         self.checks.forward(args, kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -321,9 +378,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         Returns the global mean loss if `loss` is given (else NaN)."""
         if self._synced:
             raise RuntimeError("synchronize() twice in one step")
-        if self._cuda:
-            devices.synchronize(self.device)    # the step's compute ends when the device is done, not its launches
-        start = time.perf_counter()
+        start = self._clock.now()           # the step's compute ends when the device is done, not its launches
         rank = self.comm.Get_rank()
         try:
             row = self.balancer.step_batch_sizes()
@@ -332,13 +387,9 @@ class DistributedOptimizer(_WrappedOptimizer):
             self.checks.samples_match(rank, int(row[rank]), row, self.balancer)
             self.checks.batchnorm(row)
         except Exception:
-            self._new_step(self._last_end)      # a refused step leaves nothing behind for the next one
+            self._new_step(self._clock.last_end)    # a refused step leaves nothing behind for the next one
             raise
-        began = self._compute_start if self._compute_start is not None else self._last_end
-        cpu = time.process_time() - self._compute_cpu if self._compute_cpu is not None else None
-        # SyncBatchNorm's collectives wait for the slowest rank inside forward and backward:
-        # that is communication, not this rank's compute (dbs and the emulation must not see it)
-        in_sync = self._sync_seconds() - self._sync_start if self._compute_start is not None else 0.0
+        began, cpu, in_sync = self._clock.compute()     # less SyncBatchNorm's waits (see StepClock)
         self.balancer.stretch(start - began - in_sync, cpu)
         pre_end = time.perf_counter()
         local = int(row[rank])
@@ -347,7 +398,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         global_loss = self.exchange.allreduce(step_weight(row, rank, self.aggregation), share, telemetry)
         self._telemetry = None if telemetry is None else self.exchange.extra
         self._loss = global_loss if loss is not None else float("nan")
-        self._times = (began - self._last_end, pre_end - began - in_sync, time.perf_counter() - pre_end + in_sync)
+        self._times = self._clock.phases(began, pre_end, in_sync)
         self._synced = True
         return self._loss
 
@@ -365,18 +416,13 @@ class DistributedOptimizer(_WrappedOptimizer):
         self.optimizer.step()
         if self._buffers:
             mpi.broadcast_flat(self._buffers, self.comm, 0, self.timeout)
-        if self._cuda:
-            devices.synchronize(self.device)
-        end = time.perf_counter()
+        end = self._clock.now()
         self.exchange.flat.zero_()          # the gradients are applied: the next step starts from zero
         data, pre, collective = self._times
         self.balancer.record_step(data, pre, collective, end - start, self._loss, self._telemetry)
         global_loss = self._loss
         self._new_step(end)
         return global_loss
-
-    def _sync_seconds(self) -> float:
-        return sum(channel.seconds for channel in self._channels)
 
     def resync(self, root: int = 0) -> float:
         """Collective: every rank's parameters, buffers and optimizer state become root's;
@@ -389,14 +435,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         at the end of every epoch of such a job."""
         if self.exchange.busy:
             raise RuntimeError("resync() between backward() and step(): call it after step()")
-        state = self.optimizer.state
-        tensors = [*self.model.parameters(), *self.model.buffers()]
-        for p in self.exchange.params:
-            for key in sorted(state.get(p, {})):
-                if isinstance(state[p][key], torch.Tensor):
-                    tensors.append(state[p][key])
-        drift = mpi.broadcast_tensors(tensors, self.comm, root, self.timeout)
-        return float(mpi.allgather_array(self.comm, [drift], self.timeout).max())
+        return broadcast_state(self.comm, self.model, self.optimizer.state, self.exchange.params, root, self.timeout)
 
     def close(self) -> None:
         """Remove the hooks (the .grad tensors stay views of the exchange buffer)."""

@@ -126,7 +126,7 @@ def test_imports_inside_functions_are_only_where_a_reason_is_given():
 # code: docstrings count, blank lines and comments do not). Those still to be split along
 # their seams, each held to its length today: the list only shrinks.
 CLASS_LINES, FUNCTION_LINES = 150, 60
-TOO_LONG = {"balancer.Balancer": 301, "optimizer.DistributedOptimizer": 164}
+TOO_LONG = {"balancer.Balancer": 301}
 
 
 def long_definitions() -> dict[str, int]:
