@@ -30,6 +30,10 @@ and the epoch's bookkeeping, in this order on every rank:
 
 Emulated heterogeneity (heterogeneity.Emulator, `speeds=`) lives here too: the
 optimizer asks the balancer to stretch each step's compute before the collective.
+
+Balancer keeps the epochs (their tables, steps and times, EpochStats, the position a
+checkpoint saves); its base class BatchPolicy keeps the vector and what sets it: the
+calibration, dbs's controllers and the emulated speeds.
 The method, with its formulas: docs/method.md.
 """
 from __future__ import annotations
@@ -75,6 +79,16 @@ def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int
     return fit, times
 
 
+def _phases(times: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Every rank's step times (R, 6, S: profiling.StepTimes.as_array of each rank) as the
+    stats give them: data, compute, comm, wait and pre-collective compute (R, S each), the
+    collectives' time split into waiting for slower ranks and moving gradients, and the
+    steps' global loss (R, S, alike on every rank)."""
+    data_t, compute_t, collective_t, _, pre_t, loss = (times[:, i, :] for i in range(6))
+    wait_t, comm_t = split_wait(pre_t, collective_t)
+    return data_t, compute_t, comm_t, wait_t, pre_t, loss
+
+
 @dataclass
 class EpochStats:
     """What one epoch did, on every rank alike (gathered at end_epoch). R ranks, S steps."""
@@ -96,6 +110,17 @@ class EpochStats:
     next_batch_sizes: np.ndarray  # (R,) the vector of the next epoch (dbs may have re-planned)
     diagnostics: dict = field(default_factory=dict)   # dbs per epoch: speed_ratio (R,) measured / predicted
     changes: list = field(default_factory=list)       # dbs within the epoch: its vector changes (Change)
+
+    @classmethod
+    def of(cls, epoch: int, vector: np.ndarray, table: np.ndarray, duration: float, phases: tuple,
+           next_vector: np.ndarray, diagnostics: dict, changes: list) -> "EpochStats":
+        """The stats of an epoch from its table and every rank's phases of its steps (_phases)."""
+        data_t, compute_t, comm_t, wait_t, pre_t, loss = phases
+        return cls(epoch=epoch, batch_sizes=vector, table=table, duration=duration, data_time=data_t.sum(axis=1),
+                   compute_time=compute_t.sum(axis=1), comm_time=comm_t.sum(axis=1), wait_time=wait_t.sum(axis=1),
+                   speed=table.sum(axis=0) / np.maximum(pre_t.sum(axis=1), 1e-12), step_loss=loss[0],
+                   step_compute=compute_t.T, step_comm=comm_t.T, step_wait=wait_t.T, step_data=data_t.T,
+                   step_pre=pre_t.T, next_batch_sizes=next_vector, diagnostics=diagnostics, changes=changes)
 
     @property
     def steps(self) -> int:
@@ -167,7 +192,7 @@ class Change:
 
 @dataclass
 class _Epoch:
-    """The open epoch's bookkeeping on this rank."""
+    """The open epoch's bookkeeping on this rank: its table, its steps' times, its position."""
     epoch: int
     table: np.ndarray
     times: StepTimes
@@ -181,6 +206,54 @@ class _Epoch:
     changes: list = field(default_factory=list)   # Change records of this epoch
     measured_from: int = 0      # first step this world ran (an epoch resumed on another rank count)
 
+    @classmethod
+    def opened(cls, epoch: int, table: np.ndarray, num_samples: int, drop_last: bool, first_step: int,
+               restored: dict | None) -> "_Epoch":
+        """The epoch from its first step, or from `first_step` where a stop left it: `restored`
+        (load_state_dict's) holds this world's times of the steps before, or, saved by another
+        world, only the position (this world records the steps it runs itself)."""
+        times, elapsed, changes, measured_from = StepTimes(len(table)), 0.0, [], 0
+        if first_step != 0 and (restored is None or (restored["epoch"], restored["step"]) != (epoch, first_step)):
+            raise RuntimeError(f"begin_epoch at step {first_step} of epoch {epoch + 1}: the balancer's state saved "
+                               f"there must be loaded first (load_state_dict)")
+        if first_step != 0 and restored.get("other_world"):
+            measured_from = first_step      # another world ran the steps before: this one records its own
+        elif first_step != 0:
+            times.restore(restored["times"])
+            elapsed = float(restored["elapsed"])
+            if "table" in restored:                                          # with the epoch's vector changes
+                table = np.asarray(restored["table"], dtype=np.int64).copy()
+            changes = [Change.from_state(c) for c in restored.get("changes", [])]
+        now = time.perf_counter()
+        return cls(epoch, table, times, first_step, now, elapsed, now, num_samples, drop_last,
+                   changes=changes, measured_from=measured_from)
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds of the epoch up to its last step (a stopped epoch's earlier part included)."""
+        return self.elapsed_before + self.last_end - self.start
+
+    def switch(self, switch: dynamic.Switch, global_batch: int, run_steps: int) -> None:
+        """dbs changed the vector: the epoch's steps from the switch's first step on are
+        re-split by the new vector, and the change is recorded (Change)."""
+        if switch.first_step < len(self.table):
+            rows = sharding.step_batch_sizes(self.num_samples, global_batch, switch.vector, self.drop_last)
+            self.table[switch.first_step:] = rows[switch.first_step:]
+        self.changes.append(Change.of(switch, self.epoch, run_steps, self.step))
+
+    def gather(self, comm, timeout: float) -> tuple[np.ndarray, tuple]:
+        """Collective (one allgather): the table of the steps this world ran and every rank's
+        phases of them (_phases)."""
+        gathered = mpi.allgather_array(comm, self.times.as_array(), timeout)     # (R, 6, S)
+        return self.table[self.measured_from:], _phases(gathered[:, :, self.measured_from:])
+
+    def position(self) -> dict:
+        """The epoch in a checkpoint taken in its middle (state_dict's "open"): where it is,
+        its steps' times so far, and its table and changes (dbs may have changed them)."""
+        return {"epoch": self.epoch, "step": self.step, "elapsed": self.elapsed,
+                "times": self.times.snapshot(self.step), "table": self.table.copy(),
+                "changes": [c.state() for c in self.changes]}
+
 
 def steps_before_resume(states: list[dict], epoch_index: int) -> dict:
     """step/* rows of the epoch in progress at a mid-epoch checkpoint, from every rank's
@@ -192,29 +265,34 @@ def steps_before_resume(states: list[dict], epoch_index: int) -> dict:
     steps = opened[0]["step"]
     times = np.stack([np.vstack([np.asarray(o["times"]["table"]), np.asarray(o["times"]["pre"])[None],
                                  np.asarray(o["times"]["loss"])[None]]) for o in opened])      # (R, 6, steps)
-    data_t, compute_t, collective_t, _, pre_t, loss = (times[:, i, :] for i in range(6))
-    wait_t, comm_t = split_wait(pre_t, collective_t)
+    data_t, compute_t, comm_t, wait_t, pre_t, loss = _phases(times)
     return dict(loss=loss[0], epoch=np.full(steps, epoch_index, dtype=np.int64),
                 batch_sizes=np.asarray(opened[0]["table"], dtype=np.int64)[:steps], compute_time=compute_t.T,
                 comm_time=comm_t.T, wait_time=wait_t.T, data_time=data_t.T, pre_time=pre_t.T)
 
 
-class Balancer:
-    """Owns the batch vector of a policy (ssgd | static | dbs) and the epochs' timing.
+def _emulator(speeds, emulator: Emulator | None, rank: int, world_size: int) -> Emulator:
+    """This rank's emulated device: `emulator`, or else one of relative `speeds` (one per
+    rank, the fastest at full speed; none: every rank at full speed)."""
+    if speeds is not None and len(speeds) and len(speeds) != world_size:
+        raise UserError(f"speeds: has {len(speeds)} values but there are {world_size} ranks")
+    if emulator is None:
+        speed = speeds[rank] / max(speeds) if speeds is not None and len(speeds) else 1.0
+        emulator = Emulator(rank, speed)
+    return emulator
 
-    comm: the ranks that train together. global_batch: B, samples per step over all ranks.
-    min_local_batch / max_local_batch: bounds of every local batch of a full step (0: no
-    upper bound). dbs_model: "affine" (t = a + c b) or "proportional" (t = c b, the DBS
-    paper's rule) for the start-up fit and the per-epoch rule. interval: dbs re-plans
-    every `interval` steps (default 1), or "epoch" (the DBS paper's rule); window: steps
-    of history the within-epoch estimator keeps per rank. smoothing, follow, min_gain:
-    the controllers' damping (dynamic.py). speeds: emulated relative speeds, one per rank
-    (or an `emulator`, for disturbances too). timeout: seconds any collective may wait."""
 
-    def __init__(self, comm, global_batch: int, policy: str = "dbs", *, min_local_batch: int = 1,
-                 max_local_batch: int = 0, dbs_model: str = "affine", smoothing: float = 0.5, follow: float = 0.25,
-                 min_gain: float = 0.03, interval=dynamic.DEFAULT_INTERVAL, window: int = dynamic.WINDOW,
-                 speeds=None, emulator: Emulator | None = None, timeout: float = 600.0):
+class BatchPolicy:
+    """The batch vector of a policy on one rank and what sets it: the start-up calibration
+    (static and dbs allocate from its fit), dbs's re-planning (dynamic.DBSController once
+    per epoch, dynamic.Replanner within it) and the emulated speeds that every timing sees.
+    Balancer (its arguments are documented there) adds the epochs. A base class rather
+    than a member, so that every step reads the vector, the replanner and the emulator as
+    the balancer's own attributes, at no extra cost."""
+
+    def __init__(self, comm, global_batch: int, policy: str, min_local_batch: int, max_local_batch: int,
+                 dbs_model: str, damping: dict, interval, window: int, speeds, emulator: Emulator | None,
+                 timeout: float):
         if policy not in POLICIES:
             raise UserError(f"policy: must be one of {', '.join(POLICIES)}; got {policy!r}")
         if dbs_model not in ("affine", "proportional"):
@@ -224,39 +302,20 @@ class Balancer:
         self.policy, self.global_batch = policy, int(global_batch)
         self.min_local, self.max_local = int(min_local_batch), int(max_local_batch) or None
         self.affine, self.timeout = dbs_model == "affine", float(timeout)
-        self.damping = dict(smoothing=smoothing, follow=follow, min_gain=min_gain)
+        self.damping = damping                                    # smoothing, follow, min_gain
         self.interval = dynamic.parse_interval(interval)          # None: once per epoch
         self.replanner: dynamic.Replanner | None = None
         if policy == "dbs" and self.interval is not None and self.world_size > 1:
             self.replanner = dynamic.Replanner(self.rank, self.world_size, self.global_batch, self.min_local,
                                                self.max_local, interval=self.interval, window=window,
-                                               follow=follow, min_gain=min_gain)
-        if speeds is not None and len(speeds) and len(speeds) != self.world_size:
-            raise UserError(f"speeds: has {len(speeds)} values but there are {self.world_size} ranks")
-        if emulator is None:
-            speed = speeds[self.rank] / max(speeds) if speeds is not None and len(speeds) else 1.0
-            emulator = Emulator(self.rank, speed)
-        self.emulator = emulator
+                                               follow=damping["follow"], min_gain=damping["min_gain"])
+        self.emulator = _emulator(speeds, emulator, self.rank, self.world_size)
         self.batch_sizes = allocation.equal(self.global_batch, self.world_size, self.min_local, self.max_local)
         self.speed_model: allocation.SpeedModel | None = None
         self.controller: dynamic.DBSController | None = None
         self.startup: dict | None = None      # the calibration: local_batch (2,), step_time (R, 2), batch_sizes
-        self.next_epoch = 0                   # epochs ended so far
-        self.run_steps = 0                    # steps taken so far, all epochs
-        self.trained_before = 0.0             # seconds of training in the epochs ended so far
-        self._open: _Epoch | None = None
-        self._restored: dict | None = None    # a mid-epoch position from load_state_dict
         self._heard = False                   # within-epoch dbs: step times arrived in the open epoch
         self._warned = False                  # ... and the warning that none did was given
-
-    @classmethod
-    def from_config(cls, comm, cfg, emulator: Emulator | None = None) -> "Balancer":
-        """The balancer of a dbs-mpi configuration (config.Config) and its emulated speeds."""
-        return cls(comm, cfg.global_batch, cfg.strategy, min_local_batch=cfg.min_local_batch,
-                   max_local_batch=cfg.max_local_batch, dbs_model=cfg.dbs_model, smoothing=cfg.dbs_smoothing,
-                   follow=cfg.dbs_follow, min_gain=cfg.dbs_min_gain, interval=cfg.dbs_interval,
-                   window=cfg.dbs_window, emulator=emulator or Emulator.from_config(cfg, comm.Get_rank()),
-                   timeout=cfg.comm_timeout)
 
     @property
     def local_batch(self) -> int:
@@ -280,9 +339,7 @@ class Balancer:
         if self.policy != "ssgd":
             self.batch_sizes = fit.allocate(self.global_batch, self.min_local, self.max_local)
         if self.policy == "dbs":
-            self.controller = dynamic.DBSController(model=fit, global_batch=self.global_batch,
-                                                    min_local=self.min_local, max_local=self.max_local,
-                                                    **self.damping)
+            self.controller = self._controller(fit)
         if self.replanner is not None:
             self.replanner.start_from(fit)
         self.startup = {"local_batch": np.array([small, large], dtype=np.int64), "step_time": times,
@@ -301,13 +358,12 @@ class Balancer:
         time (DistributedOptimizer and calibrate_model tell the balancer)."""
         self.emulator.wall_clock = torch.device(device).type == "cuda"
 
-    # --- an epoch -----------------------------------------------------------------
-    def begin_epoch(self, epoch: int, num_samples: int, drop_last: bool = False, first_step: int = 0) -> np.ndarray:
-        """Open `epoch`: its (steps x ranks) table of local batches, from the current vector.
-        first_step > 0 continues an epoch stopped there (load_state_dict first)."""
-        if self._open is not None:
-            raise RuntimeError(f"epoch {self._open.epoch + 1} is still open: call balancer.end_epoch() after every "
-                               f"epoch, before the next one begins")
+    def stretch(self, compute_seconds: float, cpu_seconds: float | None = None) -> float:
+        """Sleep as the emulated device would be slower (heterogeneity.Emulator.stretch)."""
+        return self.emulator.stretch(compute_seconds, cpu_seconds)
+
+    def _new_table(self, epoch: int, num_samples: int, drop_last: bool, first_step: int) -> np.ndarray:
+        """An epoch's (steps x ranks) table of local batches from the current vector."""
         if self.policy == "static" and self.speed_model is None and first_step == 0 and epoch == 0:
             raise RuntimeError("policy 'static' allocates from the start-up calibration: call balancer.calibrate() "
                                "(or calibrate_model()) before the first epoch")
@@ -315,27 +371,132 @@ class Balancer:
         if len(table) == 0:
             raise UserError(f"global_batch: {self.global_batch} is larger than the {num_samples} training samples "
                             f"(with drop_last nothing is left)")
-        times, elapsed, restored, changes = StepTimes(len(table)), 0.0, self._restored, []
-        self._restored, measured_from = None, 0
+        return table
+
+    # --- re-planning --------------------------------------------------------------
+    @property
+    def telemetry_size(self) -> int:
+        """Floats telemetry() returns (0: nothing to carry)."""
+        return 0 if self.replanner is None else self.replanner.size
+
+    def propose(self, vector) -> None:
+        """Ask for another vector (dbs with a step interval): rank 0's request is announced
+        with the next step and applies from the first step no rank has handed out yet."""
+        if self.replanner is None:
+            if self.world_size == 1:
+                return
+            raise RuntimeError("propose() needs policy 'dbs' with a step interval (its steps carry the vector)")
+        self.replanner.propose(vector)
+
+    def _controller(self, model: allocation.SpeedModel) -> dynamic.DBSController:
+        """The per-epoch controller with this balancer's bounds and damping, from `model`."""
+        return dynamic.DBSController(model=model, global_batch=self.global_batch, min_local=self.min_local,
+                                     max_local=self.max_local, **self.damping)
+
+    def _replan(self, table: np.ndarray, pre_compute: np.ndarray) -> dict:
+        """dbs once per epoch: the controller's new vector from the epoch's measured compute
+        times. Also the fallback of the within-epoch rule when no step times reached the
+        balancer (a loop whose exchange does not carry telemetry(), such as DDP's hook)."""
+        if self.policy != "dbs" or (self.replanner is not None and self._heard):
+            return {}
+        if self.replanner is not None and not self._warned:
+            self._warned = True
+            warnings.warn("dbs: no step times reached the balancer during the epoch (this loop's gradient exchange "
+                          "does not carry balancer.telemetry(), e.g. DDP's comm hook), so it re-plans once per epoch; "
+                          "pass interval=\"epoch\" to ask for that", RuntimeWarning, stacklevel=3)
+        if self.controller is None:      # not calibrated: start from the first epoch's measurement
+            self.speed_model = allocation.SpeedModel.measured(table.sum(axis=0), pre_compute)
+            self.controller = self._controller(self.speed_model)
+        new, ratio = self.controller.update(self.batch_sizes, table, pre_compute)
+        # Every rank computed the same vector from the same gathered numbers; rank 0's
+        # copy is broadcast anyway so that float quirks can never split the ranks.
+        new = np.ascontiguousarray(new, dtype=np.int64)
+        if self.world_size > 1:
+            mpi.wait(self.comm.Ibcast(new, root=0), self.timeout, "broadcasting the new batch vector")
+        self.batch_sizes = new
+        return {"speed_ratio": ratio}
+
+    # --- checkpoints ------------------------------------------------------------------
+    def _models_state(self) -> dict:
+        """state_dict()'s models: the speed model, the controllers, the calibration."""
+        return {"speed_model": self.speed_model.state_dict() if self.speed_model is not None else None,
+                "controller": self.controller.state_dict() if self.controller is not None else None,
+                "replanner": self.replanner.state_dict() if self.replanner is not None else None,
+                "startup": self.startup}
+
+    def _load_policy(self, state: dict) -> bool:
+        """load_state_dict()'s vector, models and emulation; from another world's state
+        (another number of ranks), an even vector and none of them. Returns whether the
+        state is this world's."""
+        for key, mine in (("policy", self.policy), ("global_batch", self.global_batch)):
+            if state[key] != mine:
+                raise UserError(f"balancer: the state was saved with {key} {state[key]!r}, this balancer has {mine!r}")
+        if state["world_size"] != self.world_size:
+            self.batch_sizes = allocation.equal(self.global_batch, self.world_size, self.min_local, self.max_local)
+            self.speed_model = self.controller = self.startup = None
+            return False
+        self.batch_sizes = np.asarray(state["batch_sizes"], dtype=np.int64).copy()
+        self.speed_model = None if state["speed_model"] is None else \
+            allocation.SpeedModel.from_state(state["speed_model"])
+        self.controller = None if state["controller"] is None else \
+            dynamic.DBSController.from_state(state["controller"])
+        if self.replanner is not None and state.get("replanner") is not None:
+            self.replanner = dynamic.Replanner.from_state(state["replanner"])
+        self.startup = state["startup"]
+        self.emulator.load_state_dict(state["emulator"])
+        return True
+
+
+class Balancer(BatchPolicy):
+    """Owns the batch vector of a policy (ssgd | static | dbs) and the epochs' timing.
+
+    comm: the ranks that train together. global_batch: B, samples per step over all ranks.
+    min_local_batch / max_local_batch: bounds of every local batch of a full step (0: no
+    upper bound). dbs_model: "affine" (t = a + c b) or "proportional" (t = c b, the DBS
+    paper's rule) for the start-up fit and the per-epoch rule. interval: dbs re-plans
+    every `interval` steps (default 1), or "epoch" (the DBS paper's rule); window: steps
+    of history the within-epoch estimator keeps per rank. smoothing, follow, min_gain:
+    the controllers' damping (dynamic.py). speeds: emulated relative speeds, one per rank
+    (or an `emulator`, for disturbances too). timeout: seconds any collective may wait.
+    The vector's half (calibration, re-planning, emulation) is BatchPolicy; this class
+    keeps the epochs: their tables, their steps and times, and the run's position."""
+
+    def __init__(self, comm, global_batch: int, policy: str = "dbs", *, min_local_batch: int = 1,
+                 max_local_batch: int = 0, dbs_model: str = "affine", smoothing: float = 0.5, follow: float = 0.25,
+                 min_gain: float = 0.03, interval=dynamic.DEFAULT_INTERVAL, window: int = dynamic.WINDOW,
+                 speeds=None, emulator: Emulator | None = None, timeout: float = 600.0):
+        super().__init__(comm, global_batch, policy, min_local_batch, max_local_batch, dbs_model,
+                         dict(smoothing=smoothing, follow=follow, min_gain=min_gain), interval, window, speeds,
+                         emulator, timeout)
+        self.next_epoch = 0                   # epochs ended so far
+        self.run_steps = 0                    # steps taken so far, all epochs
+        self.trained_before = 0.0             # seconds of training in the epochs ended so far
+        self._open: _Epoch | None = None
+        self._restored: dict | None = None    # a mid-epoch position from load_state_dict
+
+    @classmethod
+    def from_config(cls, comm, cfg, emulator: Emulator | None = None) -> "Balancer":
+        """The balancer of a dbs-mpi configuration (config.Config) and its emulated speeds."""
+        return cls(comm, cfg.global_batch, cfg.strategy, min_local_batch=cfg.min_local_batch,
+                   max_local_batch=cfg.max_local_batch, dbs_model=cfg.dbs_model, smoothing=cfg.dbs_smoothing,
+                   follow=cfg.dbs_follow, min_gain=cfg.dbs_min_gain, interval=cfg.dbs_interval,
+                   window=cfg.dbs_window, emulator=emulator or Emulator.from_config(cfg, comm.Get_rank()),
+                   timeout=cfg.comm_timeout)
+
+    # --- an epoch -----------------------------------------------------------------
+    def begin_epoch(self, epoch: int, num_samples: int, drop_last: bool = False, first_step: int = 0) -> np.ndarray:
+        """Open `epoch`: its (steps x ranks) table of local batches, from the current vector.
+        first_step > 0 continues an epoch stopped there (load_state_dict first)."""
+        if self._open is not None:
+            raise RuntimeError(f"epoch {self._open.epoch + 1} is still open: call balancer.end_epoch() after every "
+                               f"epoch, before the next one begins")
+        table = self._new_table(epoch, num_samples, drop_last, first_step)
+        restored, self._restored = self._restored, None
         if first_step == 0:
             self.emulator.start_epoch(epoch, len(table))
-        elif restored is not None and (restored["epoch"], restored["step"]) == (epoch, first_step) \
-                and restored.get("other_world"):
-            measured_from = first_step      # another world ran the steps before: this one records its own
-        elif restored is not None and (restored["epoch"], restored["step"]) == (epoch, first_step):
-            times.restore(restored["times"])
-            elapsed = float(restored["elapsed"])
-            if "table" in restored:                                          # with the epoch's vector changes
-                table = np.asarray(restored["table"], dtype=np.int64).copy()
-            changes = [Change.from_state(c) for c in restored.get("changes", [])]
-        else:
-            raise RuntimeError(f"begin_epoch at step {first_step} of epoch {epoch + 1}: the balancer's state saved "
-                               f"there must be loaded first (load_state_dict)")
-        now = time.perf_counter()
-        self._open = _Epoch(epoch, table, times, first_step, now, elapsed, now, num_samples, drop_last,
-                            changes=changes, measured_from=measured_from)
+        self._open = _Epoch.opened(epoch, table, num_samples, drop_last, first_step, restored)
         self._heard = False
-        return table
+        return self._open.table
 
     @property
     def open_epoch(self) -> int | None:
@@ -383,24 +544,6 @@ class Balancer:
             return None
         return self.replanner.outgoing(compute_seconds, 0 if self._open is None else self._open.handed)
 
-    @property
-    def telemetry_size(self) -> int:
-        """Floats telemetry() returns (0: nothing to carry)."""
-        return 0 if self.replanner is None else self.replanner.size
-
-    def propose(self, vector) -> None:
-        """Ask for another vector (dbs with a step interval): rank 0's request is announced
-        with the next step and applies from the first step no rank has handed out yet."""
-        if self.replanner is None:
-            if self.world_size == 1:
-                return
-            raise RuntimeError("propose() needs policy 'dbs' with a step interval (its steps carry the vector)")
-        self.replanner.propose(vector)
-
-    def stretch(self, compute_seconds: float, cpu_seconds: float | None = None) -> float:
-        """Sleep as the emulated device would be slower (heterogeneity.Emulator.stretch)."""
-        return self.emulator.stretch(compute_seconds, cpu_seconds)
-
     def record_step(self, data: float, pre: float, collective: float, update: float,
                     loss: float = float("nan"), telemetry=None) -> None:
         """One step's phase times (seconds) on this rank and the step's global loss;
@@ -412,19 +555,11 @@ class Balancer:
         if telemetry is not None and self.replanner is not None:
             self._heard = True
             switch = self.replanner.incoming(telemetry, e.table[e.step - 1], self.batch_sizes, e.step, self.run_steps)
-            if switch is not None:
-                self._switch(switch)
+            if switch is not None:      # a new vector from the switch's step on (this epoch and later ones)
+                e.switch(switch, self.global_batch, self.run_steps)
+                self.batch_sizes = switch.vector.copy()
         e.last_end = time.perf_counter()
         self.emulator.step_done(self.trained_before + e.elapsed_before + e.last_end - e.start)
-
-    def _switch(self, switch: dynamic.Switch) -> None:
-        """A new vector from the switch's step on (the rest of this epoch, and later ones)."""
-        e = self._open
-        if switch.first_step < len(e.table):
-            rows = sharding.step_batch_sizes(e.num_samples, self.global_batch, switch.vector, e.drop_last)
-            e.table[switch.first_step:] = rows[switch.first_step:]
-        self.batch_sizes = switch.vector.copy()
-        e.changes.append(Change.of(switch, e.epoch, self.run_steps, e.step))
 
     def end_epoch(self) -> EpochStats:
         """Collective: close the open epoch on every rank, gather everybody's step times,
@@ -435,63 +570,24 @@ class Balancer:
         if e.step != len(e.table):
             raise RuntimeError(f"end_epoch() after {e.step} of the {len(e.table)} steps of epoch {e.epoch + 1}: every "
                                f"rank takes every step (one optimizer.step() per batch of the HeteroSampler)")
-        duration = e.elapsed_before + e.last_end - e.start
-        gathered = mpi.allgather_array(self.comm, e.times.as_array(), self.timeout)     # (R, 6, S)
-        gathered, table = gathered[:, :, e.measured_from:], e.table[e.measured_from:]   # this world's steps
-        data_t, compute_t, collective_t, _, pre_t, loss = (gathered[:, i, :] for i in range(6))
-        wait_t, comm_t = split_wait(pre_t, collective_t)
+        duration = e.elapsed
+        table, phases = e.gather(self.comm, self.timeout)
         full = table[table.sum(axis=1) == self.global_batch]
         vector = full[-1].copy() if len(full) else self.batch_sizes.copy()
-        diagnostics = self._replan(table, pre_t.sum(axis=1))
+        diagnostics = self._replan(table, phases[4].sum(axis=1))
         self._open, self.next_epoch = None, e.epoch + 1
         self.trained_before += duration
-        return EpochStats(
-            epoch=e.epoch, batch_sizes=vector, table=table, duration=duration, data_time=data_t.sum(axis=1),
-            compute_time=compute_t.sum(axis=1), comm_time=comm_t.sum(axis=1), wait_time=wait_t.sum(axis=1),
-            speed=table.sum(axis=0) / np.maximum(pre_t.sum(axis=1), 1e-12), step_loss=loss[0],
-            step_compute=compute_t.T, step_comm=comm_t.T, step_wait=wait_t.T, step_data=data_t.T, step_pre=pre_t.T,
-            next_batch_sizes=self.batch_sizes.copy(), diagnostics=diagnostics, changes=list(e.changes))
-
-    def _replan(self, table: np.ndarray, pre_compute: np.ndarray) -> dict:
-        """dbs once per epoch: the controller's new vector from the epoch's measured compute
-        times. Also the fallback of the within-epoch rule when no step times reached the
-        balancer (a loop whose exchange does not carry telemetry(), such as DDP's hook)."""
-        if self.policy != "dbs" or (self.replanner is not None and self._heard):
-            return {}
-        if self.replanner is not None and not self._warned:
-            self._warned = True
-            warnings.warn("dbs: no step times reached the balancer during the epoch (this loop's gradient exchange "
-                          "does not carry balancer.telemetry(), e.g. DDP's comm hook), so it re-plans once per epoch; "
-                          "pass interval=\"epoch\" to ask for that", RuntimeWarning, stacklevel=3)
-        if self.controller is None:      # not calibrated: start from the first epoch's measurement
-            self.speed_model = allocation.SpeedModel.measured(table.sum(axis=0), pre_compute)
-            self.controller = dynamic.DBSController(model=self.speed_model, global_batch=self.global_batch,
-                                                    min_local=self.min_local, max_local=self.max_local,
-                                                    **self.damping)
-        new, ratio = self.controller.update(self.batch_sizes, table, pre_compute)
-        # Every rank computed the same vector from the same gathered numbers; rank 0's
-        # copy is broadcast anyway so that float quirks can never split the ranks.
-        new = np.ascontiguousarray(new, dtype=np.int64)
-        if self.world_size > 1:
-            mpi.wait(self.comm.Ibcast(new, root=0), self.timeout, "broadcasting the new batch vector")
-        self.batch_sizes = new
-        return {"speed_ratio": ratio}
+        return EpochStats.of(e.epoch, vector, table, duration, phases, self.batch_sizes.copy(), diagnostics,
+                             list(e.changes))
 
     # --- checkpoints ------------------------------------------------------------------
     def state_dict(self) -> dict:
         """This rank's balancer: the vector, the models, and the open epoch's position and
         step times (a checkpoint in the middle of an epoch). Plain types and arrays."""
-        e = self._open
-        position = None if e is None else {
-            "epoch": e.epoch, "step": e.step, "elapsed": e.elapsed_before + e.last_end - e.start,
-            "times": e.times.snapshot(e.step), "table": e.table.copy(), "changes": [c.state() for c in e.changes]}
         return {"policy": self.policy, "global_batch": self.global_batch, "world_size": self.world_size,
                 "batch_sizes": self.batch_sizes.copy(), "next_epoch": self.next_epoch, "run_steps": self.run_steps,
-                "trained_before": self.trained_before,
-                "speed_model": self.speed_model.state_dict() if self.speed_model is not None else None,
-                "controller": self.controller.state_dict() if self.controller is not None else None,
-                "replanner": self.replanner.state_dict() if self.replanner is not None else None,
-                "startup": self.startup, "open": position, "emulator": self.emulator.state_dict()}
+                "trained_before": self.trained_before, **self._models_state(),
+                "open": None if self._open is None else self._open.position(), "emulator": self.emulator.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from state_dict(). A state saved by another number of ranks (a run
@@ -500,34 +596,10 @@ class Balancer:
         estimates and the emulation start afresh (call calibrate() or calibrate_model()
         again for static and dbs). The epoch in progress is recorded from the step this
         world began at (EpochStats covers its steps; the earlier ones were another world's)."""
-        for key, mine in (("policy", self.policy), ("global_batch", self.global_batch)):
-            if state[key] != mine:
-                raise UserError(f"balancer: the state was saved with {key} {state[key]!r}, this balancer has {mine!r}")
-        if state["world_size"] != self.world_size:
-            self._load_position(state)
-            return
-        self.batch_sizes = np.asarray(state["batch_sizes"], dtype=np.int64).copy()
-        self.next_epoch = int(state["next_epoch"])
-        self.speed_model = None if state["speed_model"] is None else \
-            allocation.SpeedModel.from_state(state["speed_model"])
-        self.controller = None if state["controller"] is None else \
-            dynamic.DBSController.from_state(state["controller"])
-        if self.replanner is not None and state.get("replanner") is not None:
-            self.replanner = dynamic.Replanner.from_state(state["replanner"])
-        self.run_steps = int(state.get("run_steps", 0))
-        self.trained_before = float(state.get("trained_before", 0.0))
-        self.startup = state["startup"]
-        self.emulator.load_state_dict(state["emulator"])
-        self._open, self._restored = None, state["open"]
-
-    def _load_position(self, state: dict) -> None:
-        """load_state_dict of another world's state: where the run is, nothing per rank."""
-        self.batch_sizes = allocation.equal(self.global_batch, self.world_size, self.min_local, self.max_local)
+        this_world = self._load_policy(state)
         self.next_epoch = int(state["next_epoch"])
         self.run_steps = int(state.get("run_steps", 0))
         self.trained_before = float(state.get("trained_before", 0.0))
-        self.speed_model = self.controller = self.startup = None
-        opened = state["open"]
-        self._open = None
-        self._restored = None if opened is None else {"epoch": opened["epoch"], "step": opened["step"],
-                                                      "other_world": True}
+        opened, self._open = state["open"], None
+        self._restored = opened if this_world or opened is None else \
+            {"epoch": opened["epoch"], "step": opened["step"], "other_world": True}
