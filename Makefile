@@ -106,7 +106,7 @@ SCALE    ?= small
 GRID_OUT ?= results/grid
 ONLY     ?=
 experiments: install
-	$(PY) -m dbs_mpi.experiments --scale $(SCALE) --out $(GRID_OUT) --mpiexec "$(MPIEXEC)" \
+	$(PY) -m dbs_mpi.tools.experiments --scale $(SCALE) --out $(GRID_OUT) --mpiexec "$(MPIEXEC)" \
 		--data-dir $(DATA_DIR) $(if $(ONLY),--only $(ONLY))
 
 # Execute the notebooks in analysis/ headless on GRID_OUT: PNG, PDF and caption of every

@@ -55,7 +55,7 @@ try:
 except AttributeError:  # pragma: no cover - not Linux
     _AFFINITY_AT_IMPORT = frozenset()
 
-# The public API, imported on first use (so that `import dbs_mpi.config` stays light and
+# The public API, imported on first use (so that `import dbs_mpi.tools.config` stays light and
 # nothing initialises MPI before it is needed).
 _API = {
     "init": "comm", "broadcast_parameters": "comm", "AgreedError": "comm",
@@ -77,7 +77,7 @@ __all__ = sorted([*_API, "save_checkpoint", "load_checkpoint"])
 
 def __getattr__(name):
     if name in ("save_checkpoint", "load_checkpoint"):
-        from . import checkpoint
+        from .training import checkpoint
         return checkpoint.save if name == "save_checkpoint" else checkpoint.load
     if name == "ddp":
         import importlib

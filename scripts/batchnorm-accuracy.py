@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dbs_mpi.results import read_run  # noqa: E402
+from dbs_mpi.training.results import read_run  # noqa: E402
 
 VARIANTS = {"batch, sync": ["--norm", "batch", "--sync-bn"], "batch": ["--norm", "batch"], "group": ["--norm", "group"]}
 

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 
-from dbs_mpi.results import read_run
+from dbs_mpi.training.results import read_run
 
 
 def run(mpirun, ranks, strategy, every, args, folder, i):

@@ -70,8 +70,8 @@ def training_step(model, local_batch: int):
 
 def make_replanner(comm):
     """The Replanner a 2-rank dbs run holds, its estimate settled on steady step times."""
-    from dbs_mpi.allocation import SpeedModel
-    from dbs_mpi.dynamic import Replanner
+    from dbs_mpi.planning.allocation import SpeedModel
+    from dbs_mpi.planning.dynamic import Replanner
     n = comm.Get_size()
     model = SpeedModel(per_sample=np.full(n, 1e-4), overhead=np.full(n, 1e-3))
     return Replanner(comm.Get_rank(), n, 512, model=model)
@@ -110,8 +110,8 @@ def main() -> int:
     base_module = "exchange" if (Path(folder) / "dbs_mpi_base" / "exchange.py").exists() else "comm"
     base_exchange = importlib.import_module(f"dbs_mpi_base.{base_module}")
 
-    import dbs_mpi.exchange as current_exchange
-    from dbs_mpi.models import build_model
+    import dbs_mpi.training.exchange as current_exchange
+    from dbs_mpi.tools.models import build_model
     weight = 1.0 / comm.Get_size()
     rows = []
     for name in a.models.split(","):

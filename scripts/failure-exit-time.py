@@ -21,9 +21,9 @@ import time
 CRASH = textwrap.dedent("""
     import sys, time
     from mpi4py import MPI
-    from dbs_mpi import comm as mpi
-    from dbs_mpi.exchange import GradientExchange
-    from dbs_mpi.models import LeNet5
+    from dbs_mpi.mpi import comm as mpi
+    from dbs_mpi.training.exchange import GradientExchange
+    from dbs_mpi.tools.models import LeNet5
     import torch, torch.nn.functional as F
     comm = MPI.COMM_WORLD
     mpi.abort_on_uncaught(comm)
@@ -46,7 +46,8 @@ CRASH = textwrap.dedent("""
 ASYNC_CRASH = textwrap.dedent("""
     import os, signal, sys, time
     from mpi4py import MPI
-    from dbs_mpi import cli, heterogeneity
+    from dbs_mpi.planning import heterogeneity
+    from dbs_mpi.tools import cli
     comm = MPI.COMM_WORLD
     if comm.Get_rank() == comm.Get_size() - 1:
         stretch, calls = heterogeneity.Emulator.stretch, [0]

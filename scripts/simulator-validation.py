@@ -56,7 +56,7 @@ RUNS = {   # name: (ranks, options, pinned)
 
 
 def generate(folder: Path, mpiexec: str) -> None:
-    from dbs_mpi.results import read_run
+    from dbs_mpi.training.results import read_run
     folder.mkdir(parents=True, exist_ok=True)
     for name, (ranks, options, pinned) in RUNS.items():
         out = folder / f"{name}.h5"
@@ -72,8 +72,8 @@ def generate(folder: Path, mpiexec: str) -> None:
 
 
 def replay_folder(folder: Path) -> list[dict]:
-    from dbs_mpi.machine import Machine
-    from dbs_mpi.simulator import replay
+    from dbs_mpi.tools.machine import Machine
+    from dbs_mpi.tools.simulator import replay
     machine, rows = Machine.load(), []
     for path in sorted(folder.glob("*.h5")):
         with h5py.File(path, "r") as f:

@@ -37,7 +37,7 @@ def run_cli(args, ranks=1, timeout=120, cwd=None, env=None):
 
 def read_released(path, deadline):
     """read_run(path) once no process holds its HDF5 lock any more (by time.time() deadline)."""
-    from dbs_mpi.results import read_run
+    from dbs_mpi.training.results import read_run
     while True:
         try:
             return read_run(path)

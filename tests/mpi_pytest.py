@@ -18,7 +18,7 @@ from contextlib import redirect_stdout
 import pytest
 from mpi4py import MPI
 
-from dbs_mpi.comm import allgather_object
+from dbs_mpi.mpi.comm import allgather_object
 
 comm = MPI.COMM_WORLD
 os.environ.setdefault("PYTHONHASHSEED", "0")

@@ -4,9 +4,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from dbs_mpi import allocation
-from dbs_mpi.allocation import AllocationError, SpeedModel
-from dbs_mpi.dynamic import DBSController
+from dbs_mpi.planning import allocation
+from dbs_mpi.planning.allocation import AllocationError, SpeedModel
+from dbs_mpi.planning.dynamic import DBSController
 
 
 @given(B=st.integers(1, 5000), speeds=st.lists(st.floats(0.01, 100), min_size=1, max_size=16),

@@ -1,4 +1,4 @@
-"""dbs_mpi.analysis on small result files written here with RunWriter. No MPI."""
+"""dbs_mpi.tools.analysis on small result files written here with RunWriter. No MPI."""
 import time
 from pathlib import Path
 
@@ -6,9 +6,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dbs_mpi import analysis
-from dbs_mpi.config import Config
-from dbs_mpi.results import STATUS_COMPLETE, STATUS_FAILED, RunWriter
+from dbs_mpi.tools import analysis
+from dbs_mpi.tools.config import Config
+from dbs_mpi.training.results import STATUS_COMPLETE, STATUS_FAILED, RunWriter
 
 
 def write_sync(path, strategy="dbs", speeds=(1.0, 0.25), seed=0, durations=(2.0, 1.0, 1.5), steps=4,
@@ -184,7 +184,7 @@ def test_ideal_speedup_and_smooth():
 
 
 def test_disturbances_replay_the_emulator():
-    from dbs_mpi.heterogeneity import Emulator
+    from dbs_mpi.planning.heterogeneity import Emulator
     run = dict(seed=4, world_size=3, epochs=12, slow_rank=1, slow_factor=3.0, slow_epochs=(2, 5), sleep_prob=0.3,
                sleep_seconds=(1.0, 2.0), sleep_epochs=(2, 3))
     d = analysis.disturbances(run)

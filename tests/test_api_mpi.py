@@ -22,8 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import dbs_mpi
-from dbs_mpi import allocation
-from dbs_mpi.sharding import epoch_permutation
+from dbs_mpi.planning import allocation
+from dbs_mpi.planning.sharding import epoch_permutation
 
 SPEEDS = [1.0, 0.5, 0.2, 0.07, 0.3, 0.6, 0.9, 0.15]
 CAPS = {"one bucket": (25.0, 1.0), "many buckets": (0.0005, 0.0002)}   # MiB: hooks start buckets in backward

@@ -7,8 +7,8 @@ import h5py
 import numpy as np
 import pytest
 
-from dbs_mpi import bench
-from dbs_mpi.config import UserError
+from dbs_mpi.tools import bench
+from dbs_mpi.tools.config import UserError
 
 
 def fake_reports():
@@ -142,7 +142,7 @@ def fake_tracking_run(follow, give_back, slowed=100, steps=120, start=30, stop=9
 
 
 def test_tracking_figures_from_step_records():
-    from dbs_mpi import bench_tracking as tracking
+    from dbs_mpi.tools import bench_tracking as tracking
     run = fake_tracking_run(follow=4, give_back=5)
     m = tracking.run_metrics(run, 30, 90, share=0.2)
     assert (m["follow"], m["give_back"]) == (4, 5)
@@ -160,7 +160,7 @@ def test_tracking_figures_from_step_records():
 
 
 def test_tracking_report_formats_and_checks():
-    from dbs_mpi import bench_tracking as tracking
+    from dbs_mpi.tools import bench_tracking as tracking
     runs = {"ssgd": [fake_tracking_run(200, 0, seconds=(0.02, 0.1))] * 2,
             "dbs": [fake_tracking_run(4, 5)] * 2, "dbs-epoch": [fake_tracking_run(10, 30)] * 2}
     summary = tracking.summarize(runs, 30, 90, factor=4.0)
@@ -177,7 +177,7 @@ def test_tracking_report_formats_and_checks():
 
 
 def test_steady_scenario_counts_the_vector_s_changes():
-    from dbs_mpi import bench_tracking as tracking
+    from dbs_mpi.tools import bench_tracking as tracking
     still = {"batches": np.tile([341, 171], (100, 1)), "seconds": np.full(100, 0.03),
              "compute": np.full((100, 2), 0.02)}
     moving = dict(still, batches=still["batches"].copy())

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from conftest import ROOT, dbs_mpi_cmd, mpiexec, rank_pids, read_released, run_cli
-from dbs_mpi import checkpoint
-from dbs_mpi.config import UserError
-from dbs_mpi.results import read_run
+from dbs_mpi.training import checkpoint
+from dbs_mpi.tools.config import UserError
+from dbs_mpi.training.results import read_run
 
 RUN = ["--dataset", "synthetic", "--synthetic-samples", "4000", "--test-subset", "200", "--epochs", "2",
        "--global-batch", "64", "--strategy", "ssgd", "--benchmark-steps", "1", "--benchmark-warmup", "0"]
@@ -172,7 +172,7 @@ def test_a_run_stopped_on_2_ranks_continues_on_another_number(tmp_path, strategy
     assert (after[:, ranks:] == -1).all() and (after.clip(0).sum(axis=1) <= 64).all()
     np.testing.assert_allclose(b["data"]["step/loss"][:begun], a["data"]["step/loss"][:begun], rtol=1e-4)
     assert rel_difference(model_of(str(whole) + ".ckpt"), model_of(str(cut) + ".ckpt")) < 5e-3
-    from dbs_mpi import analysis
+    from dbs_mpi.tools import analysis
     tables = analysis.load(tmp_path)
     resumed = tables.runs.set_index("run").loc["cut"]
     assert resumed.world_sizes == (2, ranks)
@@ -311,7 +311,7 @@ def test_hardsync_stop_and_resume_is_bit_identical(tmp_path):
 def test_resume_into_or_out_of_rounds_is_refused(n, before, after, refused):
     """nsoftsync with softsync_wait: hardsync rounds (c = lambda) continue on another number of
     workers that also updates in rounds; a change into or out of rounds is a one-line error."""
-    from dbs_mpi.cli import _check_world_size
+    from dbs_mpi.tools.cli import _check_world_size
     state = {"world_size": before, "config": {"strategy": "nsoftsync", "softsync_wait": True, "softsync_n": n}}
     if refused:
         with pytest.raises(UserError, match=rf"resume it with mpirun -n {before}"):
@@ -324,7 +324,9 @@ def test_resume_into_or_out_of_rounds_is_refused(n, before, after, refused):
 ASYNC_CRASH = textwrap.dedent("""
     import sys, time
     from mpi4py import MPI
-    from dbs_mpi import cli, heterogeneity, parameter_server as ps
+    from dbs_mpi import parameter_server as ps
+    from dbs_mpi.planning import heterogeneity
+    from dbs_mpi.tools import cli
     where, out = sys.argv[1], sys.argv[2]
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     def fail():

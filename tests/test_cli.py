@@ -15,7 +15,7 @@ import torch
 import dbs_mpi
 
 from conftest import ROOT, mpiexec, run_cli
-from dbs_mpi.results import read_run
+from dbs_mpi.training.results import read_run
 
 TINY = ["--dataset", "synthetic", "--synthetic-samples", "256", "--epochs", "1", "--global-batch", "32",
         "--benchmark-steps", "1", "--benchmark-warmup", "0"]
@@ -137,9 +137,9 @@ CRASH = textwrap.dedent("""
     import sys, time
     import numpy as np, torch
     from mpi4py import MPI
-    from dbs_mpi import comm as mpi
-    from dbs_mpi.exchange import GradientExchange
-    from dbs_mpi.models import LeNet5
+    from dbs_mpi.mpi import comm as mpi
+    from dbs_mpi.training.exchange import GradientExchange
+    from dbs_mpi.tools.models import LeNet5
     comm = MPI.COMM_WORLD
     mpi.abort_on_uncaught(comm)
     exchange = GradientExchange(comm, LeNet5().parameters(), timeout=60)

@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dbs_mpi import config
-from dbs_mpi.cli import parse_train_args
-from dbs_mpi.config import Config, ConfigError, UserError
+from dbs_mpi.tools import config
+from dbs_mpi.tools.cli import parse_train_args
+from dbs_mpi.tools.config import Config, ConfigError, UserError
 
 
 def test_defaults_are_valid_and_round_trip():

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import read_released, run_cli
-from dbs_mpi import devices
-from dbs_mpi.exchange import GradientExchange
-from dbs_mpi.data import load_synthetic
-from dbs_mpi.models import LeNet5
+from dbs_mpi.mpi import devices
+from dbs_mpi.training.exchange import GradientExchange
+from dbs_mpi.tools.data import load_synthetic
+from dbs_mpi.tools.models import LeNet5
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(),
@@ -78,7 +78,7 @@ def test_batches_for_the_gpu_go_through_pinned_memory():
 
 
 def test_the_calibration_clock_sees_the_devices_compute():
-    from dbs_mpi.profiling import model_step, time_step
+    from dbs_mpi.training.profiling import model_step, time_step
     kernel = kernel_seconds()
     model = SleepyNet().cuda()
     step = model_step(model, F.cross_entropy, torch.randn(16, 8), torch.randint(3, (16,)))
@@ -188,7 +188,7 @@ def test_info_lists_the_gpus():
 
 def test_sync_batchnorm_on_the_gpu_gives_torchs_batchnorm():
     import copy
-    from dbs_mpi import sync_batchnorm
+    from dbs_mpi.training import sync_batchnorm
     from test_sync_batchnorm import OwnRows
     torch.manual_seed(0)
     reference = nn.BatchNorm2d(4).cuda()

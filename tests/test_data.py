@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from dbs_mpi import allocation, sharding
-from dbs_mpi.data import (DataError, MissingData, NORMALISATION, augment, augment_params, load_dataset,
+from dbs_mpi.planning import allocation, sharding
+from dbs_mpi.tools.data import (DataError, MissingData, NORMALISATION, augment, augment_params, load_dataset,
                           read_cifar_binary, read_cifar_pickle, read_idx)
 
 # --- writers of the official formats -----------------------------------------------

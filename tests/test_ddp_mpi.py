@@ -24,8 +24,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 import dbs_mpi
-from dbs_mpi import allocation, ddp, process_group
-from dbs_mpi.sharding import epoch_permutation
+from dbs_mpi.mpi import process_group
+from dbs_mpi.planning import allocation
+from dbs_mpi.training import ddp
+from dbs_mpi.planning.sharding import epoch_permutation
 from test_api_mpi import SPEEDS, Pairs, UserNet as Net   # a user's model and data, uneven speeds
 
 TIMEOUT = 60.0

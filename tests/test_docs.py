@@ -72,28 +72,28 @@ def between(text: str, name: str) -> str:
 
 
 def test_the_result_schema_in_the_docs_is_the_code_s():
-    from dbs_mpi.results import schema_markdown
+    from dbs_mpi.training.results import schema_markdown
     assert between((ROOT / "docs/results.md").read_text(), "schema") == schema_markdown().strip(), \
-        "docs/results.md drifted from dbs_mpi/results.py: python -m dbs_mpi.results --markdown"
+        "docs/results.md drifted from dbs_mpi/training/results.py: python -m dbs_mpi.training.results --markdown"
 
 
 def test_the_options_table_in_the_docs_is_the_code_s():
-    from dbs_mpi.cli import RESUME_MAY_CHANGE
-    from dbs_mpi.config import options_markdown
+    from dbs_mpi.tools.cli import RESUME_MAY_CHANGE
+    from dbs_mpi.tools.config import options_markdown
     text = (ROOT / "docs/options.md").read_text()
     assert between(text, "options") == options_markdown().strip(), \
-        "docs/options.md drifted from dbs_mpi/config.py: python -m dbs_mpi.config --markdown"
+        "docs/options.md drifted from dbs_mpi/tools/config.py: python -m dbs_mpi.tools.config --markdown"
     sentence = " ".join(text[text.index("--resume RESULT.h5"):text.index("may change")].split())
     assert sorted(re.findall(r"`(\w+)`", sentence)) == sorted(RESUME_MAY_CHANGE)
 
 
 def test_the_readme_options_are_the_code_s():
     """Every `--option` the README shows exists, and its lists of choices are the real ones."""
-    from dbs_mpi import config
-    from dbs_mpi.cli import _train_parser
+    from dbs_mpi.tools import config
+    from dbs_mpi.tools.cli import _train_parser
     readme = (ROOT / "README.md").read_text()
-    from dbs_mpi.simulator import _parser as simulate_parser
-    from dbs_mpi.bench import _parser as bench_parser
+    from dbs_mpi.tools.simulator import _parser as simulate_parser
+    from dbs_mpi.tools.bench import _parser as bench_parser
     known = {a for parser in (_train_parser(), simulate_parser(), bench_parser()) for action in parser._actions
              for a in action.option_strings} | {"--version"}
     others = {"--kinds", "--ranks", "--repeats", "--strategies", "--variant", "--np", "--base", "--mirror", "--only", "--seeds",
@@ -120,7 +120,7 @@ def test_every_dataset_and_attribute_a_run_writes_is_in_the_schema(tmp_path, str
     import h5py
 
     from conftest import run_cli
-    from dbs_mpi.results import SCHEMA_ATTRIBUTES, SCHEMA_DATASETS
+    from dbs_mpi.training.results import SCHEMA_ATTRIBUTES, SCHEMA_DATASETS
     out = tmp_path / f"{strategy}.h5"
     proc = run_cli(["train", "--strategy", strategy, "--dataset", "synthetic", "--synthetic-samples", "600",
                     "--test-subset", "100", "--epochs", "2", "--global-batch", "60", "--benchmark-steps", "1",

@@ -8,9 +8,9 @@ s + 1, in force from step s + 2 (no prefetching).
 import numpy as np
 import pytest
 
-from dbs_mpi import dynamic
-from dbs_mpi.allocation import SpeedModel
-from dbs_mpi.dynamic import RECENT, StepPlanner, StepTimeEstimator
+from dbs_mpi.planning import dynamic
+from dbs_mpi.planning.allocation import SpeedModel
+from dbs_mpi.planning.dynamic import RECENT, StepPlanner, StepTimeEstimator
 
 B = 512
 

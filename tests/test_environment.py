@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import ROOT, dbs_mpi_cmd, mpiexec
-from dbs_mpi.results import read_run
+from dbs_mpi.training.results import read_run
 
 HPC_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
            "OMP_PROC_BIND": "close", "OMP_PLACES": "cores", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2",

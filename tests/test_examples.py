@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from conftest import ROOT, mpiexec
-from dbs_mpi import analysis, checkpoint
-from dbs_mpi.results import read_run
+from dbs_mpi.tools import analysis
+from dbs_mpi.training import checkpoint
+from dbs_mpi.training.results import read_run
 
 EXAMPLES = ROOT / "examples"
 

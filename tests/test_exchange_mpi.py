@@ -9,12 +9,14 @@ import torch.nn.functional as F
 from mpi4py import MPI
 from torch import nn
 
-from dbs_mpi import allocation, transport
-from dbs_mpi.exchange import FIRST_BUCKET_BYTES, MIB, GradientExchange, bucket_layout
-from dbs_mpi.config import Config
-from dbs_mpi.data import load_synthetic
-from dbs_mpi.models import MLP, LeNet5
-from dbs_mpi.train import train
+from dbs_mpi.mpi import transport
+
+from dbs_mpi.planning import allocation
+from dbs_mpi.training.exchange import FIRST_BUCKET_BYTES, MIB, GradientExchange, bucket_layout
+from dbs_mpi.tools.config import Config
+from dbs_mpi.tools.data import load_synthetic
+from dbs_mpi.tools.models import MLP, LeNet5
+from dbs_mpi.tools.train import train
 
 LENET = [150, 6, 2400, 16, 48000, 120, 10080, 84, 840, 10]     # LeNet5() parameter sizes, registration order
 SPEEDS = [1.0, 0.5, 0.2, 0.07, 0.3, 0.6, 0.9, 0.15]

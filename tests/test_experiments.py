@@ -1,4 +1,4 @@
-"""The experiment grid runner (dbs_mpi.experiments): the grid file, the commands, and
+"""The experiment grid runner (dbs_mpi.tools.experiments): the grid file, the commands, and
 a tiny grid on synthetic data at 1 and 2 ranks, run, resumed and re-run."""
 import os
 import subprocess
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, mpiexec
-from dbs_mpi import analysis, experiments
-from dbs_mpi.config import Config, UserError
-from dbs_mpi.results import STATUS_FAILED, RunWriter
+from dbs_mpi.tools import analysis, experiments
+from dbs_mpi.tools.config import Config, UserError
+from dbs_mpi.training.results import STATUS_FAILED, RunWriter
 
 TINY = """
 [defaults]
@@ -115,7 +115,7 @@ def test_commands(tmp_path):
     assert args["--speeds"] == "1.0,0.5" and args["--aggregation"] == "weighted" and args["--progress"] == "false"
     assert args["--seed"] == "3" and args["--data-dir"] == "d" and args["--out"] == str(tmp_path / "r.h5")
     # what the command says is what dbs-mpi train parses
-    from dbs_mpi.cli import parse_train_args
+    from dbs_mpi.tools.cli import parse_train_args
     cfg = parse_train_args(cmd[i + 1:])
     assert cfg.speeds == (1.0, 0.5) and cfg.lr == 0.01 and cfg.seed == 3 and cfg.progress is False
     one = experiments.train_command(runs[0], tmp_path / "r.h5", "mpiexec")
@@ -163,7 +163,7 @@ def test_launch_stops_a_job_past_its_timeout(tmp_path):
 def test_tiny_grid_runs_then_skips_then_reruns_a_failed_run(tmp_path):
     grid = write_grid(tmp_path, TINY.replace('vary.speeds = [[1.0, 0.5], [1.0, 0.25]]', ''))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "dbs_mpi.experiments", "--grid", str(grid), "--out", str(out),
+    cmd = [sys.executable, "-m", "dbs_mpi.tools.experiments", "--grid", str(grid), "--out", str(out),
            "--mpiexec", mpiexec(), "--only", "one-ssgd-s0,two"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=500, cwd=tmp_path, env=env)
@@ -195,7 +195,7 @@ def test_tiny_grid_runs_then_skips_then_reruns_a_failed_run(tmp_path):
 
 def test_cli_errors_and_list(tmp_path):
     grid = write_grid(tmp_path)
-    base = [sys.executable, "-m", "dbs_mpi.experiments", "--grid", str(grid), "--out", str(tmp_path / "o")]
+    base = [sys.executable, "-m", "dbs_mpi.tools.experiments", "--grid", str(grid), "--out", str(tmp_path / "o")]
     bad = subprocess.run(base + ["--only", "nothing"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "only: 'nothing' is no experiment, figure or run" in bad.stderr
     listed = subprocess.run(base + ["--list", "--only", "one"], capture_output=True, text=True, timeout=60, cwd=ROOT)

@@ -14,8 +14,8 @@ import time
 import pytest
 
 from conftest import run_cli
-from dbs_mpi import data
-from dbs_mpi.data import DataError, data_main, load_dataset, unpack
+from dbs_mpi.tools import data
+from dbs_mpi.tools.data import DataError, data_main, load_dataset, unpack
 from test_data import cifar_arrays, write_cifar, write_idx_dataset
 
 pytestmark = pytest.mark.timeout(120)

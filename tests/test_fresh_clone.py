@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from conftest import ROOT
-from dbs_mpi.results import read_run
+from dbs_mpi.training.results import read_run
 
 pytestmark = pytest.mark.slow
 

@@ -4,8 +4,8 @@ import time
 import pytest
 import torch
 
-from dbs_mpi.config import Config
-from dbs_mpi.heterogeneity import Emulator
+from dbs_mpi.tools.config import Config
+from dbs_mpi.planning.heterogeneity import Emulator
 
 
 def test_speed_stretches_compute():
@@ -148,7 +148,7 @@ def test_steps_and_seconds_windows_slow_the_slow_rank_only():
 def test_contention_is_a_real_process_on_the_rank_s_core_for_its_steps():
     import os
 
-    from dbs_mpi.heterogeneity import Contention
+    from dbs_mpi.planning.heterogeneity import Contention
     before = os.sched_getaffinity(0)
     contention = Contention(1, 3)
     contention.at(0)

@@ -23,7 +23,7 @@ def imported_after(statement: str) -> set[str]:
                                     "checkpoint", "results", "plugins"])
 def test_library_modules_do_not_import_the_command_line(module):
     loaded = imported_after(f"import dbs_mpi.{module}")
-    assert not loaded & {"dbs_mpi.train", "dbs_mpi.cli"}, loaded
+    assert not loaded & {"dbs_mpi.tools.train", "dbs_mpi.tools.cli"}, loaded
 
 
 @pytest.mark.parametrize("module", ["models", "data", "allocation", "dynamic", "sharding", "heterogeneity", "config",
@@ -102,7 +102,8 @@ def test_a_cycle_is_found():
 
 
 def test_names_that_moved_are_the_same_objects_where_they_were_documented():
-    from dbs_mpi import ddp, process_group
+    from dbs_mpi.mpi import process_group
+    from dbs_mpi.training import ddp
     assert dbs_mpi.init_process_group is ddp.init_process_group is process_group.init_process_group
     assert ddp.destroy_process_group is process_group.destroy_process_group
 

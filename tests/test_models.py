@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from dbs_mpi.models import (RESNET_GROUPS, CifarQuickCNN, ResNet20, build_model, caffe_pooled_size,
+from dbs_mpi.tools.models import (RESNET_GROUPS, CifarQuickCNN, ResNet20, build_model, caffe_pooled_size,
                             num_parameters)
 
 
@@ -102,6 +102,6 @@ def test_build_model_errors(name, shape, norm, words):
 
 
 def test_models_and_data_never_import_mpi():
-    code = "import sys, dbs_mpi.models, dbs_mpi.data; assert 'mpi4py' not in sys.modules, 'mpi4py imported'"
+    code = "import sys, dbs_mpi.tools.models, dbs_mpi.tools.data; assert 'mpi4py' not in sys.modules, 'mpi4py imported'"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

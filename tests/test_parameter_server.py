@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from conftest import ROOT, run_cli
-from dbs_mpi import sharding
-from dbs_mpi.config import Config, ConfigError, check_world
-from dbs_mpi.models import LeNet5
+from dbs_mpi.planning import sharding
+from dbs_mpi.tools.config import Config, ConfigError, check_world
+from dbs_mpi.tools.models import LeNet5
 from dbs_mpi.parameter_server import (HEADER, Cursor, Message, bind_gradients, bind_parameters, group_size,
                                       server_momentum, staleness_stats)
-from dbs_mpi.results import read_run
+from dbs_mpi.training.results import read_run
 
 
 def drain(cursor, vector, order):

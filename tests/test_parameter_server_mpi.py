@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 
-from dbs_mpi import sharding
+from dbs_mpi.planning import sharding
 
-from dbs_mpi.config import Config
-from dbs_mpi.data import load_synthetic
-from dbs_mpi.models import LeNet5
-from dbs_mpi.results import read_run
-from dbs_mpi.train import train
+from dbs_mpi.tools.config import Config
+from dbs_mpi.tools.data import load_synthetic
+from dbs_mpi.tools.models import LeNet5
+from dbs_mpi.training.results import read_run
+from dbs_mpi.tools.train import train
 
 
 def quiet(msg):

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import run_cli
-from dbs_mpi import plugins
-from dbs_mpi.config import UserError
-from dbs_mpi.results import read_run
+from dbs_mpi.tools import plugins
+from dbs_mpi.tools.config import UserError
+from dbs_mpi.training.results import read_run
 
 PLUGIN = '''
 import torch

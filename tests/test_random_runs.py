@@ -10,11 +10,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 
-from dbs_mpi import config
-from dbs_mpi.config import UserError
-from dbs_mpi.comm import AgreedError
-from dbs_mpi.results import read_run
-from dbs_mpi.train import train
+from dbs_mpi.tools import config
+from dbs_mpi.tools.config import UserError
+from dbs_mpi.mpi.comm import AgreedError
+from dbs_mpi.training.results import read_run
+from dbs_mpi.tools.train import train
 
 _fields = {   # values a user may well give; some combinations are still impossible
     "strategy": st.sampled_from(["ssgd", "static", "dbs"]),

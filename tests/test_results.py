@@ -3,8 +3,8 @@ import h5py
 import numpy as np
 import pytest
 
-from dbs_mpi.config import Config, UserError
-from dbs_mpi.results import STATUS_COMPLETE, STATUS_FAILED, RunWriter, read_run
+from dbs_mpi.tools.config import Config, UserError
+from dbs_mpi.training.results import STATUS_COMPLETE, STATUS_FAILED, RunWriter, read_run
 
 
 def _writer(path):
@@ -53,7 +53,7 @@ def test_never_overwrites(tmp_path):
 # --- closing a crashed run (dbs-mpi close) -------------------------------------------
 
 def test_close_marks_a_running_file_failed_and_leaves_others(tmp_path):
-    from dbs_mpi.results import close_crashed
+    from dbs_mpi.training.results import close_crashed
     crashed = tmp_path / "crashed.h5"
     w = _writer(crashed)
     w.append_epoch(dict(train_loss=0.5, batch_sizes=np.array([3, 1])), {})
@@ -72,7 +72,7 @@ def test_close_marks_a_running_file_failed_and_leaves_others(tmp_path):
 def test_close_refuses_a_missing_file_and_one_a_live_run_holds(tmp_path):
     import subprocess
     import sys
-    from dbs_mpi.results import close_crashed
+    from dbs_mpi.training.results import close_crashed
     with pytest.raises(UserError, match="no result file"):
         close_crashed(tmp_path / "none.h5")
     live = tmp_path / "live.h5"

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from dbs_mpi import allocation, sharding
+from dbs_mpi.planning import allocation, sharding
 
 
 @given(N=st.integers(1, 3000), B=st.integers(1, 400), speeds=st.lists(st.floats(0.01, 1), min_size=1, max_size=8),

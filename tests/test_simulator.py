@@ -1,4 +1,4 @@
-"""The simulator (dbs_mpi/simulator.py): the event engine on cases with known answers, the
+"""The simulator (dbs_mpi/tools/simulator.py): the event engine on cases with known answers, the
 replay of committed runs against their measured times, and the DBS controller's decisions
 against a recorded run. All in one process, no MPI; `dbs-mpi simulate` through the CLI."""
 import json
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_cli
-from dbs_mpi import sharding
-from dbs_mpi.machine import Machine, ModelCost
-from dbs_mpi.simulator import (Cluster, Job, Network, buckets, dbs_controller, processor_sharing, replay,
+from dbs_mpi.planning import sharding
+from dbs_mpi.tools.machine import Machine, ModelCost
+from dbs_mpi.tools.simulator import (Cluster, Job, Network, buckets, dbs_controller, processor_sharing, replay,
                                replay_job, simulate_async, simulate_sync, startup_fit, step_replanner)
 
 VALIDATION = ROOT / "results" / "validation"

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from conftest import ROOT
-from dbs_mpi import startup
+from dbs_mpi.mpi import startup
 
 
 @pytest.mark.parametrize("argv, toml, expected", [
@@ -29,7 +29,7 @@ def test_the_limit_is_read_before_anything_is_imported(tmp_path, argv, toml, exp
 
 SCRIPT = textwrap.dedent("""
     import sys, time
-    from dbs_mpi import startup
+    from dbs_mpi.mpi import startup
     startup.arm([], limit=float(sys.argv[1]))
     startup.phase("data")
     if sys.argv[2] == "done":

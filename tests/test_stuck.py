@@ -118,8 +118,8 @@ def test_a_rank_that_stalls_during_start_up_ends_the_job(tmp_path, phase, policy
 
 
 def check_file_of_a_run_killed_before_its_first_epoch(out, folder):
-    from dbs_mpi import analysis
-    from dbs_mpi.results import SCHEMA_DATASETS
+    from dbs_mpi.tools import analysis
+    from dbs_mpi.training.results import SCHEMA_DATASETS
     run = read_released(out, time.time() + 10)
     assert run["attrs"]["status"] == "failed"
     assert set(SCHEMA_DATASETS) <= set(run["data"]), set(SCHEMA_DATASETS) - set(run["data"])

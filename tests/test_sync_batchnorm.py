@@ -11,8 +11,8 @@ from mpi4py import MPI
 from torch import nn
 
 import dbs_mpi
-from dbs_mpi import sync_batchnorm
-from dbs_mpi.profiling import model_step
+from dbs_mpi.training import sync_batchnorm
+from dbs_mpi.training.profiling import model_step
 
 SHAPES = {"1d": (8, 4), "1d-seq": (8, 4, 5), "2d": (8, 4, 5, 5), "3d": (6, 4, 3, 3, 3)}
 TORCH_BN = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}

@@ -16,8 +16,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import dbs_mpi
-from dbs_mpi import allocation, comm as mpi, ddp, sync_batchnorm
-from dbs_mpi.sharding import epoch_permutation
+from dbs_mpi.mpi import comm as mpi
+from dbs_mpi.planning import allocation
+from dbs_mpi.training import ddp, sync_batchnorm
+from dbs_mpi.planning.sharding import epoch_permutation
 from test_api_mpi import Pairs, flat_params, speeds_for
 
 TIMEOUT = 60.0

@@ -41,7 +41,7 @@ The files, bottom up:
 Not supported here: models with floating-point buffers (BatchNorm statistics: use
 norm = "group").
 """
-from ..sharding import Cursor
+from ..planning.sharding import Cursor
 from .protocol import HEADER, Message, bind_gradients, bind_parameters
 from .records import UPDATE_COLUMNS, epoch_record, staleness_stats
 from .server import Server

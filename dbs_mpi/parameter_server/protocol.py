@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import comm as mpi
+from ..mpi import comm as mpi
 
 TAG_WORK = 1    # server -> worker: header + weights (WORK), or header only (STOP)
 TAG_GRAD = 2    # worker -> server: header + gradient

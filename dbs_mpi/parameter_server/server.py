@@ -11,7 +11,8 @@ import time
 
 import torch
 
-from .. import comm as mpi, sharding
+from ..mpi import comm as mpi
+from ..planning import sharding
 from .protocol import END_CHECKPOINT, END_DONE, END_STOP, Assignment, ServerChannels, bind_parameters
 from .records import C_COMM, C_COMPUTE, C_WAIT, ServerRecords
 from .snapshot import load_server_state, server_state

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import dynamic
+from ..planning import dynamic
 from .records import UPDATE_COLUMNS
 
 RECORDS = ("rows", "applied", "vectors", "stats", "closed", "written", "rows_written", "snapshots", "ends",

@@ -37,12 +37,14 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import allocation, checkpoint, comm as mpi, dynamic, startup
-from ..balancer import calibrate, calibration_batches
-from ..config import UserError
-from ..data import first_samples
-from ..heterogeneity import Emulator
-from ..profiling import model_step
+from ..mpi import comm as mpi, startup
+from ..planning import allocation, dynamic
+from ..planning.heterogeneity import Emulator
+from ..tools.config import UserError
+from ..tools.data import first_samples
+from ..training import checkpoint
+from ..training.balancer import calibrate, calibration_batches
+from ..training.profiling import model_step
 from .protocol import END_DONE, END_STOP, bind_parameters
 from .records import epoch_record
 from .server import Server

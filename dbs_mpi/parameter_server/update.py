@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from ..optimizer import make_optimizer
+from ..training.optimizer import make_optimizer
 from .protocol import bind_gradients
 
 

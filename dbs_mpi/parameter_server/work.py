@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..sharding import Cursor
+from ..planning.sharding import Cursor
 from .update import in_rounds
 
 

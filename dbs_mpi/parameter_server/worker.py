@@ -7,11 +7,13 @@ import time
 import numpy as np
 import torch
 
-from .. import comm as mpi, sharding
-from ..data import fetch_batch
-from ..devices import model_device, to_device
-from .protocol import (CMD_STOP, G_COMPUTE, G_COUNT, G_LOSS, G_SIGNAL, G_VERSION, TAG_GRAD, TAG_WORK, W_COMMAND,
-                       W_COUNT, W_EPOCH, W_HELD, W_START, W_VERSION, Message, bind_gradients, bind_parameters)
+from ..mpi import comm as mpi
+from ..mpi.devices import model_device, to_device
+from ..planning import sharding
+from ..tools.data import fetch_batch
+from .protocol import (
+    CMD_STOP, G_COMPUTE, G_COUNT, G_LOSS, G_SIGNAL, G_VERSION, TAG_GRAD, TAG_WORK, W_COMMAND, W_COUNT, W_EPOCH, W_HELD,
+    W_START, W_VERSION, Message, bind_gradients, bind_parameters)
 from .records import C_COMM, C_COMPUTE, C_DATA, C_GRADIENTS, C_SAMPLES, C_WAIT, S_VECTOR
 
 

@@ -40,13 +40,15 @@ from pathlib import Path
 
 import numpy as np
 
-from . import allocation, comm as mpi, config as config_mod, dynamic, sharding
-from .balancer import calibration_batches
+from ..mpi import comm as mpi
+from ..parameter_server import group_size
+from ..planning import allocation, dynamic, sharding
+from ..planning.heterogeneity import Emulator
+from ..training.balancer import calibration_batches
+from . import config as config_mod
 from .config import ArgumentParser, Config, UserError, tomllib
 from .data import SPLIT_SIZES
-from .heterogeneity import Emulator
 from .machine import Machine, ModelCost, calibrate
-from .parameter_server import group_size
 from .train import train
 
 # Named networks (alpha: seconds per message, beta: seconds per byte).

@@ -21,17 +21,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import checkpoint, comm as mpi, devices, plugins, startup, sync_batchnorm, transport
-from .balancer import Balancer, steps_before_resume
-from .checkpoint import EXIT_STOPPED, StopRequest, Stopped
+from ..mpi import comm as mpi, devices, startup, transport
+from ..parameter_server import AsyncTrainer
+from ..planning.sharding import HeteroSampler, steps_per_epoch
+from ..training import checkpoint, sync_batchnorm
+from ..training.balancer import Balancer, steps_before_resume
+from ..training.checkpoint import EXIT_STOPPED, StopRequest, Stopped
+from ..training.evaluation import evaluate
+from ..training.optimizer import DistributedOptimizer, make_optimizer
+from ..training.results import Recorder, default_path
+from . import plugins
 from .config import ASYNC_STRATEGIES, Config, UserError, check_world
 from .data import InMemoryLoader, first_samples, load_dataset, sample_shape_and_classes
-from .evaluation import evaluate
 from .models import num_parameters
-from .optimizer import DistributedOptimizer, make_optimizer
-from .parameter_server import AsyncTrainer
-from .results import Recorder, default_path
-from .sharding import HeteroSampler, steps_per_epoch
 
 
 @dataclass

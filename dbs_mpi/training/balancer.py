@@ -45,11 +45,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import allocation, comm as mpi, dynamic, sharding
-from .config import UserError
-from .data import first_samples
-from .devices import model_device
-from .heterogeneity import Emulator
+from ..mpi import comm as mpi
+from ..mpi.devices import model_device
+from ..planning import allocation, dynamic, sharding
+from ..planning.heterogeneity import Emulator
+from ..tools.config import UserError
+from ..tools.data import first_samples
 from .profiling import StepTimes, model_step, split_wait, time_step
 
 POLICIES = ("ssgd", "static", "dbs")

@@ -50,8 +50,8 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
+from ..tools.config import EXCHANGES, UserError
 from . import comm as mpi
-from .config import EXCHANGES, UserError
 from .devices import gpu_identity, mpi_cuda_aware
 from .process_group import init_process_group
 

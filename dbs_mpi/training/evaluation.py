@@ -12,9 +12,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import comm as mpi, sharding
-from .data import Dataset
-from .devices import model_device, to_device
+from ..mpi import comm as mpi
+from ..mpi.devices import model_device, to_device
+from ..planning import sharding
+from ..tools.data import Dataset
 
 
 def test_batches(dataset, part: slice, batch_size: int, num_workers: int = 0):

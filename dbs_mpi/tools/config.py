@@ -450,5 +450,5 @@ def describe() -> list[tuple[str, object, str]]:
 if __name__ == "__main__":
     import sys
     if sys.argv[1:] != ["--markdown"]:
-        raise SystemExit("usage: python -m dbs_mpi.config --markdown   (the options table of docs/options.md)")
+        raise SystemExit("usage: python -m dbs_mpi.tools.config --markdown   (the options table of docs/options.md)")
     sys.stdout.write(options_markdown())

@@ -1,6 +1,6 @@
 """The experiment grid: jobs/experiments.toml -> one `dbs-mpi train` launch per run.
 
-    python -m dbs_mpi.experiments [--scale small|paper] [--only NAME ...] [--out results/grid]
+    python -m dbs_mpi.tools.experiments [--scale small|paper] [--only NAME ...] [--out results/grid]
                                   [--dry-run] [--list] [--mpiexec CMD] [--data-dir DIR]
 
 Each run is `MPIEXEC -n RANKS dbs-mpi train <options> --out OUT/<name>.h5` (one rank:
@@ -323,7 +323,7 @@ def run_grid(runs: list[Run], out, scale: str, mpiexec: str | None = None, data_
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dbs_mpi.experiments", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dbs_mpi.tools.experiments", description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", default=DEFAULT_GRID, help="the grid file (default: %(default)s)")
     p.add_argument("--scale", default="small", choices=SCALES, help="small: this 2-core machine; paper: a cluster")
     p.add_argument("--only", action="append", default=[], metavar="NAME",

@@ -50,7 +50,8 @@ import zlib
 import numpy as np
 import torch
 
-from . import comm as mpi, devices, startup, sync_batchnorm, transport
+from ..mpi import comm as mpi, devices, startup, transport
+from . import sync_batchnorm
 from .exchange import GradientExchange
 
 AGGREGATIONS = ("weighted", "mean")

@@ -46,9 +46,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from . import allocation
+from ..planning import allocation
+from ..planning.heterogeneity import Emulator
 from .config import ASYNC_STRATEGIES, LEGACY
-from .heterogeneity import Emulator
 
 # Columns copied from `runs` into every other table, for grouping without a join.
 KEY_COLUMNS = ("strategy", "variant", "aggregation", "seed", "world_size", "experiment", "case")

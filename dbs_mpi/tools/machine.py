@@ -93,7 +93,7 @@ class Machine:
 
 def _median_time(fn, repeats: int, warmup: int = 3) -> float:
     """Median seconds of fn() over `repeats` calls after `warmup` untimed ones."""
-    from .profiling import time_step
+    from ..training.profiling import time_step
     return time_step(lambda _: fn(), 0, repeats, warmup)
 
 
@@ -138,11 +138,11 @@ def loop_overhead(name: str, steps: int = 100, pairs: int = 7) -> float:
     import torch.nn.functional as F
     from mpi4py import MPI
 
-    from .balancer import Balancer
+    from ..planning.sharding import HeteroSampler
+    from ..training.balancer import Balancer
+    from ..training.optimizer import DistributedOptimizer
     from .data import InMemoryLoader, load_synthetic
     from .models import build_model
-    from .optimizer import DistributedOptimizer
-    from .sharding import HeteroSampler
     data = load_synthetic("train", 32 * steps, SHAPES[name], 10, seed=0)
     model = build_model(name, SHAPES[name], 10)
     bare = copy.deepcopy(model)
@@ -190,8 +190,8 @@ def measure_allreduce(comm, sizes=(2 ** 10, 2 ** 14, 2 ** 17, 2 ** 19, 2 ** 21),
     = 2 alpha + m beta; and the median extra time of the sleeping wait policy."""
     import torch
 
-    from .comm import barrier
-    from .exchange import GradientExchange
+    from ..mpi.comm import barrier
+    from ..training.exchange import GradientExchange
     rows, times, sleeps = [], [], []
     for numel in sizes:
         for sleep in (False, True):
@@ -221,8 +221,8 @@ def measure_crowding(comm, alpha: float, beta: float, sleep_wait: float, repeats
     the ranks outnumber the cores (sleeping wait policy, as training uses there)."""
     import torch
 
-    from .comm import barrier
-    from .exchange import GradientExchange
+    from ..mpi.comm import barrier
+    from ..training.exchange import GradientExchange
     p, extra = comm.Get_size(), []
     for nbytes in (2 ** 14, 2 ** 18, 2 ** 20):
         param = torch.nn.Parameter(torch.zeros(nbytes // 4))
@@ -245,7 +245,7 @@ def calibrate(comm, name: str) -> Machine:
     rank 0 measures the models while the others sleep."""
     import torch
 
-    from .comm import available_cores, barrier, bcast_object
+    from ..mpi.comm import available_cores, barrier, bcast_object
     torch.set_num_threads(1)
     pair = comm.Split(0 if comm.Get_rank() < 2 else 1)
     alpha = beta = sleep_wait = 0.0

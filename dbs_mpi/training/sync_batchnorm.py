@@ -47,7 +47,7 @@ from mpi4py import MPI
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import comm as mpi
+from ..mpi import comm as mpi
 
 
 class MPIChannel:

@@ -42,8 +42,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..tools.config import UserError
 from . import startup
-from .config import UserError
 
 POLL_SPIN = 20e-6       # seconds of plain polling before the first sleep
 POLL_SLEEP_MIN = 20e-6  # first sleep between polls, seconds
@@ -509,7 +509,7 @@ def affinity() -> set[int]:
     """The cores this process may run on: its affinity set, and the one it had when
     dbs_mpi was imported (OMP_PROC_BIND makes OpenMP pin the main thread to one of them
     when torch loads; a script that imports torch first sees only that core)."""
-    from . import _AFFINITY_AT_IMPORT
+    from .. import _AFFINITY_AT_IMPORT
     try:
         return set(os.sched_getaffinity(0)) | set(_AFFINITY_AT_IMPORT)
     except AttributeError:  # pragma: no cover - not Linux

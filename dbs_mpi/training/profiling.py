@@ -30,7 +30,7 @@ import time
 import numpy as np
 import torch
 
-from .devices import model_device, synchronize, to_device
+from ..mpi.devices import model_device, synchronize, to_device
 from .sync_batchnorm import make_local
 
 PHASES = ("data", "compute", "collective", "update")

@@ -2,7 +2,7 @@
 
 The schema is SCHEMA_ATTRIBUTES and SCHEMA_DATASETS below: every dataset is written with
 its `unit` and `description` as HDF5 attributes, and docs/results.md's tables are
-generated from them (`python -m dbs_mpi.results --markdown`; tests/test_docs.py fails
+generated from them (`python -m dbs_mpi.training.results --markdown`; tests/test_docs.py fails
 when the two drift apart). E epochs, R ranks, S steps, U applied gradients, V vector changes within epochs, K checkpoints.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import UserError
+from ..tools.config import UserError
 
 # Root attributes: name -> meaning.
 SCHEMA_ATTRIBUTES = {
@@ -171,7 +171,7 @@ def versions(mpi_library: str = "") -> dict:
     import mpi4py
     import torch
 
-    from . import __version__
+    from .. import __version__
     return {"python": platform.python_version(), "torch": torch.__version__, "mpi4py": mpi4py.__version__,
             "numpy": np.__version__, "h5py": h5py.__version__, "dbs_mpi": __version__, "mpi_library": mpi_library}
 
@@ -393,7 +393,7 @@ def describe_config(config) -> str:
 
 class Recorder:
     """A run's HDF5 result file, written from a training loop: every rank calls, rank 0
-    writes (the same schema as `dbs-mpi train`, so dbs_mpi.analysis and the notebooks read
+    writes (the same schema as `dbs-mpi train`, so dbs_mpi.tools.analysis and the notebooks read
     user runs too).
 
         with Recorder(comm, "results/my-run.h5", config=vars(args)) as recorder:
@@ -412,7 +412,7 @@ class Recorder:
 
     def __init__(self, comm, path, *, config=None, attrs: dict | None = None, resume: dict | None = None,
                  position: tuple[int, int] | None = None, timeout: float = 600.0):
-        from . import comm as mpi
+        from ..mpi import comm as mpi
         self.comm, self.path, self.timeout = comm, str(path), timeout
         attrs = {"config": describe_config(config), "world_size": comm.Get_size(),
                  "hostnames": mpi.hostnames(comm, timeout), "versions": json.dumps(versions(mpi.mpi_library())),
@@ -548,5 +548,5 @@ def read_run(path) -> dict:
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--markdown"]:
-        raise SystemExit("usage: python -m dbs_mpi.results --markdown   (the schema's tables for docs/results.md)")
+        raise SystemExit("usage: python -m dbs_mpi.training.results --markdown   (the schema's tables for docs/results.md)")
     sys.stdout.write(schema_markdown())

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import UserError
+from ..tools.config import UserError
 
 
 class AllocationError(UserError):

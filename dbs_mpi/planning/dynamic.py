@@ -56,8 +56,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..tools.config import UserError, parse_interval  # noqa: F401  (the balancer's `interval`)
 from .allocation import SpeedModel, round_preserving_sum
-from .config import UserError, parse_interval  # noqa: F401  (the balancer's `interval`)
 
 RECENT = 5            # steps: a rank's current level is the median of its last RECENT ratios
 WINDOW = 32           # steps of history per rank for the fit (dbs_window)

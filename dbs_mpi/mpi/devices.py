@@ -39,8 +39,8 @@ import socket
 import torch
 from mpi4py import MPI
 
+from ..tools.config import DEVICE_SPEC, UserError
 from . import comm as mpi
-from .config import DEVICE_SPEC, UserError
 
 
 def check_spec(spec: str, what: str = "device") -> str:

@@ -73,7 +73,7 @@ def load_train_config(argv, rank: int):
     resume, config_file = args.pop("resume"), args.pop("config")
     if not resume:
         return config_mod.load(config_file, args), None, None
-    from . import checkpoint
+    from ..training import checkpoint
     given = config_mod.load_toml(config_file) if config_file else {}
     given.update({k: v for k, v in args.items() if v is not None})
     ckpt_path = given.get("checkpoint") or str(checkpoint.default_path(resume))
@@ -93,8 +93,8 @@ def load_train_config(argv, rank: int):
 
 
 def cmd_train(comm, argv) -> int:
-    from . import comm as mpi
-    from . import startup
+    from ..mpi import comm as mpi
+    from ..mpi import startup
     from .train import format_summary, train
 
     startup.phase("config", backstop=True)
@@ -119,7 +119,7 @@ def cmd_train(comm, argv) -> int:
 def _check_world_size(state, world_size):
     """Any number of ranks, except into or out of rounds (hardsync), whose updates take
     every worker's gradient: the position in the data would not be a round's."""
-    from .parameter_server import in_rounds
+    from ..parameter_server import in_rounds
     cfg = state["config"]
     before, now = (in_rounds(cfg["strategy"], cfg.get("softsync_wait"), cfg.get("softsync_n", 1), world - 1)
                    for world in (state["world_size"], world_size))
@@ -139,10 +139,10 @@ def cmd_info(comm, argv) -> int:
     import torch
     from mpi4py import MPI
 
-    from . import comm as mpi
-    from .results import versions
+    from ..mpi import comm as mpi
+    from ..training.results import versions
 
-    from . import devices
+    from ..mpi import devices
 
     parser = ArgumentParser(prog="dbs-mpi info", description="Print the MPI, PyTorch and device environment of every rank: "
                      "the device each rank would train on with the same --device/--devices.")
@@ -198,7 +198,7 @@ def cmd_data(comm, argv) -> int:
 
 
 def cmd_close(comm, argv) -> int:
-    from . import comm as mpi
+    from ..mpi import comm as mpi
     parser = ArgumentParser(
         prog="dbs-mpi close",
         description="After a launch that ended with every rank killed (a lost node, SIGKILL): mark its result "
@@ -213,7 +213,7 @@ def cmd_close(comm, argv) -> int:
 
 
 def _close_alone(comm, args):
-    from .results import close_crashed
+    from ..training.results import close_crashed
     if comm.Get_size() != 1:
         raise UserError(f"close: run it as one process, not on {comm.Get_size()} ranks")
     return close_crashed(args.result, args.exit_status)
@@ -226,7 +226,7 @@ COMMANDS = {"train": cmd_train, "info": cmd_info, "bench": cmd_bench, "data": cm
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-V", "--version"):
-        from . import __version__
+        from .. import __version__
         print(f"dbs-mpi {__version__}")
         return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
@@ -238,12 +238,12 @@ def main(argv=None) -> int:
         print(usage)
         return 0 if argv else 2
 
-    from . import startup
+    from ..mpi import startup
     startup.arm(argv[1:])                    # bounds the launch: imports, MPI_Init, the first collectives
     startup.phase("mpi")
     from mpi4py import MPI
     startup.phase("imports")
-    from . import comm as mpi
+    from ..mpi import comm as mpi
     startup.phase("init", backstop=True)
     comm = mpi.init(MPI.COMM_WORLD, timeout=startup.limit())   # fail together; the watchdog; threads per rank
     if argv[0] != "train":                   # train ends the start-up at its first step

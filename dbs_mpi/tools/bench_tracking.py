@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .results import read_run
+from ..training.results import read_run
 
 VARIANTS = {"ssgd": {"strategy": "ssgd"}, "dbs": {"strategy": "dbs"},
             "dbs-epoch": {"strategy": "dbs", "dbs_interval": "epoch"}}

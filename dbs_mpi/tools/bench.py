@@ -44,13 +44,16 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from . import allocation, bench_tracking as tracking, comm as mpi, devices, sharding, sync_batchnorm
+from ..mpi import comm as mpi, devices
+from ..planning import allocation, sharding
+from ..training import sync_batchnorm
+from ..training.exchange import BUCKET_BYTES, FIRST_BUCKET_BYTES, GradientExchange
+from ..training.results import git_revision, versions
+from . import bench_tracking as tracking
 from .config import ArgumentParser, UserError
 from .config import load as load_config
 from .data import load_synthetic
-from .exchange import BUCKET_BYTES, FIRST_BUCKET_BYTES, GradientExchange
 from .models import MLP, build_model
-from .results import git_revision, versions
 from .train import load_data, train
 
 IDLE_POLL = 0.01            # seconds between polls of a rank that sits a case out

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import transport as transports
-from .comm import SUPERVISOR, allgather_object, wait
+from ..mpi import transport as transports
+from ..mpi.comm import SUPERVISOR, allgather_object, wait
 
 MIB = 2 ** 20
 BUCKET_BYTES = 25 * MIB        # PyTorch DDP's bucket cap

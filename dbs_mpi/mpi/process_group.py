@@ -15,8 +15,8 @@ import socket
 import torch
 import torch.distributed as dist
 
+from ..tools.config import UserError
 from . import comm as mpi
-from .config import UserError
 from .devices import gpu_identity
 
 LOOPBACK = "127.0.0.1"
