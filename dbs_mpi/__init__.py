@@ -18,35 +18,45 @@ The library API (docs/api.md), for any PyTorch training script:
             optimizer.step(loss=loss)
         stats = balancer.end_epoch()                        # the epoch's times (dbs re-planned within it)
 
-Where each idea of the papers lives:
-  allocation.py     batch-size vectors from measured speed
-  dynamic.py        dynamic batch size: step-time estimate, within-epoch planner, per-epoch rule
-  balancer.py       the vector of a policy (ssgd, static, dbs), calibration, epoch timing
-  sharding.py       uneven shards with equal step counts; HeteroSampler; allocation invariance
-  optimizer.py      DistributedOptimizer: sample-weighted gradients, weighted or mean
-  sync_batchnorm.py BatchNorm over the global batch, with the sample-weighted backward
-  exchange.py       the bucketed sample-weighted allreduce of every step
-  comm.py           bounded, non-spinning waits and collectives, failing together, init()
-  startup.py        a bounded start-up: the watchdog process that ends a stalled launch
-  devices.py        each rank's device (CPU or GPU), thread shares, a clock true on GPUs
-  transport.py      how buckets are summed: host-staged MPI, CUDA-aware MPI, NCCL, gloo
-  ddp.py            the same weighting for DistributedDataParallel (a comm hook)
-  process_group.py  torch.distributed over the ranks of an MPI communicator
-  profiling.py      compute / communication / wait times; the calibration's clock
-  heterogeneity.py  emulated speeds and disturbances
-  results.py        the HDF5 result file (RunWriter, Recorder)
-  checkpoint.py     checkpoints (weights_only), stop requests (SIGTERM/SIGUSR1)
-  evaluation.py     test loss and accuracy over all ranks
-  parameter_server/    asgd, n-softsync, dbs-sgd on an MPI parameter server: protocol.py,
-                       update.py (the update rule), records.py, snapshot.py, server.py,
-                       worker.py, trainer.py
-  data.py, models.py   datasets and models (no MPI);  plugins.py  the user's model, data, loss
-  train.py          `dbs-mpi train`;  cli.py  the `dbs-mpi` command;  bench.py, bench_tracking.py  benchmarks
-  experiments.py    the experiment grid;  analysis.py  result files -> pandas tables
+The layers, bottom up (each imports only from the layers below it; tests/test_layout.py
+checks that):
+  options.py        UserError, and the choices the lower layers check themselves
+  planning/         pure planning, no MPI: what a rank should do, from numbers
+    allocation.py     batch-size vectors from measured speed
+    dynamic.py        dynamic batch size: step-time estimate, within-epoch planner, per-epoch rule
+    sharding.py       uneven shards with equal step counts; HeteroSampler; allocation invariance
+    heterogeneity.py  emulated speeds and disturbances
+  mpi/              the ranks and the machine: nothing here knows about training
+    startup.py        a bounded start-up: the watchdog process that ends a stalled launch
+    comm.py           bounded, non-spinning waits and collectives, failing together, init()
+    devices.py        each rank's device (CPU or GPU), thread shares, a clock true on GPUs
+    process_group.py  torch.distributed over the ranks of an MPI communicator
+    transport.py      how buckets are summed: host-staged MPI, CUDA-aware MPI, NCCL, gloo
+  training/         the library a training script uses
+    batches.py        the in-memory dataset, its fast loader, the augmentation
+    profiling.py      compute / communication / wait times; the calibration's clock
+    balancer.py       the vector of a policy (ssgd, static, dbs), calibration, epoch timing
+    exchange.py       the bucketed sample-weighted allreduce of every step
+    optimizer.py      DistributedOptimizer: sample-weighted gradients, weighted or mean
+    sync_batchnorm.py BatchNorm over the global batch, with the sample-weighted backward
+    ddp.py            the same weighting for DistributedDataParallel (a comm hook)
+    evaluation.py     test loss and accuracy over all ranks
+    checkpoint.py     checkpoints (weights_only), stop requests (SIGTERM/SIGUSR1)
+    results.py        the HDF5 result file (RunWriter, Recorder)
+  parameter_server/ asgd, n-softsync, dbs-sgd on an MPI parameter server: protocol.py,
+                    update.py (the update rule), records.py, snapshot.py, work.py,
+                    server.py, worker.py, trainer.py
+  tools/            what is built on the library: the command and the research around it
+    config.py         the job's options;  cli.py  the `dbs-mpi` command;  train.py  `dbs-mpi train`
+    data.py, models.py  built-in datasets and models;  plugins.py  the user's model, data, loss
+    bench.py, bench_tracking.py  benchmarks;  experiments.py  the experiment grid
+    analysis.py       result files -> pandas tables
+    simulator.py, machine.py  the cluster simulator and its measured machine constants
 """
 __version__ = "0.2.0"
 
 import os as _os
+import sys as _sys
 
 # The cores this process was given, read before torch is imported: with OMP_PROC_BIND
 # set, OpenMP pins the main thread to its first core when torch loads (comm.affinity).
@@ -58,19 +68,19 @@ except AttributeError:  # pragma: no cover - not Linux
 # The public API, imported on first use (so that `import dbs_mpi.tools.config` stays light and
 # nothing initialises MPI before it is needed).
 _API = {
-    "init": "comm", "broadcast_parameters": "comm", "AgreedError": "comm",
-    "Balancer": "balancer", "EpochStats": "balancer", "Change": "balancer",
-    "HeteroSampler": "sharding",
-    "DistributedOptimizer": "optimizer",
-    "SyncBatchNorm": "sync_batchnorm", "convert_sync_batchnorm": "sync_batchnorm",
-    "Recorder": "results",
-    "evaluate": "evaluation",
-    "StopRequest": "checkpoint", "Stopped": "checkpoint", "EXIT_STOPPED": "checkpoint",
-    "Emulator": "heterogeneity",
-    "UserError": "config",
-    "select_device": "devices",
-    "sample_weighted": "ddp", "sample_weighted_hook": "ddp", "SampleWeightedState": "ddp",
-    "init_process_group": "process_group",
+    "init": "mpi.comm", "broadcast_parameters": "mpi.comm", "AgreedError": "mpi.comm",
+    "Balancer": "training.balancer", "EpochStats": "training.balancer", "Change": "training.balancer",
+    "HeteroSampler": "planning.sharding",
+    "DistributedOptimizer": "training.optimizer",
+    "SyncBatchNorm": "training.sync_batchnorm", "convert_sync_batchnorm": "training.sync_batchnorm",
+    "Recorder": "training.results",
+    "evaluate": "training.evaluation",
+    "StopRequest": "training.checkpoint", "Stopped": "training.checkpoint", "EXIT_STOPPED": "training.checkpoint",
+    "Emulator": "planning.heterogeneity",
+    "UserError": "options",
+    "select_device": "mpi.devices",
+    "sample_weighted": "training.ddp", "sample_weighted_hook": "training.ddp", "SampleWeightedState": "training.ddp",
+    "init_process_group": "mpi.process_group",
 }
 __all__ = sorted([*_API, "save_checkpoint", "load_checkpoint"])
 
@@ -79,10 +89,49 @@ def __getattr__(name):
     if name in ("save_checkpoint", "load_checkpoint"):
         from .training import checkpoint
         return checkpoint.save if name == "save_checkpoint" else checkpoint.load
-    if name == "ddp":
+    if name == "ddp":                    # documented as dbs_mpi.ddp.sample_weighted(...)
         import importlib
-        return importlib.import_module(".ddp", __name__)
+        return importlib.import_module(".training.ddp", __name__)
     if name in _API:
         import importlib
         return getattr(importlib.import_module(f".{_API[name]}", __name__), name)
     raise AttributeError(f"module 'dbs_mpi' has no attribute {name!r}")
+
+
+# Where the modules were before the layers (0.2.0): `import dbs_mpi.comm` and
+# `from dbs_mpi.results import read_run` still work and give the module itself, not a
+# copy, so that scripts and notebooks written against the flat layout keep running.
+_MOVED = {old: f"{layer}.{old}" for layer, olds in {
+    "planning": ("allocation", "dynamic", "sharding", "heterogeneity"),
+    "mpi": ("startup", "comm", "devices", "transport", "process_group"),
+    "training": ("profiling", "balancer", "exchange", "optimizer", "sync_batchnorm", "ddp", "evaluation",
+                 "checkpoint", "results"),
+    "tools": ("config", "cli", "train", "plugins", "data", "models", "bench", "bench_tracking", "experiments",
+              "analysis", "simulator", "machine"),
+}.items() for old in olds}
+
+
+class _MovedModules:
+    """An import hook that answers `dbs_mpi.<old name>` with the module at its new place."""
+
+    @staticmethod
+    def find_spec(fullname, path=None, target=None):
+        package, _, old = fullname.rpartition(".")
+        if package != __name__ or old not in _MOVED:
+            return None
+        import importlib.util
+        return importlib.util.spec_from_loader(fullname, _MovedModules)
+
+    @staticmethod
+    def create_module(spec):
+        return None
+
+    @staticmethod
+    def exec_module(module):
+        import importlib
+        moved = _MOVED[module.__name__.rpartition(".")[2]]
+        # The import system hands back whatever sys.modules holds under the name.
+        _sys.modules[module.__name__] = importlib.import_module(f"{__name__}.{moved}")
+
+
+_sys.meta_path.insert(0, _MovedModules)         # before any finder that could find a stale file

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from dbs_mpi.planning import allocation, sharding
-from dbs_mpi.tools.data import (DataError, MissingData, NORMALISATION, augment, augment_params, load_dataset,
-                          read_cifar_binary, read_cifar_pickle, read_idx)
+from dbs_mpi.tools.data import (DataError, MissingData, NORMALISATION, load_dataset, read_cifar_binary,
+                                read_cifar_pickle, read_idx)
+from dbs_mpi.training.batches import augment, augment_params
 
 # --- writers of the official formats -----------------------------------------------
 

@@ -1,7 +1,7 @@
-"""The package's shape: the public API resolves, models and data know nothing of MPI,
-the modules the training loop builds on never import the command line's train.py, and
-no module imports, even inside a function, a module that imports it back (a cycle that
-a local import only hides)."""
+"""The package's shape: the public API resolves (at the old flat paths too), models and
+data know nothing of MPI, every import points down the layers (options, planning, mpi,
+training, parameter_server, tools), and no module imports, even inside a function, a
+module that imports it back (a cycle that a local import only hides)."""
 import ast
 import subprocess
 import sys
@@ -19,16 +19,19 @@ def imported_after(statement: str) -> set[str]:
     return set(out.stdout.split())
 
 
-@pytest.mark.parametrize("module", ["parameter_server", "balancer", "optimizer", "sharding", "evaluation",
-                                    "checkpoint", "results", "plugins"])
+@pytest.mark.parametrize("module", ["parameter_server", "training.balancer", "training.optimizer",
+                                    "planning.sharding", "training.evaluation", "training.checkpoint",
+                                    "training.results", "tools.plugins"])
 def test_library_modules_do_not_import_the_command_line(module):
     loaded = imported_after(f"import dbs_mpi.{module}")
     assert not loaded & {"dbs_mpi.tools.train", "dbs_mpi.tools.cli"}, loaded
 
 
-@pytest.mark.parametrize("module", ["models", "data", "allocation", "dynamic", "sharding", "heterogeneity", "config",
-                                    "bench_tracking", "startup",    # startup: it must run before MPI_Init
-                                    "results", "analysis", "machine"])   # see LAZY
+@pytest.mark.parametrize("module", ["tools.models", "tools.data", "training.batches", "planning.allocation",
+                                    "planning.dynamic", "planning.sharding", "planning.heterogeneity",
+                                    "tools.config", "options", "mpi", "training", "tools",
+                                    "tools.bench_tracking", "mpi.startup",    # startup: it must run before MPI_Init
+                                    "training.results", "tools.analysis", "tools.machine"])   # see LAZY
 def test_models_data_and_pure_functions_do_not_import_mpi(module):
     code = f"import sys, dbs_mpi.{module}; print('mpi4py.MPI' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
@@ -89,8 +92,9 @@ def cycle_through(graph, start):
 
 def test_no_module_imports_itself_back():
     graph = package_imports()
-    assert graph["optimizer"] >= {"exchange", "comm"} and "train" in graph["cli"], "the import graph is misread"
-    assert "parameter_server.__init__" in graph["train"] and "comm" in graph["parameter_server.server"], \
+    assert graph["training.optimizer"] >= {"training.exchange", "mpi.comm"} and "tools.train" in graph["tools.cli"], \
+        "the import graph is misread"
+    assert "parameter_server.__init__" in graph["tools.train"] and "mpi.comm" in graph["parameter_server.server"], \
         "imports of and within a subpackage are misread"
     cycles = [" -> ".join(c) for c in (cycle_through(graph, m) for m in sorted(graph)) if c]
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
@@ -108,13 +112,46 @@ def test_names_that_moved_are_the_same_objects_where_they_were_documented():
     assert ddp.destroy_process_group is process_group.destroy_process_group
 
 
+
+# The layers, bottom up: a module imports only from its own layer or the ones below.
+# The package's own __init__ (the public API) and __main__ sit above them all.
+LAYERS = ["options", "planning", "mpi", "training", "parameter_server", "tools", "__init__", "__main__"]
+
+
+def layer_of(module: str) -> str:
+    return module.split(".")[0]
+
+
+def test_every_module_is_in_a_layer_and_imports_only_downwards():
+    graph = package_imports()
+    assert {layer_of(m) for m in graph} <= set(LAYERS), \
+        f"modules outside the layers: {sorted(m for m in graph if layer_of(m) not in LAYERS)}"
+    upward = [f"{m} -> {t}" for m, targets in sorted(graph.items()) for t in sorted(targets)
+              if LAYERS.index(layer_of(t)) > LAYERS.index(layer_of(m))]
+    assert not upward, "imports that point up the layers:\n" + "\n".join(upward)
+
+
+def test_an_upward_import_is_found():
+    assert LAYERS.index(layer_of("tools.data")) > LAYERS.index(layer_of("training.balancer"))
+    assert layer_of("parameter_server.server") == "parameter_server" and layer_of("options") == "options"
+
+
+@pytest.mark.parametrize("old, new", [("comm", "mpi.comm"), ("results", "training.results"),
+                                      ("analysis", "tools.analysis"), ("allocation", "planning.allocation")])
+def test_the_flat_paths_of_0_2_0_give_the_same_modules(old, new):
+    code = (f"import importlib, dbs_mpi.{old} as a, dbs_mpi.{new} as b; from dbs_mpi import {old} as c; "
+            f"print(a is b is c is importlib.import_module('dbs_mpi.{old}'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "True"
+
+
 # The only modules that import package modules inside functions, and why: to keep a
 # dependency away from whoever does not need it, never to hide a cycle.
 LAZY = {
     "__init__": "the public API loads on first use: `import dbs_mpi` starts no MPI and loads no torch",
-    "cli": "the start-up watchdog forks before MPI and torch load; a command loads only what it runs",
-    "results": "readers of result files (the analysis, the notebooks) need neither MPI nor torch",
-    "machine": "the simulator's machine constants need neither torch nor MPI; measuring them does",
+    "tools.cli": "the start-up watchdog forks before MPI and torch load; a command loads only what it runs",
+    "training.results": "readers of result files (the analysis, the notebooks) need neither MPI nor torch",
+    "tools.machine": "the simulator's machine constants need neither torch nor MPI; measuring them does",
 }
 
 

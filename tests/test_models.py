@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from dbs_mpi.tools.models import (RESNET_GROUPS, CifarQuickCNN, ResNet20, build_model, caffe_pooled_size,
-                            num_parameters)
+                                  num_parameters)
 
 
 @pytest.mark.parametrize("name, shape, count", [

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..tools.config import UserError
+from ..options import UserError
 from . import startup
 
 POLL_SPIN = 20e-6       # seconds of plain polling before the first sleep

@@ -39,7 +39,7 @@ import socket
 import torch
 from mpi4py import MPI
 
-from ..tools.config import DEVICE_SPEC, UserError
+from ..options import DEVICE_SPEC, UserError
 from . import comm as mpi
 
 

@@ -15,7 +15,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from ..tools.config import UserError
+from ..options import UserError
 from . import comm as mpi
 from .devices import gpu_identity
 

@@ -50,7 +50,7 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from ..tools.config import EXCHANGES, UserError
+from ..options import EXCHANGES, UserError
 from . import comm as mpi
 from .devices import gpu_identity, mpi_cuda_aware
 from .process_group import init_process_group

@@ -38,12 +38,12 @@ import torch
 from mpi4py import MPI
 
 from ..mpi import comm as mpi, startup
+from ..options import UserError
 from ..planning import allocation, dynamic
 from ..planning.heterogeneity import Emulator
-from ..tools.config import UserError
-from ..tools.data import first_samples
 from ..training import checkpoint
 from ..training.balancer import calibrate, calibration_batches
+from ..training.batches import first_samples
 from ..training.profiling import model_step
 from .protocol import END_DONE, END_STOP, bind_parameters
 from .records import epoch_record

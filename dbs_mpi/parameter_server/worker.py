@@ -10,7 +10,7 @@ import torch
 from ..mpi import comm as mpi
 from ..mpi.devices import model_device, to_device
 from ..planning import sharding
-from ..tools.data import fetch_batch
+from ..training.batches import fetch_batch
 from .protocol import (
     CMD_STOP, G_COMPUTE, G_COUNT, G_LOSS, G_SIGNAL, G_VERSION, TAG_GRAD, TAG_WORK, W_COMMAND, W_COUNT, W_EPOCH, W_HELD,
     W_START, W_VERSION, Message, bind_gradients, bind_parameters)

@@ -1,1 +1,7 @@
-"""planning"""
+"""Planning: what every rank should do, computed from numbers alone. No MPI, no device.
+
+allocation.py (batch-size vectors from measured speed), dynamic.py (the DBS controller
+and its step-time estimator), sharding.py (uneven shards with equal step counts, the
+sampler) and heterogeneity.py (emulated speeds). The training layer and the simulator
+call the same functions, so a simulated run plans exactly as a real one.
+"""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..tools.config import UserError
+from ..options import UserError
 
 
 class AllocationError(UserError):

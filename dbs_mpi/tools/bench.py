@@ -45,12 +45,13 @@ import numpy as np
 from mpi4py import MPI
 
 from ..mpi import comm as mpi, devices
+from ..options import UserError
 from ..planning import allocation, sharding
 from ..training import sync_batchnorm
 from ..training.exchange import BUCKET_BYTES, FIRST_BUCKET_BYTES, GradientExchange
 from ..training.results import git_revision, versions
 from . import bench_tracking as tracking
-from .config import ArgumentParser, UserError
+from .config import ArgumentParser
 from .config import load as load_config
 from .data import load_synthetic
 from .models import MLP, build_model

@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..options import UserError
 from . import config as config_mod
-from .config import ArgumentParser, UserError
+from .config import ArgumentParser
 
 
 def _train_parser(prog="dbs-mpi train") -> argparse.ArgumentParser:

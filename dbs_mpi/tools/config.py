@@ -7,13 +7,10 @@ configuration is saved (as JSON) with every result file.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
-import numbers
-import re
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 try:  # Python >= 3.11
@@ -21,13 +18,8 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # pragma: no cover - older Pythons on clusters
     import tomli as tomllib
 
-
-class UserError(Exception):
-    """A mistake of the user's (bad option, missing file): reported in one line, exit 2."""
-
-
-class ConfigError(UserError):
-    pass
+from ..options import DEVICE_SPEC, EXCHANGES, ConfigError, UserError  # noqa: F401 (UserError: the commands' error)
+from ..planning.dynamic import parse_interval
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -49,8 +41,6 @@ DBS_MODELS = ("affine", "proportional")
 WAIT_POLICIES = ("auto", "spin", "sleep")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LOADERS = ("auto", "dataloader")
-EXCHANGES = ("auto", "host", "cuda-aware", "nccl", "gloo")   # transport.py
-DEVICE_SPEC = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")       # devices.py
 
 
 @dataclass(frozen=True)
@@ -344,21 +334,6 @@ def _check_emulation(c: Config) -> None:
         pair = getattr(c, name)
         if len(pair) != 2 or pair[0] < 0 or pair[1] < pair[0]:
             _fail(name, f"must be two numbers lo,hi with 0 <= lo <= hi; got {pair}")
-
-
-def parse_interval(value) -> int | None:
-    """dbs_interval as the balancer takes it: a positive number of steps, or "epoch"
-    (None: the DBS paper's per-epoch rule)."""
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text == "epoch":
-            return None
-        if not text.isdigit():
-            _fail("dbs_interval", f"must be a positive number of steps or \"epoch\"; got {value!r}")
-        value = int(text)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        _fail("dbs_interval", f"must be a positive number of steps or \"epoch\"; got {value!r}")
-    return int(value)
 
 
 def check_world(c: Config, world_size: int) -> None:

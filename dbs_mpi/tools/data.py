@@ -1,14 +1,10 @@
-"""Datasets as in-memory tensors, their augmentation, and `dbs-mpi data fetch|check`.
-No MPI here.
+"""The built-in datasets, read from their official files into memory, and `dbs-mpi
+data fetch|check`. No MPI here.
 
-Every built-in dataset is loaded whole into memory as float32 tensors (N, C, H, W),
-normalised with its standard per-channel mean and std, with int64 labels. It is also a
-map-style torch Dataset (dataset[i] is (image, label)), so a DataLoader takes it; but the
-training loop reads it through `InMemoryLoader`, the fast path, which indexes a whole
-local batch out of the tensors at once. Any other map-style dataset of (tensor, int
-label), a user's own, goes through torch's DataLoader; `first_samples` and
-`fetch_batch` read a few samples of either kind (calibration, the parameter server's
-workers).
+Every built-in dataset is loaded whole into memory as a `training.batches.Dataset`:
+float32 tensors (N, C, H, W), normalised with its standard per-channel mean and std,
+with int64 labels. How a rank's batches are cut out of it (and out of a user's own
+map-style dataset), and the CIFAR augmentation, are in training/batches.py.
 
 Where files are looked for: `<data_dir>/<name>/`, where data_dir is the `--data-dir`
 option, else the environment variable DBS_MPI_DATA_DIR, else `./data`.
@@ -43,14 +39,14 @@ import time
 import urllib.error
 import urllib.request
 import zlib
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from .config import ArgumentParser, UserError
+from ..options import UserError
+from ..training.batches import Dataset
+from .config import ArgumentParser
 
 ENV_DATA_DIR = "DBS_MPI_DATA_DIR"
 ENV_MIRROR = "DBS_MPI_MIRROR"
@@ -62,71 +58,6 @@ class DataError(UserError):
 
 class MissingData(DataError):
     """A file that should be there is not."""
-
-
-@dataclass(frozen=True)
-class Dataset:
-    x: torch.Tensor          # float32 (N, C, H, W), normalised
-    y: torch.Tensor          # int64 (N,)
-    num_classes: int
-    name: str
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    @property
-    def sample_shape(self) -> tuple:
-        return tuple(self.x.shape[1:])
-
-    def __getitem__(self, index):
-        """(image tensor, int label): the map-style Dataset protocol (one sample)."""
-        return self.x[index], int(self.y[index])
-
-
-class InMemoryLoader:
-    """The fast path for an in-memory Dataset: the HeteroSampler's batches indexed out of
-    the tensors in one gather each (no per-sample collation); with `augment`, the CIFAR
-    augmentation of the sampler's epoch. Iterates like DataLoader(dataset,
-    batch_sampler=sampler): (x, y) per step."""
-
-    def __init__(self, dataset: Dataset, sampler, augment: bool = False, seed: int = 0):
-        self.dataset, self.sampler, self.augment, self.seed = dataset, sampler, augment, seed
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def __iter__(self):
-        x_all, y_all = self.dataset.x, self.dataset.y
-        for indices in self.sampler.iter_arrays():
-            x = x_all[indices]
-            if self.augment:
-                x = augment(x, indices, self.sampler.epoch, self.seed)
-            yield x, y_all[indices]
-
-
-def fetch_batch(dataset, indices) -> tuple:
-    """Samples `indices` of a map-style dataset as a batch (x, y): one gather for an
-    in-memory Dataset, else dataset[i] for each and torch's default collation."""
-    if isinstance(dataset, Dataset):
-        return dataset.x[indices], dataset.y[indices]
-    from torch.utils.data import default_collate
-    return tuple(default_collate([dataset[int(i)] for i in indices]))
-
-
-def first_samples(dataset, count: int) -> tuple:
-    """The first `count` samples of a dataset as a batch (x, y), repeating it if it is
-    shorter (what the start-up calibration computes on, the same on every rank)."""
-    return fetch_batch(dataset, torch.arange(count) % len(dataset))
-
-
-def sample_shape_and_classes(dataset, num_classes: int = 0) -> tuple[tuple, int]:
-    """(shape of one input, number of classes) of a dataset: num_classes if given, else
-    the dataset's num_classes or len(classes) attribute (as torchvision datasets have)."""
-    if isinstance(dataset, Dataset):
-        return dataset.sample_shape, dataset.num_classes
-    x, _ = dataset[0]
-    classes = num_classes or getattr(dataset, "num_classes", 0) or len(getattr(dataset, "classes", ()) or ())
-    return tuple(x.shape), int(classes)
 
 
 # Per-channel mean and std of the training images (pixel values scaled to [0, 1]).
@@ -375,57 +306,6 @@ def load_dataset(name: str, split: str, data_dir=None, *, subset: int = 0, seed:
         ds = Dataset(x=ds.x[:subset].contiguous(), y=ds.y[:subset].contiguous(), num_classes=ds.num_classes,
                      name=ds.name)
     return ds
-
-
-# --- augmentation --------------------------------------------------------------------
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _mix64(z: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser: a bijection of uint64 in which every input bit flips
-    about half of the output bits."""
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def sample_hashes(indices, epoch: int, seed: int) -> np.ndarray:
-    """A 64-bit pseudo-random value per sample, a function of (seed, epoch, index) only."""
-    key = np.array([seed, epoch], dtype=np.int64).astype(np.uint64)
-    stream = _mix64(_mix64(key[:1] + _GOLDEN) + key[1:] + _GOLDEN)
-    return _mix64(stream + np.asarray(indices, dtype=np.uint64) + _GOLDEN)
-
-
-def augment_params(indices, epoch: int, seed: int, padding: int = 4) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(row offset, column offset, flip) of each sample's crop, offsets in 0..2*padding
-    pixels of the padded image: independent bits of the sample's hash."""
-    h = sample_hashes(indices, epoch, seed)
-    span = np.uint64(2 * padding + 1)
-    dy = (h & np.uint64(0xFFFFFFFF)) % span
-    dx = ((h >> np.uint64(32)) & np.uint64(0x7FFFFFFF)) % span
-    flip = (h >> np.uint64(63)).astype(bool)
-    return dy.astype(np.int64), dx.astype(np.int64), flip
-
-
-def augment(x: torch.Tensor, indices, epoch: int, seed: int, padding: int = 4) -> torch.Tensor:
-    """CIFAR-style augmentation of a batch x (N, C, H, W) of dataset samples `indices`:
-    pad by `padding` pixels of zeros (the mean colour, since x is normalised, as in He
-    et al. 2016), crop HxW at a random offset, flip horizontally with probability 1/2.
-
-    Each sample's crop and flip are a function of (seed, epoch, its dataset index) only:
-    the same whichever rank reads it and whatever else is in its batch, so a step's
-    transformed samples do not depend on the batch vector (allocation invariance).
-    Vectorised: one gather for the whole batch."""
-    n, c, h, w = x.shape
-    dy, dx, flip = (torch.from_numpy(a) for a in augment_params(indices, epoch, seed, padding))
-    padded = F.pad(x, (padding,) * 4)
-    height, width = h + 2 * padding, w + 2 * padding
-    rows = dy[:, None] + torch.arange(h)                       # (N, H) rows of the padded image
-    cols = dx[:, None] + torch.arange(w)                       # (N, W) columns
-    cols = torch.where(flip[:, None], cols.flip(1), cols)
-    flat = (rows[:, :, None] * width + cols[:, None, :]).view(n, 1, h * w).expand(n, c, h * w)
-    return padded.reshape(n, c, height * width).gather(2, flat).view(n, c, h, w)
 
 
 # --- integrity: published checksums ----------------------------------------------------

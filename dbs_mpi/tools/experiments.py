@@ -33,8 +33,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..options import UserError
 from . import config as config_mod
-from .config import UserError
 
 DEFAULT_GRID = "jobs/experiments.toml"
 DEFAULT_OUT = "results/grid"

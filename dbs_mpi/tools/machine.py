@@ -140,8 +140,9 @@ def loop_overhead(name: str, steps: int = 100, pairs: int = 7) -> float:
 
     from ..planning.sharding import HeteroSampler
     from ..training.balancer import Balancer
+    from ..training.batches import InMemoryLoader
     from ..training.optimizer import DistributedOptimizer
-    from .data import InMemoryLoader, load_synthetic
+    from .data import load_synthetic
     from .models import build_model
     data = load_synthetic("train", 32 * steps, SHAPES[name], 10, seed=0)
     model = build_model(name, SHAPES[name], 10)

@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..options import UserError
 from . import models
-from .config import UserError
 
 
 def is_spec(text: str) -> bool:

@@ -41,12 +41,13 @@ from pathlib import Path
 import numpy as np
 
 from ..mpi import comm as mpi
+from ..options import UserError
 from ..parameter_server import group_size
 from ..planning import allocation, dynamic, sharding
 from ..planning.heterogeneity import Emulator
 from ..training.balancer import calibration_batches
 from . import config as config_mod
-from .config import ArgumentParser, Config, UserError, tomllib
+from .config import ArgumentParser, Config, tomllib
 from .data import SPLIT_SIZES
 from .machine import Machine, ModelCost, calibrate
 from .train import train

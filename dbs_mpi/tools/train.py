@@ -22,17 +22,19 @@ from dataclasses import dataclass, field
 import torch
 
 from ..mpi import comm as mpi, devices, startup, transport
+from ..options import UserError
 from ..parameter_server import AsyncTrainer
 from ..planning.sharding import HeteroSampler, steps_per_epoch
 from ..training import checkpoint, sync_batchnorm
 from ..training.balancer import Balancer, steps_before_resume
+from ..training.batches import InMemoryLoader, first_samples, sample_shape_and_classes
 from ..training.checkpoint import EXIT_STOPPED, StopRequest, Stopped
 from ..training.evaluation import evaluate
 from ..training.optimizer import DistributedOptimizer, make_optimizer
 from ..training.results import Recorder, default_path
 from . import plugins
-from .config import ASYNC_STRATEGIES, Config, UserError, check_world
-from .data import InMemoryLoader, first_samples, load_dataset, sample_shape_and_classes
+from .config import ASYNC_STRATEGIES, Config, check_world
+from .data import load_dataset
 from .models import num_parameters
 
 

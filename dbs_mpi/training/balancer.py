@@ -47,10 +47,10 @@ import torch
 
 from ..mpi import comm as mpi
 from ..mpi.devices import model_device
+from ..options import UserError
 from ..planning import allocation, dynamic, sharding
 from ..planning.heterogeneity import Emulator
-from ..tools.config import UserError
-from ..tools.data import first_samples
+from .batches import first_samples
 from .profiling import StepTimes, model_step, split_wait, time_step
 
 POLICIES = ("ssgd", "static", "dbs")

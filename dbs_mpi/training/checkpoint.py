@@ -29,7 +29,7 @@ import torch
 from mpi4py import MPI
 
 from ..mpi import comm as mpi
-from ..tools.config import UserError
+from ..options import UserError
 
 EXIT_STOPPED = 3          # exit status after a stop request: checkpoint written, resume with --resume
 FORMAT_VERSION = 2        # 2: weights_only (tensors and plain types); 1 (pickled objects) is not read any more

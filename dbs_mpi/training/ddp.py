@@ -92,10 +92,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..mpi import comm as mpi
 from ..mpi.devices import model_device, synchronize
 from ..mpi.process_group import destroy_process_group, init_process_group  # noqa: F401 (documented here too)
-from ..tools.config import UserError
 from . import sync_batchnorm
 from .optimizer import batch_length
 

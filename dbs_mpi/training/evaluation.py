@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ..mpi import comm as mpi
 from ..mpi.devices import model_device, to_device
 from ..planning import sharding
-from ..tools.data import Dataset
+from .batches import Dataset
 
 
 def test_batches(dataset, part: slice, batch_size: int, num_workers: int = 0):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..tools.config import UserError
+from ..options import UserError
 
 # Root attributes: name -> meaning.
 SCHEMA_ATTRIBUTES = {
