@@ -29,7 +29,7 @@ def test_library_modules_do_not_import_the_command_line(module):
 
 @pytest.mark.parametrize("module", ["tools.models", "tools.data", "training.batches", "planning.allocation",
                                     "planning.dynamic", "planning.sharding", "planning.heterogeneity",
-                                    "tools.config", "options", "mpi", "training", "tools",
+                                    "tools.config", "options", pytest.param("mpi", id="mpi-package"), "training", "tools",
                                     "tools.bench_tracking", "mpi.startup",    # startup: it must run before MPI_Init
                                     "training.results", "tools.analysis", "tools.machine"])   # see LAZY
 def test_models_data_and_pure_functions_do_not_import_mpi(module):
