@@ -20,6 +20,7 @@ The library API (docs/api.md), for any PyTorch training script:
 
 The layers, bottom up (each imports only from the layers below it; tests/test_layout.py
 checks that):
+  about.py          the version, the cores the process had when dbs_mpi was imported
   options.py        UserError, and the choices the lower layers check themselves
   planning/         pure planning, no MPI: what a rank should do, from numbers
     allocation.py     batch-size vectors from measured speed
@@ -53,17 +54,9 @@ checks that):
     analysis.py       result files -> pandas tables
     simulator.py, machine.py  the cluster simulator and its measured machine constants
 """
-__version__ = "0.2.0"
-
-import os as _os
 import sys as _sys
 
-# The cores this process was given, read before torch is imported: with OMP_PROC_BIND
-# set, OpenMP pins the main thread to its first core when torch loads (comm.affinity).
-try:
-    _AFFINITY_AT_IMPORT = frozenset(_os.sched_getaffinity(0))
-except AttributeError:  # pragma: no cover - not Linux
-    _AFFINITY_AT_IMPORT = frozenset()
+from .about import __version__  # noqa: F401 (first: it reads the cores before torch loads)
 
 # The public API, imported on first use (so that `import dbs_mpi.tools.config` stays light and
 # nothing initialises MPI before it is needed).

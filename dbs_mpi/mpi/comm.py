@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..about import AFFINITY_AT_IMPORT
 from ..options import UserError
 from . import startup
 
@@ -509,9 +510,8 @@ def affinity() -> set[int]:
     """The cores this process may run on: its affinity set, and the one it had when
     dbs_mpi was imported (OMP_PROC_BIND makes OpenMP pin the main thread to one of them
     when torch loads; a script that imports torch first sees only that core)."""
-    from .. import _AFFINITY_AT_IMPORT
     try:
-        return set(os.sched_getaffinity(0)) | set(_AFFINITY_AT_IMPORT)
+        return set(os.sched_getaffinity(0)) | set(AFFINITY_AT_IMPORT)
     except AttributeError:  # pragma: no cover - not Linux
         return set(range(os.cpu_count() or 1))
 

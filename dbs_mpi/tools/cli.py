@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..about import __version__
 from ..options import UserError
 from . import config as config_mod
 from .config import ArgumentParser
@@ -227,7 +228,6 @@ COMMANDS = {"train": cmd_train, "info": cmd_info, "bench": cmd_bench, "data": cm
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-V", "--version"):
-        from .. import __version__
         print(f"dbs-mpi {__version__}")
         return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:

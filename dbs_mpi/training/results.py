@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..about import __version__
 from ..options import UserError
 
 # Root attributes: name -> meaning.
@@ -170,7 +171,6 @@ def versions(mpi_library: str = "") -> dict:
     import mpi4py
     import torch
 
-    from .. import __version__
     return {"python": platform.python_version(), "torch": torch.__version__, "mpi4py": mpi4py.__version__,
             "numpy": np.__version__, "h5py": h5py.__version__, "dbs_mpi": __version__, "mpi_library": mpi_library}
 
