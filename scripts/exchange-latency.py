@@ -3,8 +3,8 @@
     .venv/bin/mpirun -n 2 .venv/bin/python scripts/exchange-latency.py --base dc09c60 --repeats 5
 
 The package at --base is exported (`git archive`) into a temporary folder as
-`dbs_mpi_base`, so that both versions of GradientExchange (exchange.py; comm.py before
-it had a module of its own) live in the same processes. For each model, both exchanges are built over the same parameters (the .grad
+`dbs_mpi_base`, so that both versions of GradientExchange (training/exchange.py; exchange.py
+before the layers, comm.py before it had a module of its own) live in the same processes. For each model, both exchanges are built over the same parameters (the .grad
 tensors end up viewing the last one; both buffers are filled before each call) and timed
 alternately: every repeat times `iterations` calls of each (a barrier before every call,
 the order swapped from call to call), and keeps the median. Reported: the median over
@@ -107,7 +107,8 @@ def main() -> int:
         export_base(a.base, Path(folder))
     comm.Barrier()
     sys.path.insert(0, folder)
-    base_module = "exchange" if (Path(folder) / "dbs_mpi_base" / "exchange.py").exists() else "comm"
+    base_module = next(m for m in ("training.exchange", "exchange", "comm")     # where it lived at that revision
+                       if (Path(folder) / "dbs_mpi_base" / (m.replace(".", "/") + ".py")).exists())
     base_exchange = importlib.import_module(f"dbs_mpi_base.{base_module}")
 
     import dbs_mpi.training.exchange as current_exchange
