@@ -35,7 +35,7 @@ import numpy as np
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512)
 SHAPES = {"lenet5": (1, 28, 28), "mlp": (1, 28, 28), "resnet20": (3, 32, 32), "cifar-cnn": (3, 32, 32)}
-DEFAULT_MACHINE = Path(__file__).resolve().parents[1] / "results" / "machine" / "dev-2core.json"
+DEFAULT_MACHINE = Path(__file__).resolve().parents[2] / "results" / "machine" / "dev-2core.json"
 
 
 @dataclass
