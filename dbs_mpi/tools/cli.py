@@ -95,8 +95,7 @@ def load_train_config(argv, rank: int):
 
 
 def cmd_train(comm, argv) -> int:
-    from ..mpi import comm as mpi
-    from ..mpi import startup
+    from ..mpi import comm as mpi, startup
     from .train import format_summary, train
 
     startup.phase("config", backstop=True)
@@ -141,10 +140,8 @@ def cmd_info(comm, argv) -> int:
     import torch
     from mpi4py import MPI
 
-    from ..mpi import comm as mpi
+    from ..mpi import comm as mpi, devices
     from ..training.results import versions
-
-    from ..mpi import devices
 
     parser = ArgumentParser(prog="dbs-mpi info", description="Print the MPI, PyTorch and device environment of every rank: "
                      "the device each rank would train on with the same --device/--devices.")
