@@ -153,18 +153,47 @@ def test_pbs_job_across_two_nodes(nodes, tmp_path):
     check_placement(tmp_path / f"train-{job}.h5", per_node=2)
 
 
+# Slurm 22.05's pmi2 server now and then misreads MPICH's business card: slurmstepd logs
+# "value not properly terminated in client request", a rank reads a cut card (UCX:
+# "failed to unpack address") and fails in MPI_Init, and the ranks that got theirs wait
+# there until the start-up limit (600 s for `info`). It came and went on this machine
+# (2 of 3 full test runs; 0 of 30 launches by hand): the launcher's fault, not the job's.
+# Such a launch is cancelled and tried again; a cluster that misreads every try skips the
+# test, saying so. jobs/README.md tells users the same.
+PMI2_MISREAD = "mpi/pmi2: value not properly terminated"
+SRUN_SECONDS, SRUN_TRIES = 60, 3        # `info` on 4 ranks takes about 4 s
+
+
+def _srun(env, *args):
+    """`srun --mpi=pmi2` of `dbs-mpi ARGS` on both nodes, tried again after a launch that
+    Slurm's pmi2 server misread; a launch that runs past SRUN_SECONDS is cancelled."""
+    program = ROOT / ".venv" / "bin" / "dbs-mpi"
+    srun = ["srun", "--mpi=pmi2", "-J", "dbs-mpi-info", "-N", "2", "--ntasks-per-node=2", "-t", str(JOB_MINUTES),
+            str(program) if program.exists() else "dbs-mpi", *args]
+    for attempt in range(SRUN_TRIES):
+        proc = subprocess.Popen(srun, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = proc.communicate(timeout=SRUN_SECONDS)
+        except subprocess.TimeoutExpired:
+            subprocess.run(["scancel", "-n", "dbs-mpi-info"], env=env, timeout=30)
+            out, err = proc.communicate(timeout=60)
+            err += f"\n(test: cancelled after {SRUN_SECONDS} s)"
+        if PMI2_MISREAD not in err:
+            return subprocess.CompletedProcess(srun, proc.returncode, out, err)
+        print(f"launch {attempt + 1} misread by Slurm's pmi2 server; stderr: {err[-400:]}")
+    pytest.skip(f"Slurm's pmi2 server misread all {SRUN_TRIES} launches ({PMI2_MISREAD!r}): a launcher fault")
+
+
 def test_info_lists_both_nodes_and_names_the_node_of_a_missing_device(nodes):
     """srun --mpi=pmi2 (Slurm starts the ranks itself) across the nodes: `dbs-mpi info`
     has a line per rank with its node; a device that does not exist on rank 3 is named
     with its node, on every rank, exit 2."""
     env = nodes.job_env(results="")
-    srun = ["srun", "--mpi=pmi2", "-N", "2", "--ntasks-per-node=2", "-t", str(JOB_MINUTES),
-            str(ROOT / ".venv" / "bin" / "dbs-mpi") if (ROOT / ".venv" / "bin" / "dbs-mpi").exists() else "dbs-mpi"]
-    p = _run([*srun, "info"], env)
+    p = _srun(env, "info")
     assert p.returncode == 0, p.stdout + p.stderr
     rows = re.findall(r"^\s+(\d+)\s+(node\d)\s+\d+\s+(\d+)\s+(\d+)\s+cpu\b", p.stdout, re.M)
     assert [(r, h) for r, h, _, _ in rows] == [("0", "node1"), ("1", "node1"), ("2", "node2"), ("3", "node2")], p.stdout
-    p = _run([*srun, "info", "--devices", "cpu,cpu,cpu,cuda"], env)
+    p = _srun(env, "info", "--devices", "cpu,cpu,cpu,cuda")
     assert p.returncode == 2, p.stdout + p.stderr
     assert "dbs-mpi: error: device: cuda requested for rank 3 on node2" in p.stderr, p.stderr
     assert re.search(r"node1: tasks 0-1: Exited with exit code 2", p.stderr), p.stderr
