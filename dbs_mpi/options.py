@@ -1,11 +1,14 @@
 """What every layer checks a user's choice against: the error a bad choice raises, and
 the choices that the layers below the configuration check themselves (a library user
-passes `exchange=` and `device=` to them without a configuration file).
+passes `exchange=`, `device=` and `interval=` to them without a configuration file).
+Plain Python: the command line reads it before the start-up watchdog forks, before
+numpy, torch or MPI load.
 
 UserError is the one exception that means "the user's mistake": the command line prints
 its message as one line on every rank and exits 2. Everything else is a bug or a
 failure of the machine, reported with its traceback.
 """
+import numbers
 import re
 
 
@@ -19,3 +22,18 @@ class ConfigError(UserError):
 
 EXCHANGES = ("auto", "host", "cuda-aware", "nccl", "gloo")   # mpi/transport.py
 DEVICE_SPEC = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")       # mpi/devices.py
+
+
+def parse_interval(value) -> int | None:
+    """dbs_interval as the balancer takes it: a positive number of steps, or "epoch"
+    (None: the DBS paper's per-epoch rule)."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "epoch":
+            return None
+        if not text.isdigit():
+            raise ConfigError(f"dbs_interval: must be a positive number of steps or \"epoch\"; got {value!r}")
+        value = int(text)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ConfigError(f"dbs_interval: must be a positive number of steps or \"epoch\"; got {value!r}")
+    return int(value)

@@ -8,6 +8,7 @@ s + 1, in force from step s + 2 (no prefetching).
 import numpy as np
 import pytest
 
+from dbs_mpi.options import parse_interval
 from dbs_mpi.planning import dynamic
 from dbs_mpi.planning.allocation import SpeedModel
 from dbs_mpi.planning.dynamic import RECENT, StepPlanner, StepTimeEstimator
@@ -254,13 +255,13 @@ def test_planner_state_round_trips():
 
 @pytest.mark.parametrize("text, steps", [("epoch", None), ("1", 1), ("25", 25), (8, 8)])
 def test_interval_parses(text, steps):
-    assert dynamic.parse_interval(text) == steps
+    assert parse_interval(text) == steps
 
 
 @pytest.mark.parametrize("bad", ["0", "-3", "1.5", "every", 0, True, 2.0])
 def test_a_bad_interval_is_one_line(bad):
     with pytest.raises(dynamic.UserError, match="dbs_interval"):
-        dynamic.parse_interval(bad)
+        parse_interval(bad)
 
 
 def test_switch_step_waits_for_samples_already_handed_out():

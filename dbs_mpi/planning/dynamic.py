@@ -51,13 +51,12 @@ rank adds P.
 from __future__ import annotations
 
 import math
-import numbers
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..options import ConfigError, UserError
+from ..options import UserError
 from .allocation import SpeedModel, round_preserving_sum
 
 RECENT = 5            # steps: a rank's current level is the median of its last RECENT ratios
@@ -624,18 +623,3 @@ class DBSController:
                 move = candidate - current
         self.last_move, self.last_reversed = move, reverse
         return candidate, ratio
-
-
-def parse_interval(value) -> int | None:
-    """dbs_interval as the balancer takes it: a positive number of steps, or "epoch"
-    (None: the DBS paper's per-epoch rule)."""
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text == "epoch":
-            return None
-        if not text.isdigit():
-            raise ConfigError(f"dbs_interval: must be a positive number of steps or \"epoch\"; got {value!r}")
-        value = int(text)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ConfigError(f"dbs_interval: must be a positive number of steps or \"epoch\"; got {value!r}")
-    return int(value)

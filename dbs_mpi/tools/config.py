@@ -18,8 +18,7 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # pragma: no cover - older Pythons on clusters
     import tomli as tomllib
 
-from ..options import DEVICE_SPEC, EXCHANGES, ConfigError, UserError  # noqa: F401 (UserError: the commands' error)
-from ..planning.dynamic import parse_interval
+from ..options import DEVICE_SPEC, EXCHANGES, ConfigError, UserError, parse_interval  # noqa: F401 (UserError)
 
 
 class ArgumentParser(argparse.ArgumentParser):

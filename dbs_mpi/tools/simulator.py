@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from ..mpi import comm as mpi
-from ..options import UserError
+from ..options import UserError, parse_interval
 from ..parameter_server import group_size
 from ..planning import allocation, dynamic, sharding
 from ..planning.heterogeneity import Emulator
@@ -338,7 +338,7 @@ def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0
 
 def step_replanner(job: Job, fit: allocation.SpeedModel, ranks: int) -> dynamic.Replanner | None:
     """The engine's within-epoch Replanner (rank 0's: the one whose proposals count), or None."""
-    interval = dynamic.parse_interval(job.dbs_interval)
+    interval = parse_interval(job.dbs_interval)
     if job.strategy != "dbs" or interval is None or ranks == 1:
         return None
     return dynamic.Replanner(0, ranks, job.global_batch, job.min_local_batch, job.max_local_batch or None,
@@ -814,7 +814,7 @@ def _check_values(args, machine: Machine) -> None:
         raise UserError(f"noise: must be 0 or more, got {args.noise}")
     if not args.speed_spread >= 1:
         raise UserError(f"speed-spread: must be at least 1 (speeds log-uniform in [1/R, 1]), got {args.speed_spread}")
-    dynamic.parse_interval(args.dbs_interval)                       # one line naming dbs_interval
+    parse_interval(args.dbs_interval)                       # one line naming dbs_interval
     if args.network not in NETWORKS:
         try:
             alpha, beta = (float(v) for v in args.network.split(","))
