@@ -20,7 +20,7 @@ DATA_DIR ?= data
 # Bound on each MPI test session, so that a hang fails instead of blocking CI.
 TEST_TIMEOUT ?= 2400
 
-.PHONY: install venv deps data test test-serial test-mpi test-np% run bench bench-hetero bench-ab info clean experiments figures test-notebooks
+.PHONY: install venv deps data test test-serial test-serial-jobs test-serial-rest test-mpi test-np% run bench bench-hetero bench-ab info clean experiments figures test-notebooks
 
 # `make install` is idempotent: a stamp in the venv records a finished install (per MPI
 # choice), redone only when setup.cfg or pyproject.toml change; the data script skips
@@ -53,12 +53,23 @@ endif
 data:
 	@bash scripts/get-data.sh $(DATA_DIR)
 
+# The suites two at a time (most of a test's time goes to launching ranks, which seldom
+# keeps both cores busy; two suites at once do), longest first: the next starts when one
+# ends. Each suite's output is printed in one piece when it ends.
 test: install
-	$(MAKE) --no-print-directory test-serial test-np1 test-np2 test-np4 test-notebooks
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-serial-jobs test-serial-rest \
+		test-np4 test-np2 test-notebooks test-np1
 
-# Unit tests, and tests that launch mpirun themselves (error propagation, CLI).
+# Unit tests, and tests that launch mpirun themselves (error propagation, CLI), in one
+# session; `make test` runs it as two: the job, stop, stall and resume tests, and the rest.
+SERIAL_JOBS := tests/test_checkpoint.py tests/test_jobs.py tests/test_multinode.py tests/test_stuck.py
+PYTEST_SERIAL = DBS_MPI_MPIEXEC=$(MPIEXEC) timeout $(TEST_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider
 test-serial:
-	DBS_MPI_MPIEXEC=$(MPIEXEC) timeout $(TEST_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider tests
+	$(PYTEST_SERIAL) tests
+test-serial-jobs:
+	$(PYTEST_SERIAL) $(SERIAL_JOBS)
+test-serial-rest:
+	$(PYTEST_SERIAL) tests $(SERIAL_JOBS:%=--ignore=%)
 
 # The MPI tests at one rank, without mpirun (the 1-rank path needs no launcher).
 test-np1:
