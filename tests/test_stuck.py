@@ -55,10 +55,11 @@ def stop_one_rank(tmp_path, args, ranks, victim):
 def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path, strategy, policy, ranks, waited_in):
     victim = ranks - 1
     # No checkpoint between epochs: the stop comes as "epoch 1/500" is printed, which is when
-    # every rank would enter the epoch's checkpoint; on a busy machine the victim would often
-    # be stopped there, in an allgather, which cannot tell which rank is missing. Without it,
-    # the next wait is a step's (asgd: the run stays inside the protocol; the server logs
-    # "epoch 1/500 trained" as soon as the epoch's samples are applied).
+    # every rank would enter the epoch's checkpoint; on a busy machine the victim was often
+    # stopped there, and the job ended as it should (naming the rank), but in the
+    # checkpoint's gather, not in the wait named here. Without it, the next wait is a step's
+    # (asgd: the run stays inside the protocol; the server logs "epoch 1/500 trained" as soon
+    # as the epoch's samples are applied).
     extra = ["--checkpoint-every", "0"]
     strategy, _, exchange = strategy.partition("/")
     extra += ["--exchange", exchange] if exchange else []
