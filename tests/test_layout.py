@@ -38,13 +38,13 @@ def test_models_data_and_pure_functions_do_not_import_mpi(module):
     assert out.stdout.strip() == "False"
 
 
-
 def test_the_command_line_loads_nothing_heavy_before_the_start_up_watchdog_forks():
     """`dbs-mpi` forks its start-up watchdog first thing: a child forked after numpy
     (OpenBLAS's threads), torch or MPI have loaded inherits their state."""
     code = "import sys, dbs_mpi.tools.cli; print(sorted({'numpy', 'torch', 'mpi4py'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"
+
 
 def test_every_public_name_resolves():
     for name in dbs_mpi.__all__:

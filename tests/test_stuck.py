@@ -14,9 +14,15 @@ from conftest import ROOT, dbs_mpi_cmd, mpiexec, rank_pids, read_released, run_c
 
 TIMEOUT = 5          # --comm-timeout of these runs, seconds
 SLACK = 6            # seconds the job may take beyond it to end
+# No checkpoint between epochs: a rank is stopped as "epoch 1/500" is printed, which is when
+# every rank would enter the epoch's checkpoint; on a busy machine the victim was often
+# stopped there, and the job ended as it should (naming the rank), but in the checkpoint's
+# gather, not in the wait the tests name. Without it, the next wait is a step's (asgd: the
+# run stays inside the protocol; the server logs "epoch 1/500 trained" as soon as the
+# epoch's samples are applied).
 RUN = ["train", "--dataset", "synthetic", "--synthetic-samples", "3000", "--test-subset", "100", "--epochs", "500",
        "--global-batch", "60", "--benchmark-steps", "1", "--benchmark-warmup", "0", "--comm-timeout", str(TIMEOUT),
-       "--progress", "false"]
+       "--progress", "false", "--checkpoint-every", "0"]
 
 
 def stop_one_rank(tmp_path, args, ranks, victim):
@@ -54,15 +60,8 @@ def stop_one_rank(tmp_path, args, ranks, victim):
 ])
 def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path, strategy, policy, ranks, waited_in):
     victim = ranks - 1
-    # No checkpoint between epochs: the stop comes as "epoch 1/500" is printed, which is when
-    # every rank would enter the epoch's checkpoint; on a busy machine the victim was often
-    # stopped there, and the job ended as it should (naming the rank), but in the
-    # checkpoint's gather, not in the wait named here. Without it, the next wait is a step's
-    # (asgd: the run stays inside the protocol; the server logs "epoch 1/500 trained" as soon
-    # as the epoch's samples are applied).
-    extra = ["--checkpoint-every", "0"]
     strategy, _, exchange = strategy.partition("/")
-    extra += ["--exchange", exchange] if exchange else []
+    extra = ["--exchange", exchange] if exchange else []
     elapsed, code, err, out = stop_one_rank(tmp_path, ["--strategy", strategy, "--wait-policy", policy, *extra],
                                             ranks, victim)
     assert code != 0, err
@@ -79,8 +78,7 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path, strategy, poli
 
 
 def test_a_stopped_rank_0_ends_the_job_too(tmp_path):
-    elapsed, code, err, out = stop_one_rank(tmp_path, ["--strategy", "ssgd", "--wait-policy", "spin", "--checkpoint-every",
-                                                       "0"], 2, victim=0)
+    elapsed, code, err, out = stop_one_rank(tmp_path, ["--strategy", "ssgd", "--wait-policy", "spin"], 2, victim=0)
     assert code != 0
     assert elapsed < TIMEOUT + SLACK, f"the job outlived the stopped rank by {elapsed:.1f} s"
     assert "waited more than 5 s in the gradient allreduce" in err, err

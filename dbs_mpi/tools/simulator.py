@@ -814,7 +814,7 @@ def _check_values(args, machine: Machine) -> None:
         raise UserError(f"noise: must be 0 or more, got {args.noise}")
     if not args.speed_spread >= 1:
         raise UserError(f"speed-spread: must be at least 1 (speeds log-uniform in [1/R, 1]), got {args.speed_spread}")
-    parse_interval(args.dbs_interval)                       # one line naming dbs_interval
+    parse_interval(args.dbs_interval)                               # one line naming dbs_interval
     if args.network not in NETWORKS:
         try:
             alpha, beta = (float(v) for v in args.network.split(","))

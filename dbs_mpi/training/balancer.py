@@ -304,7 +304,7 @@ class BatchPolicy:
         self.min_local, self.max_local = int(min_local_batch), int(max_local_batch) or None
         self.affine, self.timeout = dbs_model == "affine", float(timeout)
         self.damping = damping                                    # smoothing, follow, min_gain
-        self.interval = parse_interval(interval)          # None: once per epoch
+        self.interval = parse_interval(interval)                  # None: once per epoch
         self.replanner: dynamic.Replanner | None = None
         if policy == "dbs" and self.interval is not None and self.world_size > 1:
             self.replanner = dynamic.Replanner(self.rank, self.world_size, self.global_batch, self.min_local,
