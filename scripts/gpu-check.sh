@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The GPU checks of a GPU node in one bounded run: the CUDA tests at 1 and 2 ranks, then
+# the GPU figures (README, "GPUs"), every step under its own time limit, the whole run
+# under BUDGET seconds (a step that would start with less than 20 s left is skipped).
+#
+#   scripts/gpu-check.sh [OUTDIR]          # default results/gpu; the log: OUTDIR/gpu-check.log
+#
+# Environment: PYTHON (default python3), MPIRUN (default mpirun), BUDGET (default 3600),
+# SCALE (1: the sizes below; 2 or more: larger runs for a longer allocation).
+# Assumes a node with one GPU and 16 cores (8 ranks: 1 GPU rank and 7 CPU ranks of 2 threads).
+set -u
+out=${1:-results/gpu}
+py=${PYTHON:-python3}
+mpirun=${MPIRUN:-mpirun}
+budget=${BUDGET:-3600}
+scale=${SCALE:-1}
+mkdir -p "$out"
+log=$out/gpu-check.log
+bench=$out/bench
+start=$SECONDS
+
+step() {    # step NAME LIMIT COMMAND...: COMMAND's output into the log, bounded by LIMIT and the budget
+    local name=$1 limit=$2 left t0 code
+    shift 2
+    left=$((budget - (SECONDS - start)))
+    if ((left < 20)); then
+        echo "== $name: skipped, the budget of ${budget} s is spent" | tee -a "$log"
+        return
+    fi
+    ((limit > left)) && limit=$left
+    echo "== $name (limit ${limit} s): $*" | tee -a "$log"
+    t0=$SECONDS
+    timeout -k 5 "$limit" "$@" >>"$log" 2>&1
+    code=$?
+    echo "== $name: exit $code after $((SECONDS - t0)) s" | tee -a "$log"
+}
+
+cuda_aware() {
+    "$py" -c "from dbs_mpi.mpi import devices; raise SystemExit(0 if devices.mpi_cuda_aware() else 1)" 2>/dev/null
+}
+
+facts() {
+    nvidia-smi -L
+    "$py" -c "import sys, torch, mpi4py, h5py, numpy; from mpi4py import MPI
+print('python', sys.version.split()[0], 'torch', torch.__version__, 'CUDA', torch.version.cuda,
+      'cuDNN', torch.backends.cudnn.version(), 'NCCL', torch.cuda.nccl.version() if torch.cuda.is_available() else None)
+print('mpi4py', mpi4py.__version__, 'h5py', h5py.__version__, 'numpy', numpy.__version__)
+print(MPI.Get_library_version().splitlines()[0])"
+    "$py" -m dbs_mpi info --device cuda
+}
+
+export -f facts
+export py
+cpus=cuda$(printf ',cpu%.0s' 1 2 3 4 5 6 7)
+step facts 60 bash -c facts
+step cuda-tests-1-rank 300 "$py" -m pytest -q -p no:cacheprovider -s -rs -m cuda tests/test_cuda.py
+step cuda-tests-2-ranks 150 "$mpirun" -n 2 "$py" tests/mpi_pytest.py -q -p no:cacheprovider -rs --with-mpi \
+    -m "mpi and cuda" tests/test_cuda.py
+# (c) one GPU rank against a plain PyTorch loop of the same model and batch
+step overhead 90 "$py" -m dbs_mpi bench overhead --device cuda --model lenet5 --local-batch 512 --steps 100 \
+    --out-dir "$bench"
+# (a) 1 GPU rank beside 7 CPU ranks of 2 threads: LeNet-5 on Fashion-MNIST, ResNet-20 on CIFAR-10-shaped data
+step mixed-lenet5 150 "$mpirun" -n 8 "$py" -m dbs_mpi bench hetero --speeds none --devices "$cpus" \
+    --subset $((30000 * scale)) --out-dir "$bench"
+step mixed-resnet20 180 "$mpirun" -n 8 "$py" -m dbs_mpi bench hetero --speeds none --devices "$cpus" \
+    --model resnet20 --dataset synthetic --synthetic-shape 3,32,32 --synthetic-samples $((4096 * scale)) \
+    --global-batch 256 --out-dir "$bench"
+# (b) 4 ranks sharing the GPU with different shares: ResNet-20, host-staged (and CUDA-aware where MPI is)
+for exchange in host cuda-aware; do
+    if [ "$exchange" = cuda-aware ] && ! cuda_aware; then
+        echo "== shared-gpu-cuda-aware: not run, this MPI is not CUDA-aware" | tee -a "$log"
+        continue
+    fi
+    step "shared-gpu-$exchange" 150 "$mpirun" -n 4 "$py" -m dbs_mpi bench hetero --device cuda \
+        --speeds 1,0.5,0.5,0.25 --model resnet20 --dataset synthetic --synthetic-shape 3,32,32 \
+        --synthetic-samples $((8192 * scale)) --global-batch 256 --exchange "$exchange" --out-dir "$bench"
+done
+echo "== done after $((SECONDS - start)) s" | tee -a "$log"
