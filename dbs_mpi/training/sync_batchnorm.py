@@ -220,9 +220,12 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         need_input = ctx.needs_input_grad[0]                 # the same on every rank: the same model
         if ctx.count:
             # eval-form BatchNorm backward with the global statistics: gamma invstd dy, and the
-            # local sums of dy x_hat (gamma's gradient) and of dy (beta's)
+            # local sums of dy x_hat (gamma's gradient) and of dy (beta's). The saved statistics
+            # are empty, not None: CUDA's kernel for 2-d and channels-last inputs asserts that
+            # they are given, and takes the running ones (here the global) when they are empty.
+            unsaved = mean.new_empty(0)
             partial, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                dy, x, gain, mean, var, None, None, False, ctx.eps, [need_input, True, True])
+                dy, x, gain, mean, var, unsaved, unsaved, False, ctx.eps, [need_input, True, True])
         else:                                                 # a placeholder sample: no part in anything
             partial, sum_dy_xhat, sum_dy = None, torch.zeros_like(mean), torch.zeros_like(mean)
         grad_weight = sum_dy_xhat if weight is not None and ctx.needs_input_grad[1] else None
