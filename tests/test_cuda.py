@@ -57,12 +57,18 @@ class SleepyNet(nn.Module):
 
 
 def kernel_seconds() -> float:
+    """Seconds of the spinning kernel at the GPU's working clock: the shortest of three
+    after a warm-up (an idle GPU runs its first kernels at a lower clock: 34 ms against
+    25 ms on an H200, which made a clock that was right look 25% short)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(SLEEP_CYCLES)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1000
+    times = []
+    for _ in range(4):
+        start.record()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return min(times[1:])
 
 
 @pytest.fixture(autouse=True)
@@ -171,12 +177,12 @@ def test_gpu_exchanges_give_the_cpus_sum(comm, transport, sleep):
 
 def test_train_on_the_gpu_end_to_end(tmp_path):
     out = tmp_path / "gpu.h5"
-    proc = run_cli(["train", "--dataset", "synthetic", "--epochs", "2", "--device", "cuda", "--out", str(out),
-                    "--progress", "false"], timeout=300)
+    proc = run_cli(["train", "--dataset", "synthetic", "--epochs", "2", "--global-batch", "64", "--device", "cuda",
+                    "--out", str(out), "--progress", "false"], timeout=300)
     assert proc.returncode == 0, proc.stderr
     run = read_released(out, time.time() + 30)
     assert list(run["attrs"]["rank_devices"]) == ["cuda:0"] and run["attrs"]["status"] == "complete"
-    assert run["data"]["epoch/test_accuracy"][-1] > 0.3
+    assert run["data"]["epoch/test_accuracy"][-1] > 0.5, "on the CPU: 0.85 to 0.98 (3 seeds); 16 steps of 512: 0.15"
 
 
 def test_a_job_mixing_a_gpu_rank_and_cpu_ranks(tmp_path):
