@@ -54,12 +54,19 @@ export py
 cpus=cuda$(printf ',cpu%.0s' 1 2 3 4 5 6 7)
 step facts 60 bash -c facts
 step cuda-tests-1-rank 300 "$py" -m pytest -q -p no:cacheprovider -s -rs -m cuda tests/test_cuda.py
+step cuda-tests-mpi-1-rank 90 "$mpirun" -n 1 "$py" tests/mpi_pytest.py -q -p no:cacheprovider -rs --with-mpi \
+    -m "mpi and cuda" tests/test_cuda.py
 step cuda-tests-2-ranks 150 "$mpirun" -n 2 "$py" tests/mpi_pytest.py -q -p no:cacheprovider -rs --with-mpi \
     -m "mpi and cuda" tests/test_cuda.py
 # (c) one GPU rank against a plain PyTorch loop of the same model and batch
 step overhead 90 "$py" -m dbs_mpi bench overhead --device cuda --model lenet5 --local-batch 512 --steps 100 \
     --out-dir "$bench"
-# (a) 1 GPU rank beside 7 CPU ranks of 2 threads: LeNet-5 on Fashion-MNIST, ResNet-20 on CIFAR-10-shaped data
+# (a) 1 GPU rank beside 7 CPU ranks of 2 threads: LeNet-5 on Fashion-MNIST, ResNet-20 on CIFAR-10-shaped
+# data; first the GPU rank alone on the same epoch
+alone="$py -m dbs_mpi bench hetero --speeds none --device cuda --strategies ssgd --out-dir $bench"
+step alone-lenet5 60 $alone --subset $((30000 * scale))
+step alone-resnet20 60 $alone --model resnet20 --dataset synthetic --synthetic-shape 3,32,32 \
+    --synthetic-samples $((4096 * scale)) --global-batch 256
 step mixed-lenet5 150 "$mpirun" -n 8 "$py" -m dbs_mpi bench hetero --speeds none --devices "$cpus" \
     --subset $((30000 * scale)) --out-dir "$bench"
 step mixed-resnet20 180 "$mpirun" -n 8 "$py" -m dbs_mpi bench hetero --speeds none --devices "$cpus" \
