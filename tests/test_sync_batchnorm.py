@@ -83,6 +83,29 @@ def test_one_ranks_statistics_give_torchs_batchnorm(shape, affine, momentum, tra
     torch.testing.assert_close(synced(x), reference(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [SHAPES["1d"], SHAPES["2d"]], ids=["1d", "2d"])
+def test_the_backward_hands_the_kernel_saved_statistics_as_tensors(shape):
+    """CUDA's BatchNorm backward for 2-d and channels-last inputs asserts that the saved
+    statistics are tensors (empty ones: it takes the running ones, here the global); the
+    CPU kernel also takes None, so the call itself is checked here (the GPU: test_cuda)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Saved(TorchDispatchMode):
+        calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.native_batch_norm_backward.default:
+                self.calls.append(args[5:7])
+            return func(*args, **(kwargs or {}))
+
+    _, synced = pair(shape, True, 0.1, True)
+    x = torch.randn(shape).requires_grad_()
+    with Saved() as mode:
+        synced(x).sum().backward()
+    assert len(mode.calls) == 1
+    assert all(isinstance(t, torch.Tensor) and t.numel() == 0 for t in mode.calls[0])
+
+
 def test_the_weight_of_a_rank_scales_its_sums_and_cancels_in_its_own_gradient():
     reference, synced = pair(SHAPES["2d"], True, 0.1, True)
     synced.share.weight = 0.25          # w_j: the sums travel scaled by it, the input gradient divides it out
