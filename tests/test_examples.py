@@ -62,14 +62,15 @@ def test_api_example_trains_a_user_model_at_two_ranks(tmp_path):
 
 
 def test_ddp_example_trains_with_uneven_local_batches(tmp_path):
-    code, stdout, err = finish(launch([EXAMPLES / "train_ddp.py", "--epochs", "2", "--speeds", "1,0.5"]))
+    # A quarter speed, as in the API example's test: half speed can be lost in a busy machine's noise
+    code, stdout, err = finish(launch([EXAMPLES / "train_ddp.py", "--epochs", "2", "--speeds", "1,0.25"]))
     assert code == 0, err
     lines = [line for line in stdout.splitlines() if line.startswith("epoch ")]
     assert [line.split(":")[0] for line in lines] == ["epoch 1", "epoch 2"], stdout     # rank 0 prints, once
     accuracy = float(lines[-1].split("accuracy ")[1].split("%")[0])
     assert accuracy > 25, "16 classes: chance is 6%"
     batches = json.loads(lines[-1].split("local batches ")[1].split(" ->")[0])
-    assert sum(batches) == 256 and batches[0] > batches[1], "rank 1 is emulated at half speed"
+    assert sum(batches) == 256 and batches[0] > batches[1], "rank 1 is emulated at a quarter speed"
 
 
 def test_api_example_runs_as_one_process_without_mpirun(tmp_path):
