@@ -29,10 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import read_released, run_cli
-from dbs_mpi.training import checkpoint
-from dbs_mpi.training.results import read_run
 from dbs_mpi.mpi import devices
+from dbs_mpi.training import checkpoint
 from dbs_mpi.training.exchange import GradientExchange
+from dbs_mpi.training.results import read_run
 from dbs_mpi.tools.data import load_synthetic
 from dbs_mpi.tools.models import LeNet5
 
@@ -239,9 +239,9 @@ def test_dbs_within_the_epoch_with_sync_batchnorm_on_ranks_sharing_the_gpu(tmp_p
     (the default step interval), ResNet-20's BatchNorm synchronised, host-staged exchange."""
     out = tmp_path / "shared.h5"
     proc = run_cli(["train", "--dataset", "synthetic", "--synthetic-shape", "3,32,32", "--synthetic-samples", "2048",
-                    "--test-subset", "256", "--model", "resnet20", "--norm", "batch", "--sync-bn", "true", "--epochs", "2",
-                    "--global-batch", "128", "--strategy", "dbs", "--device", "cuda", "--speeds", "1,0.25",
-                    "--out", str(out), "--progress", "false"], ranks=2, timeout=300)
+                    "--test-subset", "256", "--model", "resnet20", "--norm", "batch", "--sync-bn", "true",
+                    "--epochs", "2", "--global-batch", "128", "--strategy", "dbs", "--device", "cuda",
+                    "--speeds", "1,0.25", "--out", str(out), "--progress", "false"], ranks=2, timeout=300)
     assert proc.returncode == 0, proc.stderr
     run = read_released(out, time.time() + 30)
     assert list(run["attrs"]["rank_devices"]) == ["cuda:0", "cuda:0"] and run["attrs"]["exchange"] == "host"
@@ -276,7 +276,9 @@ def test_a_gpu_run_stopped_on_2_ranks_continues_on_gpu_and_cpu_ranks(tmp_path):
     np.testing.assert_allclose(b["data"]["step/loss"][:begun], a["data"]["step/loss"][:begun], rtol=1e-2)
     difference = rel_difference(model_of(str(whole) + ".ckpt"), model_of(str(cut) + ".ckpt"))
     print(f"GPU resume on another allocation: relative L2 difference of the parameters {difference:.2e}")
-    assert difference < 5e-2, "TF32 convolutions on the GPU ranks, float32 on the CPU ranks; a lost step: 1e-1"
+    # 6.3e-5 on an H200 (TF32 convolutions on the GPU ranks, float32 on the CPU ranks); as in
+    # test_checkpoint, a step missing or repeated gives 1e-2 and more
+    assert difference < 5e-3
 
 
 @pytest.mark.skipif(torch.cuda.device_count() > 1, reason="needs ranks sharing a GPU: this machine has several")
