@@ -1,6 +1,5 @@
 """Synchronous data parallelism under MPI (pytest-mpi). Every test holds for any number
 of ranks: run with `mpirun -n K python tests/mpi_pytest.py --with-mpi -m mpi tests`."""
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +18,13 @@ SPEEDS = [1.0, 0.5, 0.2, 0.07, 0.3, 0.6, 0.9, 0.15]
 
 def speeds_for(n):
     return tuple(SPEEDS[i % len(SPEEDS)] for i in range(n))
+
+
+def ordered_speeds(n):
+    """speeds_for(n) with rank 1 at a quarter of rank 0's speed, for tests that assert that
+    rank 0 gets the larger batch from a calibration: with two test suites at once on 2
+    cores, a half-speed rank 1 was timed faster than rank 0 often enough to fail CI."""
+    return (1.0, 0.25) + speeds_for(n)[2:]
 
 
 def quiet(msg):
@@ -86,11 +92,11 @@ def test_allocation_invariance(comm, shared_tmp, strategy):
 def test_mean_aggregation_differs_with_uneven_batches(comm, shared_tmp):
     n = comm.Get_size()
     # Steps long enough that the calibration sees the emulated speeds through any load.
-    cfg = small_config(n, strategy="static", speeds=speeds_for(n), aggregation="mean", global_batch=240,
+    cfg = small_config(n, strategy="static", speeds=ordered_speeds(n), aggregation="mean", global_batch=240,
                        synthetic_samples=480, benchmark_steps=3)
     many, summary = _final_parameters(comm, cfg, shared_tmp / f"mean-{n}.h5")
     vector = summary.epochs[0]["batch_sizes"]
-    assert vector[0] > vector[1], f"rank 1 is emulated at half speed: {vector.tolist()}"
+    assert vector[0] > vector[1], f"rank 1 is emulated at a quarter speed: {vector.tolist()}"
     single, _ = _final_parameters(MPI.COMM_SELF, cfg.replace(speeds=(), aggregation="weighted"),
                                   shared_tmp / f"mean-1-{comm.Get_rank()}.h5")
     assert (many - single).abs().max() > 1e-4
@@ -120,11 +126,11 @@ def test_ssgd_splits_equally_and_static_follows_speed(comm, shared_tmp):
     assert ssgd.epochs[0]["batch_sizes"].tolist() == allocation.equal(60, n).tolist()
     # the median of 7 timed steps after a warm-up one: 3 steps without one were swayed by a
     # busy machine (two test suites at once) often enough to give rank 1 the larger batch
-    static = train(comm, small_config(n, strategy="static", speeds=speeds_for(n), benchmark_steps=7,
+    static = train(comm, small_config(n, strategy="static", speeds=ordered_speeds(n), benchmark_steps=7,
                                       benchmark_warmup=1, global_batch=240, synthetic_samples=480),
                    out=str(shared_tmp / "static.h5"), log=quiet)
     b = static.epochs[0]["batch_sizes"]
-    assert b[0] > b[1], f"rank 0 (speed 1) should get more than rank 1 (speed 0.5): {b.tolist()}"
+    assert b[0] > b[1], f"rank 0 (speed 1) should get more than rank 1 (speed 0.25): {b.tolist()}"
 
 
 @pytest.mark.mpi(min_size=2)
