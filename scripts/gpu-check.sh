@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of a GPU node in one bounded run: the CUDA tests at 1 and 2 ranks, then
-# the GPU figures (README, "GPUs"), every step under its own time limit, the whole run
+# the GPU figures (README, Benchmarks, "GPU figures"), every step under its own time limit, the whole run
 # under BUDGET seconds (a step that would start with less than 20 s left is skipped).
 #
 #   scripts/gpu-check.sh [OUTDIR]          # default results/gpu; the log: OUTDIR/gpu-check.log
@@ -63,9 +63,9 @@ step overhead 90 "$py" -m dbs_mpi bench overhead --device cuda --model lenet5 --
     --out-dir "$bench"
 # (a) 1 GPU rank beside 7 CPU ranks of 2 threads: LeNet-5 on Fashion-MNIST, ResNet-20 on CIFAR-10-shaped
 # data; first the GPU rank alone on the same epoch
-alone="$py -m dbs_mpi bench hetero --speeds none --device cuda --strategies ssgd --out-dir $bench"
-step alone-lenet5 60 $alone --subset $((30000 * scale))
-step alone-resnet20 60 $alone --model resnet20 --dataset synthetic --synthetic-shape 3,32,32 \
+alone=("$py" -m dbs_mpi bench hetero --speeds none --device cuda --strategies ssgd --out-dir "$bench")
+step alone-lenet5 60 "${alone[@]}" --subset $((30000 * scale))
+step alone-resnet20 60 "${alone[@]}" --model resnet20 --dataset synthetic --synthetic-shape 3,32,32 \
     --synthetic-samples $((4096 * scale)) --global-batch 256
 step mixed-lenet5 150 "$mpirun" -n 8 "$py" -m dbs_mpi bench hetero --speeds none --devices "$cpus" \
     --subset $((30000 * scale)) --out-dir "$bench"

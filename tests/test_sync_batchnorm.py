@@ -91,7 +91,9 @@ def test_the_backward_hands_the_kernel_saved_statistics_as_tensors(shape):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Saved(TorchDispatchMode):
-        calls = []
+        def __init__(self):
+            super().__init__()
+            self.calls = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten.native_batch_norm_backward.default:

@@ -91,7 +91,8 @@ def test_allocation_invariance(comm, shared_tmp, strategy):
 @pytest.mark.mpi(min_size=2)
 def test_mean_aggregation_differs_with_uneven_batches(comm, shared_tmp):
     n = comm.Get_size()
-    # Steps long enough that the calibration sees the emulated speeds through any load.
+    # Steps long enough, and speeds far enough apart, that the calibration sees the order
+    # through a busy machine's noise.
     cfg = small_config(n, strategy="static", speeds=ordered_speeds(n), aggregation="mean", global_batch=240,
                        synthetic_samples=480, benchmark_steps=3)
     many, summary = _final_parameters(comm, cfg, shared_tmp / f"mean-{n}.h5")
