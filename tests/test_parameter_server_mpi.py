@@ -73,7 +73,8 @@ def test_hardsync_matches_synchronous_sgd(comm, shared_tmp, monkeypatch, separat
                        synthetic_samples=10 * workers * local + 10, epochs=2, weight_decay=1e-3)
     numel = sum(p.numel() for p in LeNet5().parameters())
     steps = []                  # on the server: (weights before, gradient applied, weights after)
-    sgd_step = torch.optim.SGD.step
+    from dbs_mpi.training.optimizer import SGD              # the command line's (torch's SGD)
+    sgd_step = SGD.step
 
     def recording_step(self, *args, **kwargs):
         params = [p for group in self.param_groups for p in group["params"]]
@@ -85,7 +86,7 @@ def test_hardsync_matches_synchronous_sgd(comm, shared_tmp, monkeypatch, separat
         steps.append((before, grad, flat(params)))
         return result
 
-    monkeypatch.setattr(torch.optim.SGD, "step", recording_step)
+    monkeypatch.setattr(SGD, "step", recording_step)
     out = shared_tmp / f"hardsync-{comm.Get_size()}-{separate_buffers}.h5"
     summary = train(comm, cfg, out=str(out), log=quiet)
     run = read_on_root(comm, out)       # the last collective: what follows fails on one rank only

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from ..training.optimizer import make_optimizer
+from ..training.optimizer import SGD, make_optimizer
 from .protocol import bind_gradients
 
 
@@ -51,11 +51,11 @@ def in_rounds(strategy: str, softsync_wait: bool, softsync_n: int, workers: int)
 
 
 def warm_up_optimizer() -> None:
-    """torch's first optimizer step imports a lot (seconds): do it before the clocks start,
+    """torch's first optimizer step does work of its own: do it before the clocks start,
     on a throwaway parameter."""
     dummy = torch.zeros(1, requires_grad=True)
     dummy.grad = torch.zeros(1)
-    torch.optim.SGD([dummy], lr=0.1, momentum=0.9).step()
+    SGD([dummy], lr=0.1, momentum=0.9).step()
 
 
 class UpdateRule:

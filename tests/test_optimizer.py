@@ -1,0 +1,138 @@
+"""The command line's optimizers (training/optimizer.py): torch's SGD, Adam and AdamW
+without the wrappers that import torch._dynamo. Every update and state is torch's to the
+bit, hooks and grad mode behave as torch's, and no training launch imports torch._dynamo."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+from dbs_mpi.training import optimizer as optim
+
+CASES = [(optim.SGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=1e-3)),
+         (optim.SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, dampening=0.0)),
+         (optim.SGD, torch.optim.SGD, dict(lr=0.1)),
+         (optim.Adam, torch.optim.Adam, dict(lr=1e-3, weight_decay=1e-2)),
+         (optim.AdamW, torch.optim.AdamW, dict(lr=1e-3, weight_decay=1e-2, amsgrad=True))]
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def _train(model, opt, steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _same_state(a, b):
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for key in a["state"]:
+        for name, value in a["state"][key].items():
+            other = b["state"][key][name]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, name
+
+
+@pytest.mark.parametrize("ours, theirs, kwargs", CASES)
+def test_updates_and_state_are_torchs_to_the_bit(ours, theirs, kwargs):
+    a, b = _model(), _model()
+    opt_a, opt_b = ours(a.parameters(), **kwargs), theirs(b.parameters(), **kwargs)
+    assert isinstance(opt_a, theirs) and type(opt_a).__name__ == theirs.__name__
+    _train(a, opt_a, 7)
+    _train(b, opt_b, 7)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+    _same_state(opt_a.state_dict(), opt_b.state_dict())
+    # Checkpoints go both ways: torch's state into ours and on, ours into torch's and on.
+    c, d = _model(), _model()
+    c.load_state_dict(b.state_dict())
+    d.load_state_dict(a.state_dict())
+    opt_c, opt_d = ours(c.parameters(), **kwargs), theirs(d.parameters(), **kwargs)
+    opt_c.load_state_dict(opt_b.state_dict())
+    opt_d.load_state_dict(opt_a.state_dict())
+    _train(c, opt_c, 3, seed=2)
+    _train(d, opt_d, 3, seed=2)
+    for pc, pd in zip(c.parameters(), d.parameters()):
+        assert torch.equal(pc, pd)
+
+
+def test_step_keeps_grad_mode_hooks_and_closure():
+    model = _model()
+    opt = optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+    x = torch.randn(4, 6)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and calls == ["pre", "post"]
+    assert torch.is_grad_enabled()                          # restored after the step
+    assert all(p.grad_fn is None and p.requires_grad for p in model.parameters())   # not recorded
+    with torch.no_grad():
+        opt.step(closure)                                   # the closure still gets its gradients
+        assert not torch.is_grad_enabled()                  # the caller's mode, kept
+    assert calls == ["pre", "post"] * 2
+
+
+PROBE = """
+import sys, torch
+from dbs_mpi.training.optimizer import make_optimizer
+from types import SimpleNamespace
+cfg = SimpleNamespace(lr=0.1, momentum=0.9, weight_decay=0.0)
+for name in ("sgd", "adam", "adamw"):
+    p = torch.zeros(3, requires_grad=True)
+    opt = make_optimizer(name, [p], cfg)
+    p.grad = torch.ones(3)
+    opt.step(); opt.zero_grad(); opt.load_state_dict(opt.state_dict())
+print("ours", "torch._dynamo" in sys.modules)
+torch.optim.SGD([p], lr=0.1)
+print("torch's", "torch._dynamo" in sys.modules)
+"""
+
+
+def test_no_torch_dynamo_in_the_command_lines_optimizers():
+    """The reason they exist: a rank that trains never imports torch._dynamo (about 1.3 s
+    of CPU). torch's own class still does, which shows the check is not empty."""
+    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["ours False", "torch's True"], proc.stdout
+
+
+TRAIN = """
+import sys
+from dbs_mpi.tools import cli
+code = cli.main(sys.argv[1:])
+print("dynamo", "torch._dynamo" in sys.modules)
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("strategy", ["dbs", "asgd"])
+def test_a_training_run_never_imports_torch_dynamo(tmp_path, strategy):
+    """One process through the whole run: start-up calibration, training, the checkpoint,
+    evaluation, the result file; asgd: the parameter server's optimizer and warm-up."""
+    out = tmp_path / "run.h5"
+    args = ["train", "--dataset", "synthetic", "--synthetic-samples", "256", "--test-subset", "64", "--epochs", "1",
+            "--global-batch", "32", "--strategy", strategy, "--benchmark-steps", "1", "--benchmark-warmup", "0",
+            "--out", str(out)]
+    if strategy == "asgd":      # a server and a worker need 2 ranks
+        from conftest import mpiexec
+        cmd = [mpiexec(), "-n", "2", sys.executable, "-c", TRAIN, *args]
+    else:
+        cmd = [sys.executable, "-c", TRAIN, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("dynamo False") == (2 if strategy == "asgd" else 1), proc.stdout
