@@ -79,22 +79,41 @@ def test_stop_checkpoint_resume_is_bit_identical(tmp_path, ranks, sig):
         assert torch.equal(ma[name], mb[name]), name                     # bit for bit
 
 
+STOP_AT_STEP = textwrap.dedent("""
+    import os, signal, sys
+    from mpi4py import MPI
+    from dbs_mpi.planning import heterogeneity
+    from dbs_mpi.tools import cli
+    stop_at = int(sys.argv[1])
+    if MPI.COMM_WORLD.Get_rank() == 1:        # the slowed rank: its emulator stretches every step
+        stretch, calls = heterogeneity.Emulator.stretch, [0]
+        def counting_stretch(self, *args):
+            calls[0] += 1
+            if calls[0] == stop_at:           # a stop request on this rank alone, as a scheduler's
+                os.kill(os.getpid(), signal.SIGTERM)
+            return stretch(self, *args)
+        heterogeneity.Emulator.stretch = counting_stretch
+    sys.exit(cli.main(sys.argv[2:]))
+""")
+
+
 def test_dbs_stopped_in_an_epoch_whose_vector_changed_resumes_with_every_step_once(tmp_path):
     """dbs within the epoch, rank 1 4x slower from the first step: the vector changes a few
-    steps in; a stop later in that (750-step) epoch checkpoints the changed table; the
-    resumed run has every step once with the local batches it ran, and every change once."""
+    steps in; a stop request at about step 120 of that (250-step) epoch, on rank 1 alone,
+    checkpoints the changed table; the resumed run has every step once with the local
+    batches it ran, and every change once. The stop comes from inside the run (at a step,
+    not after some seconds), so that a busy or a fast machine stops it at the same place."""
     out = tmp_path / "dbs.h5"
-    args = ["--dataset", "synthetic", "--synthetic-samples", "48000", "--test-subset", "200", "--epochs", "2",
+    args = ["--dataset", "synthetic", "--synthetic-samples", "16000", "--test-subset", "200", "--epochs", "2",
             "--global-batch", "64", "--strategy", "dbs", "--benchmark-steps", "2", "--benchmark-warmup", "1",
             "--slow-rank", "1", "--slow-factor", "4", "--slow-steps", "0,100000", "--out", str(out)]
-    proc = launch(args, 2)
-    wait_for(out, proc)
-    time.sleep(4.0)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == checkpoint.EXIT_STOPPED, err
+    script = tmp_path / "stop.py"
+    script.write_text(STOP_AT_STEP)
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script), "120", "train", *args],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == checkpoint.EXIT_STOPPED, proc.stderr
     state = checkpoint.load(str(out) + ".ckpt")
-    assert state["epoch"] == 0 and 20 < state["step"] < 750, (state["epoch"], state["step"])
+    assert state["epoch"] == 0 and 100 < state["step"] < 140, (state["epoch"], state["step"])
     opened = state["per_rank"][0]["balancer"]["open"]
     assert opened["changes"], "the vector should have changed before the stop"
     table = np.asarray(opened["table"])
@@ -105,8 +124,8 @@ def test_dbs_stopped_in_an_epoch_whose_vector_changed_resumes_with_every_step_on
     d = read_run(out)["data"]
     assert read_run(out)["attrs"]["status"] == "complete" and d["epoch/train_loss"].shape == (2,)
     rows = d["step/batch_sizes"]
-    assert rows.shape == (1500, 2) and (rows.sum(axis=1) == 64).all()
-    assert d["step/epoch"].tolist() == [0] * 750 + [1] * 750
+    assert rows.shape == (500, 2) and (rows.sum(axis=1) == 64).all()
+    assert d["step/epoch"].tolist() == [0] * 250 + [1] * 250
     steps = d["replan/run_step"]
     assert len(steps) >= 1 and (np.diff(steps) > 0).all(), steps             # every change once, in order
     for run_step, vector in zip(steps, d["replan/batch_sizes"]):
