@@ -148,7 +148,10 @@ def test_dbs_follows_a_slowdown(comm, shared_tmp, interval):
     summary = train(comm, cfg, out=str(out), log=quiet)
     b = [e["batch_sizes"] for e in summary.epochs]
     first = 2 if interval == "epoch" else 1           # the first epoch whose last steps have the new vector
-    assert b[first][0] < b[first - 1][0] * 0.6, \
+    # 8x slower, rank 0's share is about 1 / (1 + 8 (n - 1)) of the batch: well under an even
+    # share. (Not "under its share in epoch 1": a busy machine can starve rank 0 at the
+    # start already, as CI's two suites at once did: [[31, 225], [65, 191], [26, 230]].)
+    assert b[first][0] < 0.6 * 256 / n, \
         f"rank 0's local batch should drop after the slowdown: {[x.tolist() for x in b]}"
     comm.Barrier()
     if comm.Get_rank() == 0 and interval != "epoch":
