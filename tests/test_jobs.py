@@ -44,6 +44,12 @@ TINY = (f"--dataset synthetic --model mlp --synthetic-samples 512 "
         f"--global-batch {GLOBAL_BATCH} --epochs {EPOCHS}")
 SUBMIT_TIMEOUT = 300     # seconds for one submission to finish (all tasks of an array)
 JOB_MINUTES = 5          # Slurm's time limit of every test job
+# The runs that are stopped and continued: stopped once "epoch 1/2" is printed, in epoch 2.
+# Rank 0 is emulated 8x slower (it sleeps, the others wait asleep), so that an epoch (125
+# steps) lasts seconds, long enough for the stop to arrive, at the CPU cost of a short one.
+STOPPABLE = ("--dataset synthetic --synthetic-samples 8000 --epochs 2 --global-batch 64 --strategy ssgd "
+             "--slow-rank 0 --slow-factor 8 --slow-steps 0,100000 --wait-policy sleep --progress false")
+STOPPABLE_STEPS = 125    # per epoch
 
 # Installing the packages may take minutes on a fresh machine; the first test pays it.
 pytestmark = pytest.mark.timeout(1200)
@@ -336,17 +342,14 @@ def test_pbs_resubmitted_with_another_node_count_continues_a_stopped_run(cluster
     """A run stopped on 2 ranks, resubmitted with `qsub -l nodes=1:ppn=1` and OUT=its
     result file: train.pbs resumes it on 1 rank to `complete`."""
     result = tmp_path / "stopped.h5"
-    args = ["--dataset", "synthetic", "--synthetic-samples", "20000", "--epochs", "2", "--global-batch", "64",
-            "--strategy", "ssgd", "--progress", "false"]
+    args = STOPPABLE.split()
     proc = subprocess.Popen([str(Path(sys.executable).parent / "mpirun"), "-n", "2", sys.executable, "-m", "dbs_mpi",
                              "train", *args, "--out", str(result)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not result.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.2)
-    time.sleep(2)
-    proc.send_signal(signal.SIGUSR1)
+    while "epoch 1/2" not in (line := proc.stdout.readline()):
+        assert (line or proc.poll() is None) and time.monotonic() < deadline, proc.communicate()
+    proc.send_signal(signal.SIGUSR1)                # a stop in epoch 2
     assert proc.wait(timeout=120) == 3, proc.communicate()
     env = cluster.job_env(tmp_path, CONFIG="", OUT=str(result), EXTRA_ARGS=" ".join(args))
     out = tmp_path / "resumed.out"
@@ -436,19 +439,19 @@ def _job_state(env, job):
 
 
 def _submit_and_signal(env, tmp_path, result=None):
-    """Submit train.sbatch on 2 tasks, wait for its result file (default: the script's
-    train-JOB.h5), then send the batch shell USR1 as Slurm does before a time limit.
-    Returns (job id, result file)."""
+    """Submit train.sbatch on 2 tasks, wait for its first epoch in the job's log, then send
+    the batch shell USR1 as Slurm does before a time limit (a stop in epoch 2). Returns
+    (job id, result file: default the script's train-JOB.h5)."""
     p = _run(["sbatch", "--parsable", "-n", "2", "-t", str(JOB_MINUTES), "-o", f"{tmp_path}/%x-%j.out",
               "jobs/slurm/train.sbatch"], env)
     job = p.stdout.strip().split(";")[0]
     assert job.isdigit(), p.stdout + p.stderr
     result = result or tmp_path / f"train-{job}.h5"
+    log = tmp_path / f"dbs-mpi-train-{job}.out"
     deadline = time.monotonic() + 120
-    while not result.exists():
-        assert time.monotonic() < deadline, f"{result} never appeared"
-        time.sleep(0.2)
-    time.sleep(2)
+    while "epoch 1/2" not in _read(log):
+        assert time.monotonic() < deadline and "exited with status" not in _read(log), _read(log)
+        time.sleep(0.1)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
     return job, result
 
@@ -457,8 +460,7 @@ def test_slurm_time_limit_signal_checkpoints_requeues_and_resumes(cluster, tmp_p
     """What Slurm does before a time limit (--signal=B:USR1@120), done now: the batch
     shell gets USR1, the ranks checkpoint and exit 3, the job requeues itself, and the
     second start continues the same result file from the checkpoint."""
-    env = cluster.job_env(tmp_path, CONFIG="", EXTRA_ARGS="--dataset synthetic --synthetic-samples 20000 "
-                          "--epochs 2 --global-batch 64 --strategy ssgd --progress false")
+    env = cluster.job_env(tmp_path, CONFIG="", EXTRA_ARGS=STOPPABLE)
     job, result = _submit_and_signal(env, tmp_path)
     deadline = time.monotonic() + 180
     while True:
@@ -490,8 +492,7 @@ def test_slurm_stopped_job_resubmitted_with_another_ntasks_continues_the_run(clu
     the same, its second segment has the new world."""
     result = tmp_path / "moved.h5"
     env = cluster.job_env(tmp_path, CONFIG="", OUT=str(result), REQUEUE="0",
-                          EXTRA_ARGS="--dataset synthetic --synthetic-samples 20000 --epochs 2 --global-batch 64 "
-                                     "--strategy ssgd --progress false")
+                          EXTRA_ARGS=STOPPABLE)
     job, _ = _submit_and_signal(env, tmp_path, result)
     deadline = time.monotonic() + 180
     while (state := _job_state(env, job)[0]) in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING"):
@@ -507,6 +508,6 @@ def test_slurm_stopped_job_resubmitted_with_another_ntasks_continues_the_run(clu
     try:
         assert run.attrs["status"] == "complete" and len(run.attrs["resumed"]) == 1
         assert [s["world_size"] for s in json.loads(run.attrs["segments"])] == [2, 1]
-        assert run["epoch/train_loss"].shape == (2,) and run["step/loss"].shape == (2 * 313,)
+        assert run["epoch/train_loss"].shape == (2,) and run["step/loss"].shape == (2 * STOPPABLE_STEPS,)
     finally:
         run.close()
