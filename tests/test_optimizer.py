@@ -17,16 +17,21 @@ CASES = [(optim.SGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=1
          (optim.AdamW, torch.optim.AdamW, dict(lr=1e-3, weight_decay=1e-2, amsgrad=True))]
 
 
-def _model(seed=0):
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA GPU here (torch.cuda.is_available() is False)")])]
+
+
+def _model(seed=0, device="cpu"):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).to(device)
 
 
 def _train(model, opt, steps, seed=1):
     gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
     for _ in range(steps):
         opt.zero_grad()
-        x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+        x, y = torch.randn(8, 6, generator=gen).to(device), torch.randint(0, 3, (8,), generator=gen).to(device)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
 
@@ -40,9 +45,11 @@ def _same_state(a, b):
             assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, name
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("ours, theirs, kwargs", CASES)
-def test_updates_and_state_are_torchs_to_the_bit(ours, theirs, kwargs):
-    a, b = _model(), _model()
+def test_updates_and_state_are_torchs_to_the_bit(ours, theirs, kwargs, device):
+    """On a GPU torch takes its multi-tensor (foreach) code: the same for both classes."""
+    a, b = _model(device=device), _model(device=device)
     opt_a, opt_b = ours(a.parameters(), **kwargs), theirs(b.parameters(), **kwargs)
     assert isinstance(opt_a, theirs) and type(opt_a).__name__ == theirs.__name__
     _train(a, opt_a, 7)
@@ -51,7 +58,7 @@ def test_updates_and_state_are_torchs_to_the_bit(ours, theirs, kwargs):
         assert torch.equal(pa, pb)
     _same_state(opt_a.state_dict(), opt_b.state_dict())
     # Checkpoints go both ways: torch's state into ours and on, ours into torch's and on.
-    c, d = _model(), _model()
+    c, d = _model(device=device), _model(device=device)
     c.load_state_dict(b.state_dict())
     d.load_state_dict(a.state_dict())
     opt_c, opt_d = ours(c.parameters(), **kwargs), theirs(d.parameters(), **kwargs)
