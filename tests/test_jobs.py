@@ -44,12 +44,11 @@ TINY = (f"--dataset synthetic --model mlp --synthetic-samples 512 "
         f"--global-batch {GLOBAL_BATCH} --epochs {EPOCHS}")
 SUBMIT_TIMEOUT = 300     # seconds for one submission to finish (all tasks of an array)
 JOB_MINUTES = 5          # Slurm's time limit of every test job
-# The runs that are stopped and continued: stopped once "epoch 1/2" is printed, in epoch 2.
-# Rank 0 is emulated 8x slower (it sleeps, the others wait asleep), so that an epoch (125
-# steps) lasts seconds, long enough for the stop to arrive, at the CPU cost of a short one.
-STOPPABLE = ("--dataset synthetic --synthetic-samples 8000 --epochs 2 --global-batch 64 --strategy ssgd "
-             "--slow-rank 0 --slow-factor 8 --slow-steps 0,100000 --wait-policy sleep --progress false")
-STOPPABLE_STEPS = 125    # per epoch
+# The runs that are stopped and continued: stopped once "epoch 1/2" is printed, in epoch 2
+# (313 steps, seconds long: time for the stop to arrive through the scheduler).
+STOPPABLE = ("--dataset synthetic --synthetic-samples 20000 --epochs 2 --global-batch 64 --strategy ssgd "
+             "--progress false")
+STOPPABLE_STEPS = 313    # per epoch
 
 # Installing the packages may take minutes on a fresh machine; the first test pays it.
 pytestmark = pytest.mark.timeout(1200)
