@@ -54,10 +54,10 @@ data:
 	@bash scripts/get-data.sh $(DATA_DIR)
 
 # The suites two at a time (most of a test's time goes to launching ranks, which seldom
-# keeps both cores busy; two suites at once do), longest first: the next starts when one
-# ends. Each suite's output is printed in one piece when it ends.
+# keeps both cores busy; two suites at once do, and three were no faster), longest first:
+# the next starts when one ends. Each suite's output is printed in one piece when it ends.
 test: install
-	@echo "make test: 6 suites, two at a time; each prints its output when it ends (about 16 min on 2 cores)"
+	@echo "make test: 6 suites, two at a time; each prints its output when it ends (about 13 min on 2 cores)"
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-serial-jobs test-serial-rest \
 		test-np4 test-np2 test-notebooks test-np1
 
