@@ -46,6 +46,14 @@ def read_released(path, deadline):
             time.sleep(0.05)
 
 
+def read_line(proc, text, seconds=120):
+    """Read proc's stdout up to a line containing text (bounded in time)."""
+    deadline = time.monotonic() + seconds
+    while text not in (line := proc.stdout.readline()):
+        assert line or proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"no line with {text!r}"
+
+
 def rank_pids(mpirun_pid) -> dict:
     """{rank: pid} of the Python ranks below an mpirun (mpiexec -> hydra_pmi_proxy -> python),
     read from each process's PMI_RANK (their own children, e.g. DataLoader workers, are not ranks)."""

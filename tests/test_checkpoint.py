@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, dbs_mpi_cmd, mpiexec, rank_pids, read_released, run_cli
+from conftest import ROOT, dbs_mpi_cmd, mpiexec, rank_pids, read_line, read_released, run_cli
 from dbs_mpi.training import checkpoint
 from dbs_mpi.tools.config import UserError
 from dbs_mpi.training.results import read_run
@@ -33,14 +33,6 @@ def wait_for(path, proc, seconds=60):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, f"{path} never appeared"
         time.sleep(0.05)
-
-
-def read_line(proc, text, seconds=120):
-    """Read proc's stdout up to a line containing text (bounded in time)."""
-    deadline = time.monotonic() + seconds
-    while text not in (line := proc.stdout.readline()):
-        assert line or proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, f"no line with {text!r}"
 
 
 def model_of(ckpt):

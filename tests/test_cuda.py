@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import read_released, run_cli
+from conftest import read_line, read_released, run_cli
 from dbs_mpi.mpi import devices
 from dbs_mpi.training import checkpoint
 from dbs_mpi.training.exchange import GradientExchange
@@ -255,7 +255,7 @@ def test_a_gpu_run_stopped_on_2_ranks_continues_on_gpu_and_cpu_ranks(tmp_path):
     """Stopped in epoch 2 on two ranks sharing the GPU, resumed on one GPU rank and two
     CPU ranks (a checkpoint written from GPU tensors, read on both): every step once, one
     history, the parameters of the run that never stopped up to rounding."""
-    from test_checkpoint import RESIZE, launch, model_of, read_line, rel_difference
+    from test_checkpoint import RESIZE, launch, model_of, rel_difference
     run = [*RESIZE, "--strategy", "ssgd"]
     whole, cut = tmp_path / "whole.h5", tmp_path / "cut.h5"
     proc = run_cli(["train", *run, "--device", "cuda", "--out", str(whole)], ranks=2, timeout=240)

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, mpiexec
+from conftest import ROOT, mpiexec, read_line
 from dbs_mpi.tools import analysis
 from dbs_mpi.training import checkpoint
 from dbs_mpi.training.results import read_run
@@ -97,14 +97,6 @@ def test_cli_plugin_example_trains_the_same_model(tmp_path):
     assert run["data"]["epoch/test_accuracy"][-1] > 0.25
 
 
-def read_until(proc, text, seconds=120):
-    """Read proc's stdout up to a line containing text (bounded in time)."""
-    deadline = time.monotonic() + seconds
-    while text not in (line := proc.stdout.readline()):
-        assert line or proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, f"no line with {text!r}"
-
-
 def test_user_loop_stopped_by_sigterm_resumes_bit_for_bit(tmp_path):
     args = [EXAMPLES / "train_resumable.py", "--epochs", "3", "--samples", "4000", "--global-batch", "96",
             "--workers", "1"]
@@ -114,7 +106,7 @@ def test_user_loop_stopped_by_sigterm_resumes_bit_for_bit(tmp_path):
 
     cut = tmp_path / "cut.ckpt"
     proc = launch([*args, "--checkpoint", cut])
-    read_until(proc, "epoch 1:")
+    read_line(proc, "epoch 1:")
     time.sleep(0.1)                                   # into epoch 2 (42 steps)
     proc.send_signal(signal.SIGTERM)                  # mpirun forwards it to every rank
     code, out, err = finish(proc)

@@ -28,6 +28,8 @@ import h5py
 import numpy as np
 import pytest
 
+from conftest import read_line
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -345,9 +347,7 @@ def test_pbs_resubmitted_with_another_node_count_continues_a_stopped_run(cluster
     proc = subprocess.Popen([str(Path(sys.executable).parent / "mpirun"), "-n", "2", sys.executable, "-m", "dbs_mpi",
                              "train", *args, "--out", str(result)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while "epoch 1/2" not in (line := proc.stdout.readline()):
-        assert (line or proc.poll() is None) and time.monotonic() < deadline, proc.communicate()
+    read_line(proc, "epoch 1/2")
     proc.send_signal(signal.SIGUSR1)                # a stop in epoch 2
     assert proc.wait(timeout=120) == 3, proc.communicate()
     env = cluster.job_env(tmp_path, CONFIG="", OUT=str(result), EXTRA_ARGS=" ".join(args))

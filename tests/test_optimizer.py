@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, mpiexec
 from dbs_mpi.training import optimizer as optim
 
 CASES = [(optim.SGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=1e-3)),
@@ -136,7 +136,6 @@ def test_a_training_run_never_imports_torch_dynamo(tmp_path, strategy):
             "--global-batch", "32", "--strategy", strategy, "--benchmark-steps", "1", "--benchmark-warmup", "0",
             "--out", str(out)]
     if strategy == "asgd":      # a server and a worker need 2 ranks
-        from conftest import mpiexec
         cmd = [mpiexec(), "-n", "2", sys.executable, "-c", TRAIN, *args]
     else:
         cmd = [sys.executable, "-c", TRAIN, *args]
