@@ -18,7 +18,10 @@
   waiting). `agree` is the same for the command line's set-up (SystemExit(2)).
 * `abort_on_uncaught` makes an unexpected exception on any rank end the whole job.
 * `init` is what a training script calls first: the communicator (COMM_WORLD unless
-  given one), the fail-together hook, and torch threads per rank.
+  given one), the fail-together hook, and torch threads per rank. This module imports
+  torch only there and in the functions that move tensors: `start` (init without the
+  threads) lets the command line answer a mistake in its input before torch is loaded
+  (about 1.4 s of CPU a rank).
 * `SUPERVISOR` bounds what cannot be bounded from inside (a blocking MPI call: the spin
   policy's Allreduce, Dup) with a watchdog thread, and lets rank 0 record a failure
   that another rank found (see Supervisor). Every wait, in every mode, ends within its
@@ -37,14 +40,17 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from mpi4py import MPI
 
 from ..about import AFFINITY_AT_IMPORT
 from ..options import UserError
 from . import startup
+
+if TYPE_CHECKING:   # imported where tensors move (see init and start)
+    import torch
 
 POLL_SPIN = 20e-6       # seconds of plain polling before the first sleep
 POLL_SLEEP_MIN = 20e-6  # first sleep between polls, seconds
@@ -146,6 +152,7 @@ def broadcast_parameters(model: torch.nn.Module, comm: MPI.Comm, root: int = 0, 
 def broadcast_tensors(tensors, comm: MPI.Comm, root: int = 0, timeout: float = 600.0) -> float:
     """Make every rank's `tensors` (on any device) equal to root's, in place; returns the
     largest absolute difference a rank's values had from root's (0 on root)."""
+    import torch
     drift = 0.0
     if comm.Get_size() == 1:
         return drift
@@ -167,6 +174,7 @@ def broadcast_flat(tensors, comm: MPI.Comm, root: int = 0, timeout: float = 600.
     place, with one broadcast of their values packed in float64 (exact for float16/32)."""
     if comm.Get_size() == 1 or not tensors:
         return
+    import torch
     flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors]).numpy()
     wait(comm.Ibcast(flat, root=root), timeout, "broadcasting the buffers")
     if comm.Get_rank() != root:
@@ -442,13 +450,21 @@ def init(comm: MPI.Comm | None = None, threads: int | None = None, timeout: floa
     (Supervisor: its result file says failed), and each rank gets `threads` torch
     threads (default: the node's cores divided by the ranks on it). Collective; its
     waits (a rank that does not arrive) end the job after `timeout` seconds."""
+    comm = start(comm, timeout)
+    global THREADS_GIVEN
+    THREADS_GIVEN = bool(threads)
+    set_torch_threads(threads or threads_per_rank(comm, timeout=timeout))
+    return comm
+
+
+def start(comm: MPI.Comm | None = None, timeout: float = 600.0) -> MPI.Comm:
+    """init without torch: the communicator, the fail-together hook and the supervisor.
+    The command line starts so, checks its input, then sets torch's threads (init's
+    last step), so that bad input is answered before torch is imported."""
     comm = MPI.COMM_WORLD if comm is None else comm
     abort_on_uncaught(comm)
     SUPERVISOR.attach(comm, timeout)
     atexit.register(SUPERVISOR.detach)
-    global THREADS_GIVEN
-    THREADS_GIVEN = bool(threads)
-    set_torch_threads(threads or threads_per_rank(comm, timeout=timeout))
     return comm
 
 
@@ -463,6 +479,7 @@ def thread_limit() -> int | None:
 
 def set_torch_threads(threads: int) -> int:
     """torch's intra-op threads of this rank, no more than OMP_THREAD_LIMIT allows; returns them."""
+    import torch
     limit = thread_limit()
     threads = min(threads, limit) if limit else threads
     torch.set_num_threads(threads)

@@ -48,9 +48,10 @@ RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID
 
 PHASES = {   # key: what the line says the rank was doing
     "mpi": "starting MPI (MPI_Init waits for every rank of the job)",
-    "imports": "importing torch and dbs_mpi",
-    "init": "opening the failure channel and placing the ranks (the first collectives)",
+    "imports": "importing dbs_mpi",
+    "init": "opening the failure channel (the first collectives)",
     "config": "reading the configuration",
+    "torch": "importing torch and placing the ranks",
     "data": "loading the data and building the model",
     "devices": "choosing devices and the gradient exchange",
     "results": "opening the result file",

@@ -94,12 +94,38 @@ def load_train_config(argv, rank: int):
     return cfg, state, resume
 
 
+def start_torch(comm) -> None:
+    """init's last step, once the input is known to be good: import torch, and give this
+    rank its share of the node's cores as torch threads."""
+    from ..mpi import comm as mpi, startup
+    startup.phase("torch", backstop=True)
+    mpi.set_torch_threads(mpi.threads_per_rank(comm, timeout=startup.limit()))
+
+
+def check_before_torch(argv, world_size: int) -> None:
+    """The checks of a new run's command line that need no torch (the configuration, the
+    number of ranks, an existing --out): bad input answered in a fraction of a second. A
+    resumed run's configuration is the checkpoint's, checked once it is read."""
+    from ..training.results import check_new_file
+    args = vars(_train_parser().parse_args(argv))
+    if args.pop("resume"):
+        return
+    cfg = config_mod.load(args.pop("config"), args)
+    config_mod.check_world(cfg, world_size)
+    if cfg.out:
+        check_new_file(cfg.out)
+
+
 def cmd_train(comm, argv) -> int:
     from ..mpi import comm as mpi, startup
-    from .train import format_summary, train
 
     startup.phase("config", backstop=True)
     limit = startup.limit()                  # before the configuration is known: the command line's
+    mpi.agree(comm, check_before_torch, argv, comm.Get_size(), timeout=limit)
+    start_torch(comm)
+    from .train import format_summary, train
+
+    startup.phase("config", backstop=True)
     cfg, state, resume = mpi.agree(comm, load_train_config, argv, comm.Get_rank(), timeout=limit)
     if resume:
         cfg, state = mpi.bcast_object(comm, (cfg, state), timeout=limit, what="broadcasting the checkpoint")
@@ -243,8 +269,9 @@ def main(argv=None) -> int:
     startup.phase("imports")
     from ..mpi import comm as mpi
     startup.phase("init", backstop=True)
-    comm = mpi.init(MPI.COMM_WORLD, timeout=startup.limit())   # fail together; the watchdog; threads per rank
-    if argv[0] != "train":                   # train ends the start-up at its first step
+    comm = mpi.start(MPI.COMM_WORLD, timeout=startup.limit())  # fail together; the watchdog
+    if argv[0] != "train":                   # train checks its input first, and ends the start-up at its first step
+        start_torch(comm)
         startup.done()
     try:
         return COMMANDS[argv[0]](comm, argv[1:])

@@ -209,14 +209,19 @@ def pad_columns(rows: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
+def check_new_file(path) -> None:
+    """A new run's result file must not exist: nothing already written is overwritten."""
+    if Path(path).exists():
+        raise UserError(f"out: {path} exists already; choose another --out or remove it")
+
+
 class RunWriter:
     """Appends a run's records to its HDF5 file; every call leaves the file readable."""
 
     def __init__(self, path, attrs: dict, world_size: int):
         import h5py
         self.path = Path(path)
-        if self.path.exists():
-            raise UserError(f"out: {self.path} exists already; choose another --out or remove it")
+        check_new_file(self.path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.file = h5py.File(self.path, "w")
