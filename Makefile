@@ -65,10 +65,11 @@ test: install
 # session; `make test` runs it as two: the job, stop, stall and resume tests, and the rest.
 # Each rank these tests launch gets one torch thread (OMP_THREAD_LIMIT=1, which dbs-mpi
 # respects): two suites share the cores, and a 1-rank run's second thread only spins
-# while the other suite has the core (measured: 2.5x the CPU time, and slower). The tests
-# of the thread choice set their own environment.
+# while the other suite has the core (measured: 2.5x the CPU time, and slower). And
+# OMP_NUM_THREADS=1, torch's default before dbs-mpi sets the threads: torch hangs when
+# its threads exceed OMP_THREAD_LIMIT. The tests of the thread choice set their own.
 SERIAL_JOBS := tests/test_checkpoint.py tests/test_jobs.py tests/test_multinode.py tests/test_stuck.py
-PYTEST_SERIAL = OMP_THREAD_LIMIT=1 DBS_MPI_MPIEXEC=$(MPIEXEC) timeout $(TEST_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider
+PYTEST_SERIAL = OMP_NUM_THREADS=1 OMP_THREAD_LIMIT=1 DBS_MPI_MPIEXEC=$(MPIEXEC) timeout $(TEST_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider
 test-serial:
 	$(PYTEST_SERIAL) tests
 test-serial-jobs:

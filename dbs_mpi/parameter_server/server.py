@@ -81,7 +81,7 @@ class Server:
         """Take in gradients until every worker has had STOP. Bounded: every pass either
         takes in at least one gradient (at most max_messages in all) or sleeps; a worker
         that holds its work longer than comm_timeout raises CommTimeout (check_late)."""
-        pause = mpi.POLL_SLEEP_MIN
+        pause, idle_since = mpi.POLL_SLEEP_MIN, time.perf_counter()
         mpi.SUPERVISOR.waiting = "the parameter server's loop"
         while not all(self.stopped):
             t = time.perf_counter()
@@ -94,13 +94,13 @@ class Server:
                     raise RuntimeError("parameter server: no receive posted but workers "
                                        f"{[w + 1 for w in range(self.workers) if not self.stopped[w]]} not stopped")
                 time.sleep(pause)
-                pause = min(2 * pause, mpi.POLL_SLEEP_MAX)
+                pause = mpi.next_pause(pause, t - idle_since)
                 self.records.charge(C_WAIT, time.perf_counter() - t)
                 continue
             self.records.charge(C_COMM, time.perf_counter() - t)
             for w in done:
                 self.receive(w)
-            pause = mpi.POLL_SLEEP_MIN
+            pause, idle_since = mpi.POLL_SLEEP_MIN, time.perf_counter()
         mpi.SUPERVISOR.waiting = None
 
     def _stop_requested(self, signum: int, where: str) -> None:
