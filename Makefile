@@ -45,8 +45,13 @@ ifeq ($(MPI),system)
 else
 	$(PY) -m pip install -q mpich mpi4py
 endif
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,analysis]"
+	@# torch's bytecode is compiled on the other core while pip installs the rest (pip
+	@# compiles on one; torch's files are most of it). A file that does not compile here
+	@# (torch ships one for Python 3.12 only) is left to Python, as pip leaves it.
+	$(PY) -m pip install -q --no-compile "$(TORCH)"
+	$(PY) -m compileall -q -j 0 $$($(PY) -c 'import torch, os; print(os.path.dirname(torch.__file__))') \
+		> /dev/null 2>&1 & compiling=$$!; \
+	$(PY) -m pip install -q -e ".[test,analysis]"; installed=$$?; wait $$compiling; exit $$installed
 
 # Fashion-MNIST from Debian's package, unpacked without root (scripts/get-data.sh;
 # it does nothing if the files are there).
