@@ -82,13 +82,18 @@ test-serial-jobs:
 test-serial-rest:
 	$(PYTEST_SERIAL) tests $(SERIAL_JOBS:%=--ignore=%)
 
+# The MPI tests: the files that mark tests `mpi` (collecting only them saves every rank
+# 2.7 s of CPU, importing the other test modules).
+MPI_TESTS := $(shell grep -l 'mark\.mpi' tests/test_*.py)
+
 # The MPI tests at one rank, without mpirun (the 1-rank path needs no launcher).
 test-np1:
-	timeout $(TEST_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider --with-mpi -m mpi tests
+	timeout $(TEST_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider --with-mpi -m mpi $(MPI_TESTS)
 
 # The MPI tests (pytest-mpi) at NP ranks; rank 0 reports, other ranks speak on failure.
 test-np%:
-	timeout $(TEST_TIMEOUT) $(MPIEXEC) -n $* $(PY) tests/mpi_pytest.py -q -p no:cacheprovider --with-mpi -m mpi tests
+	timeout $(TEST_TIMEOUT) $(MPIEXEC) -n $* $(PY) tests/mpi_pytest.py -q -p no:cacheprovider --with-mpi -m mpi \
+		$(MPI_TESTS)
 
 test-mpi: test-np2 test-np4
 
