@@ -3,8 +3,10 @@ data know nothing of MPI, every import points down the layers (options, planning
 training, parameter_server, tools), and no module imports, even inside a function, a
 module that imports it back (a cycle that a local import only hides)."""
 import ast
+import json
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -12,30 +14,53 @@ import pytest
 import dbs_mpi
 
 
-def imported_after(statement: str) -> set[str]:
-    """The dbs_mpi modules a fresh interpreter holds after `statement`."""
-    code = f"import sys; {statement}; print(' '.join(m for m in sys.modules if m.startswith('dbs_mpi')))"
+def loaded_by_each(modules) -> dict[str, set[str]]:
+    """{module: what importing dbs_mpi.<module> loaded that was not loaded yet}, importing
+    `modules` in turn in one fresh interpreter (one start, not one each: most load torch).
+    A module that loads something forbidden is named, unless one before it already
+    loaded it, and then that one is named: a test per module still fails for any."""
+    code = textwrap.dedent(f"""
+        import importlib, json, sys
+        loaded = {{}}
+        for name in {list(modules)!r}:
+            before = set(sys.modules)
+            importlib.import_module("dbs_mpi." + name)
+            loaded[name] = sorted(set(sys.modules) - before)
+        print(json.dumps(loaded))
+    """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
-    return set(out.stdout.split())
+    return {name: set(found) for name, found in json.loads(out.stdout).items()}
 
 
-@pytest.mark.parametrize("module", ["parameter_server", "training.balancer", "training.optimizer",
-                                    "planning.sharding", "training.evaluation", "training.checkpoint",
-                                    "training.results", "tools.plugins"])
-def test_library_modules_do_not_import_the_command_line(module):
-    loaded = imported_after(f"import dbs_mpi.{module}")
+LIBRARY = ["parameter_server", "training.balancer", "training.optimizer", "planning.sharding",
+           "training.evaluation", "training.checkpoint", "training.results", "tools.plugins"]
+
+
+@pytest.fixture(scope="module")
+def loaded_by_library_modules():
+    return loaded_by_each(LIBRARY)
+
+
+@pytest.mark.parametrize("module", LIBRARY)
+def test_library_modules_do_not_import_the_command_line(module, loaded_by_library_modules):
+    loaded = loaded_by_library_modules[module]
     assert not loaded & {"dbs_mpi.tools.train", "dbs_mpi.tools.cli"}, loaded
 
 
-@pytest.mark.parametrize("module", ["tools.models", "tools.data", "training.batches", "planning.allocation",
-                                    "planning.dynamic", "planning.sharding", "planning.heterogeneity",
-                                    "tools.config", "options", pytest.param("mpi", id="mpi-package"), "training", "tools",
-                                    "tools.bench_tracking", "mpi.startup",    # startup: it must run before MPI_Init
-                                    "training.results", "tools.analysis", "tools.machine"])   # see LAZY
-def test_models_data_and_pure_functions_do_not_import_mpi(module):
-    code = f"import sys, dbs_mpi.{module}; print('mpi4py.MPI' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
-    assert out.stdout.strip() == "False"
+NO_MPI = ["tools.models", "tools.data", "training.batches", "planning.allocation", "planning.dynamic",
+          "planning.sharding", "planning.heterogeneity", "tools.config", "options", "mpi", "training", "tools",
+          "tools.bench_tracking", "mpi.startup",                   # startup: it must run before MPI_Init
+          "training.results", "tools.analysis", "tools.machine"]  # see LAZY
+
+
+@pytest.fixture(scope="module")
+def loaded_by_pure_modules():
+    return loaded_by_each(NO_MPI)
+
+
+@pytest.mark.parametrize("module", NO_MPI, ids=lambda m: "mpi-package" if m == "mpi" else m)
+def test_models_data_and_pure_functions_do_not_import_mpi(module, loaded_by_pure_modules):
+    assert "mpi4py.MPI" not in loaded_by_pure_modules[module]
 
 
 def test_the_command_line_loads_nothing_heavy_before_the_start_up_watchdog_forks():
