@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import dbs_mpi
+from dbs_mpi.training.optimizer import SGD
 from my_project import SmallNet, Squares
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,7 +46,9 @@ dbs_mpi.broadcast_parameters(model, comm)
 balancer = dbs_mpi.Balancer(comm, args.global_batch, policy=args.policy)
 sampler = dbs_mpi.HeteroSampler(train_set, balancer, seed=0)
 loader = DataLoader(train_set, batch_sampler=sampler, num_workers=args.workers)
-optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+# torch's SGD without the wrappers that load torch._dynamo (a second of CPU per rank at
+# every start: a job that is requeued starts often; docs/api.md, "Start-up")
+optimizer = dbs_mpi.DistributedOptimizer(SGD(model.parameters(), lr=0.05, momentum=0.9), model,
                                          balancer)
 
 if os.path.exists(args.checkpoint):              # every component restores its own state
