@@ -49,7 +49,7 @@ endif
 	@# compiles on one; torch's files are most of it). A file that does not compile here
 	@# (torch ships one for Python 3.12 only) is left to Python, as pip leaves it.
 	$(PY) -m pip install -q --no-compile "$(TORCH)"
-	$(PY) -m compileall -q -j 0 $$($(PY) -c 'import torch, os; print(os.path.dirname(torch.__file__))') \
+	$(PY) -m compileall -q -j 0 $$($(PY) -c 'import importlib.util as u; print(u.find_spec("torch").submodule_search_locations[0])') \
 		> /dev/null 2>&1 & compiling=$$!; \
 	$(PY) -m pip install -q -e ".[test,analysis]"; installed=$$?; wait $$compiling; exit $$installed
 
