@@ -149,19 +149,29 @@ def rel_difference(a, b):
     return float((va - vb).norm() / va.norm())
 
 
+@pytest.fixture(scope="module")
+def never_stopped(tmp_path_factory):
+    """The run that the resize tests compare with: 2 ranks at speeds 1 : 0.5, ssgd, never
+    stopped. One run for every strategy: with sample-weighted gradients every vector trains
+    the same model, up to the rounding of another summation order (the tolerance below)."""
+    whole = tmp_path_factory.mktemp("never-stopped") / "whole.h5"
+    proc = run_cli(["train", *RESIZE, "--strategy", "ssgd", "--speeds", "1,0.5", "--out", str(whole)], ranks=2,
+                   timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    return whole
+
+
 @pytest.mark.parametrize("strategy, ranks, loader", [("static", 3, ["--loader", "auto"]),
                                                      ("dbs", 1, ["--loader", "dataloader", "--loader-workers", "2"]),
                                                      ("ssgd", 3, ["--loader", "dataloader", "--loader-workers", "1"])])
-def test_a_run_stopped_on_2_ranks_continues_on_another_number(tmp_path, strategy, ranks, loader):
+def test_a_run_stopped_on_2_ranks_continues_on_another_number(tmp_path, never_stopped, strategy, ranks, loader):
     """Stopped mid-run on 2 ranks, resumed on `ranks`: every step once, one history in the
-    file, and the parameters of the run that never stopped. Tolerance: two uninterrupted
-    runs with different vectors (1 and 2 ranks) already differ by 4e-4 (relative L2) on 12,000
-    samples (376 steps), float rounding that the steps amplify; a step missing or repeated
-    gives 1e-2 and more."""
+    file, and the parameters of the ssgd run that never stopped (never_stopped). Tolerance: two
+    uninterrupted runs with different vectors (1 and 2 ranks) already differ by 4e-4 (relative
+    L2) on 12,000 samples (376 steps), float rounding that the steps amplify; a step missing or
+    repeated gives 1e-2 and more."""
     run = [*RESIZE, "--strategy", strategy, *loader]
-    whole = tmp_path / "whole.h5"
-    proc = run_cli(["train", *run, "--speeds", "1,0.5", "--out", str(whole)], ranks=2, timeout=240)
-    assert proc.returncode == 0, proc.stderr
+    whole = never_stopped
     cut = tmp_path / "cut.h5"
     proc = launch([*run, "--speeds", "1,0.5", "--out", str(cut)], 2)
     read_line(proc, "epoch 1/2")
