@@ -1,6 +1,7 @@
 """The `dbs-mpi` command end to end: launched as users launch it (mpirun or not), with
 good and bad input. Each launch is bounded in time, so a hang fails the test."""
 import gzip
+import json
 import re
 import shutil
 import subprocess
@@ -15,7 +16,8 @@ import torch
 import dbs_mpi
 
 from conftest import ROOT, mpiexec, run_cli
-from dbs_mpi.training.results import read_run
+from dbs_mpi.tools.config import Config
+from dbs_mpi.training.results import RunWriter, read_run
 
 TINY = ["--dataset", "synthetic", "--synthetic-samples", "256", "--epochs", "1", "--global-batch", "32",
         "--benchmark-steps", "1", "--benchmark-warmup", "0"]
@@ -218,3 +220,24 @@ def test_bad_input_is_answered_before_torch_is_imported(tmp_path):
                           timeout=60, cwd=ROOT)
     assert proc.stdout.split("\n")[0] == "[2, 2, 2, 2] False", proc.stdout + proc.stderr
     assert len(error_lines(proc)) == 4 and "exists already" in error_lines(proc)[3], proc.stderr
+
+
+def test_simulate_data_and_close_run_without_torch(tmp_path):
+    """The commands that plan or handle files need no torch (about 1.4 s of CPU to
+    import; more on a login node): a projection, a mistake, a data check and closing a
+    crashed run's file all answer with torch never imported."""
+    crashed = tmp_path / "crashed.h5"
+    RunWriter(crashed, dict(config=Config().to_json(), strategy="ssgd", world_size=1, hostnames=["a"]), 1).file.close()
+    commands = [["simulate", "--ranks", "8", "--model", "lenet5", "--samples", "2048", "--epochs", "1", "--json"],
+                ["simulate", "--ranks", "8", "--network", "fast"],
+                ["data", "check", "mnist", "--data-dir", str(tmp_path)],
+                ["close", str(crashed)]]
+    code = ("import json, sys; from dbs_mpi.tools import cli; "
+            "codes = [cli.main(argv) for argv in json.loads(sys.argv[1])]; "
+            "print(codes, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(commands)], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.stdout.splitlines()[-1] == "[0, 2, 1, 0] False", proc.stdout + proc.stderr
+    assert json.loads(proc.stdout.splitlines()[0])["ranks"] == 8, proc.stdout
+    assert "mnist" in proc.stdout and "missing" in proc.stdout and "running -> failed" in proc.stdout, proc.stdout
+    assert error_lines(proc) and error_lines(proc)[0].startswith("dbs-mpi: error: network"), proc.stderr

@@ -1,7 +1,8 @@
 """The package's shape: the public API resolves (at the old flat paths too), models and
-data know nothing of MPI, every import points down the layers (options, planning, mpi,
-training, parameter_server, tools), and no module imports, even inside a function, a
-module that imports it back (a cycle that a local import only hides)."""
+data know nothing of MPI, planning and the commands built on it load no torch, every
+import points down the layers (options, planning, mpi, training, parameter_server,
+tools), and no module imports, even inside a function, a module that imports it back (a
+cycle that a local import only hides)."""
 import ast
 import json
 import subprocess
@@ -61,6 +62,23 @@ def loaded_by_pure_modules():
 @pytest.mark.parametrize("module", NO_MPI, ids=lambda m: "mpi-package" if m == "mpi" else m)
 def test_models_data_and_pure_functions_do_not_import_mpi(module, loaded_by_pure_modules):
     assert "mpi4py.MPI" not in loaded_by_pure_modules[module]
+
+
+# Planning, and what `dbs-mpi simulate`, `data` and `close` run, answer without torch
+# (~1.4 s of CPU to import): the simulator's module, its dataset sizes, result files.
+# Bottom up, so that the first module to load torch is the one named.
+NO_TORCH = ["planning.allocation", "planning.dynamic", "planning.sharding", "planning.heterogeneity",
+            "training.results", "tools.machine", "tools.data", "tools.simulator"]
+
+
+@pytest.fixture(scope="module")
+def loaded_by_torch_free_modules():
+    return loaded_by_each(NO_TORCH)
+
+
+@pytest.mark.parametrize("module", NO_TORCH)
+def test_planning_and_the_simulator_do_not_import_torch(module, loaded_by_torch_free_modules):
+    assert "torch" not in loaded_by_torch_free_modules[module]
 
 
 def test_the_command_line_loads_nothing_heavy_before_the_start_up_watchdog_forks():
@@ -186,6 +204,8 @@ LAZY = {
     "tools.cli": "the start-up watchdog forks before MPI and torch load; a command loads only what it runs",
     "training.results": "readers of result files (the analysis, the notebooks) need neither MPI nor torch",
     "tools.machine": "the simulator's machine constants need neither torch nor MPI; measuring them does",
+    "tools.data": "`dbs-mpi data` and the simulator (the datasets' sizes) need no torch; loading a dataset does",
+    "tools.simulator": "a simulation needs no torch; `simulate calibrate` runs the engine (tools.train)",
 }
 
 

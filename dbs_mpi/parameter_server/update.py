@@ -21,6 +21,7 @@ from dataclasses import replace
 
 import torch
 
+from ..planning.sharding import group_size, in_rounds  # pure: in planning, so the simulator needs no torch
 from ..training.optimizer import SGD, make_optimizer
 from .protocol import bind_gradients
 
@@ -35,19 +36,6 @@ def server_momentum(cfg, workers: int, c: int) -> float:
         return cfg.momentum
     in_flight = workers / max(c, 1)
     return max(0.0, cfg.momentum - (1.0 - 1.0 / in_flight))
-
-
-def group_size(strategy: str, workers: int, softsync_n: int) -> int:
-    """c: gradients per update. asgd and dbs-sgd: 1; nsoftsync: floor(lambda / n) (at least 1)."""
-    if strategy == "nsoftsync":
-        return max(1, workers // softsync_n)
-    return 1
-
-
-def in_rounds(strategy: str, softsync_wait: bool, softsync_n: int, workers: int) -> bool:
-    """Rounds (hardsync): nsoftsync waiting for its updates with c = lambda, every worker's
-    gradient in every update."""
-    return strategy == "nsoftsync" and bool(softsync_wait) and group_size(strategy, workers, softsync_n) == workers
 
 
 def warm_up_optimizer() -> None:

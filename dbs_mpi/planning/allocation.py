@@ -9,6 +9,8 @@ min_local <= b_i <= max_local (heterogeneous gradient computing; the affine mode
 and why it beats the plain rule at small local batches: docs/method.md). With a_i = 0
 this is the plain proportional rule b_i = B * v_i / sum_j v_j of the DBS paper.
 Continuous solutions are rounded with largest remainders so that sum_i b_i = B exactly.
+The start-up calibration fits the model (SpeedModel.fit) to every rank's step times at
+two local batches (calibration_batches).
 """
 from __future__ import annotations
 
@@ -158,6 +160,18 @@ def split_partial(count: int, batch_sizes) -> np.ndarray:
 def step_time(batch_sizes, per_sample, overhead) -> np.ndarray:
     """Predicted per-rank step time of a vector under the affine model."""
     return np.asarray(overhead, float) + np.asarray(per_sample, float) * np.asarray(batch_sizes, float)
+
+
+def calibration_batches(global_batch: int, world_size: int, min_local: int = 1,
+                        max_local: int | None = None) -> tuple[int, int]:
+    """The two local batches the start-up calibration times: about half and twice the
+    equal share B/n (within the bounds), so that the fit spans the vector's range."""
+    small = max(min_local, global_batch // (2 * world_size))
+    large = max(small + 1, min(global_batch, 2 * global_batch // world_size))
+    if max_local:
+        large = min(large, max_local)
+        small = min(small, max(1, large - 1))
+    return small, large
 
 
 @dataclass

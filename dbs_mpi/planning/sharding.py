@@ -1,7 +1,9 @@
 """Sharding: which training samples each rank reads at each step of an epoch.
 
-A pure function of (dataset size, epoch, seed, global batch, batch vector, rank); no MPI.
-`HeteroSampler` serves these shards to a torch DataLoader (as its batch_sampler).
+A pure function of (dataset size, epoch, seed, global batch, batch vector, rank); no MPI,
+no torch. `HeteroSampler` serves these shards to a torch DataLoader (as its batch_sampler).
+For the parameter server, `Cursor` hands the samples out one piece of work at a time, and
+`group_size` and `in_rounds` say how its gradients are grouped into updates.
 
 Every epoch the training set is permuted with a generator seeded by (seed, epoch).
 Step s of the epoch consumes the next global batch of that permutation,
@@ -21,7 +23,6 @@ The last, partial global batch (N mod B samples) is split in proportion to the v
 from __future__ import annotations
 
 import numpy as np
-from torch.utils.data import Sampler
 
 from .allocation import split_partial
 
@@ -67,7 +68,7 @@ def eval_shard(num_samples: int, rank: int, world_size: int) -> slice:
     return slice(int(bounds[rank]), int(bounds[rank + 1]))
 
 
-class HeteroSampler(Sampler):
+class HeteroSampler:
     """A batch sampler that gives this rank its uneven shard, step by step:
 
         sampler = HeteroSampler(dataset, balancer, seed=0)
@@ -93,7 +94,10 @@ class HeteroSampler(Sampler):
 
     state_dict() is the position reached by the training loop (the balancer counts the
     steps taken, however far a DataLoader has prefetched); load_state_dict() continues
-    there, in the middle of an epoch if need be."""
+    there, in the middle of an epoch if need be.
+
+    A plain class, not a torch Sampler: a DataLoader's batch_sampler needs only to be
+    iterable with a length, and the simulator plans with this module without torch."""
 
     def __init__(self, dataset, balancer, *, seed: int = 0, drop_last: bool = False):
         self.num_samples = dataset if isinstance(dataset, int) else len(dataset)
@@ -139,6 +143,20 @@ class HeteroSampler(Sampler):
             raise ValueError(f"HeteroSampler: the state was saved with seed {state['seed']}, this sampler has "
                              f"seed {self.seed}")
         self.epoch, self._first_step = int(state["epoch"]), int(state["step"])
+
+
+def group_size(strategy: str, workers: int, softsync_n: int) -> int:
+    """c: gradients per update of the parameter server. asgd and dbs-sgd: 1; nsoftsync:
+    floor(lambda / n) (at least 1)."""
+    if strategy == "nsoftsync":
+        return max(1, workers // softsync_n)
+    return 1
+
+
+def in_rounds(strategy: str, softsync_wait: bool, softsync_n: int, workers: int) -> bool:
+    """Rounds (hardsync): nsoftsync waiting for its updates with c = lambda, every worker's
+    gradient in every update (the Cursor's rounds mode)."""
+    return strategy == "nsoftsync" and bool(softsync_wait) and group_size(strategy, workers, softsync_n) == workers
 
 
 class Cursor:

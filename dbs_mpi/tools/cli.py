@@ -246,6 +246,11 @@ def _close_alone(comm, args):
 
 COMMANDS = {"train": cmd_train, "info": cmd_info, "bench": cmd_bench, "data": cmd_data, "simulate": cmd_simulate,
             "close": cmd_close}
+# The commands that compute with torch, whose threads are shared out before they run (and
+# whose import of torch the start-up watchdog bounds). train starts torch itself once its
+# input is checked; simulate (but its machine calibration), data and close are planning
+# and files, which answer at once without torch (a login node imports it slowly).
+TORCH_COMMANDS = (("info",), ("bench",), ("simulate", "calibrate"))
 
 
 def main(argv=None) -> int:
@@ -271,7 +276,8 @@ def main(argv=None) -> int:
     startup.phase("init", backstop=True)
     comm = mpi.start(MPI.COMM_WORLD, timeout=startup.limit())  # fail together; the watchdog
     if argv[0] != "train":                   # train checks its input first, and ends the start-up at its first step
-        start_torch(comm)
+        if any(argv[:len(command)] == list(command) for command in TORCH_COMMANDS):
+            start_torch(comm)
         startup.done()
     try:
         return COMMANDS[argv[0]](comm, argv[1:])

@@ -1,5 +1,6 @@
 """The built-in datasets, read from their official files into memory, and `dbs-mpi
-data fetch|check`. No MPI here.
+data fetch|check`. No MPI here, and torch only where a dataset is loaded into tensors:
+`dbs-mpi data` and the simulator (SPLIT_SIZES) run without it.
 
 Every built-in dataset is loaded whole into memory as a `training.batches.Dataset`:
 float32 tensors (N, C, H, W), normalised with its standard per-channel mean and std,
@@ -40,13 +41,17 @@ import urllib.error
 import urllib.request
 import zlib
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ..options import UserError
-from ..training.batches import Dataset
 from .config import ArgumentParser
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..training.batches import Dataset
 
 ENV_DATA_DIR = "DBS_MPI_DATA_DIR"
 ENV_MIRROR = "DBS_MPI_MIRROR"
@@ -95,6 +100,7 @@ def resolve_data_dir(data_dir: str | os.PathLike | None) -> Path:
 def normalise(images: np.ndarray, name: str) -> torch.Tensor:
     """uint8 images (N, C, H, W) -> float32, scaled to [0, 1], minus the dataset's
     per-channel mean, divided by its per-channel std."""
+    import torch
     mean, std = (torch.tensor(v).view(1, -1, 1, 1) for v in NORMALISATION[name])
     x = torch.from_numpy(images.astype(np.float32)).div_(255.0)
     return x.sub_(mean).div_(std)
@@ -280,6 +286,9 @@ def read_split(name: str, split: str, data_dir) -> tuple[np.ndarray, np.ndarray,
 def load_synthetic(split: str, samples: int, shape, classes: int, seed: int) -> Dataset:
     """Learnable synthetic data: each class is a fixed random pattern plus noise.
     Seeded: the same (seed, split) gives the same tensors on every rank."""
+    import torch
+
+    from ..training.batches import Dataset
     n = samples if split == "train" else max(1, samples // 4)
     g = torch.Generator().manual_seed(1_000_003 * seed + (0 if split == "train" else 1))
     gp = torch.Generator().manual_seed(7919 * seed + 17)  # class patterns shared by both splits
@@ -292,6 +301,9 @@ def load_synthetic(split: str, samples: int, shape, classes: int, seed: int) -> 
 def load_dataset(name: str, split: str, data_dir=None, *, subset: int = 0, seed: int = 0,
                  synthetic_samples: int = 4096, synthetic_shape=(1, 28, 28), synthetic_classes: int = 10) -> Dataset:
     """Load `split` ("train" or "test") of dataset `name`; first `subset` samples if > 0."""
+    import torch
+
+    from ..training.batches import Dataset
     if split not in ("train", "test"):
         raise ValueError(f"split must be train or test, got {split!r}")
     if name in REAL_DATASETS:

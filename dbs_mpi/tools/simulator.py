@@ -6,11 +6,13 @@
     mpirun -n 2 dbs-mpi simulate calibrate --out results/machine/NAME.json   # machine.py
 
 A discrete-event model of a run, step by step, built from the engine's own parts: the
-allocation and the DBS controller (allocation.py), the epoch's table of local batches
-(sharding.step_batch_sizes), the calibration's batches and fit (balancer.py), the
-emulator's slow-downs and random sleeps (heterogeneity.Emulator), and for the parameter
-server its Cursor (sharding.py) and group rule (parameter_server.group_size). What it
-models instead of running (docs/simulator.md has the formulas and what limits them):
+allocation and the DBS controller (allocation.py, dynamic.py), the epoch's table of
+local batches (sharding.step_batch_sizes), the calibration's batches and fit
+(allocation.py), the emulator's slow-downs and random sleeps (heterogeneity.Emulator),
+and for the parameter server its Cursor and group rule (sharding.py). None of them
+needs torch, and neither does the simulator: a projection answers at once, on a login
+node too. What it models instead of running (docs/simulator.md has the formulas and
+what limits them):
 
 * compute: a rank's forward and backward at local batch b costs w(b) core-seconds (the
   machine's measured table, machine.py) divided by its device speed, times lognormal
@@ -42,15 +44,12 @@ import numpy as np
 
 from ..mpi import comm as mpi
 from ..options import UserError, parse_interval
-from ..parameter_server import group_size
 from ..planning import allocation, dynamic, sharding
 from ..planning.heterogeneity import Emulator
-from ..training.balancer import calibration_batches
 from . import config as config_mod
 from .config import ArgumentParser, Config, tomllib
 from .data import SPLIT_SIZES
 from .machine import Machine, ModelCost, calibrate
-from .train import train
 
 # Named networks (alpha: seconds per message, beta: seconds per byte).
 NETWORKS = {"ib-100g": (2e-6, 1 / 12.5e9),      # InfiniBand HDR 100 Gb/s
@@ -259,7 +258,8 @@ def calibration_step(compute: Compute, cluster: Cluster, factor: np.ndarray, loc
 def calibration_times(job: Job, cluster: Cluster, compute: Compute, emus) -> tuple[tuple, np.ndarray]:
     """The start-up calibration as the engine runs it (balancer.calibrate): the medians of
     benchmark_steps steps at two local batches. Returns ((small, large), (ranks x 2) seconds)."""
-    batches = calibration_batches(job.global_batch, cluster.size, job.min_local_batch, job.max_local_batch or None)
+    batches = allocation.calibration_batches(job.global_batch, cluster.size, job.min_local_batch,
+                                             job.max_local_batch or None)
     factor = np.array([e.factor for e in emus])
     times = [np.median([calibration_step(compute, cluster, factor, b) for _ in range(job.benchmark_steps)], axis=0)
              for b in batches]
@@ -387,14 +387,14 @@ class _SyncClock:
 
 class ServerSim:
     """The parameter server's bookkeeping in simulated time: the engine's Cursor hands out
-    the samples, gradients are applied in groups of c (parameter_server.group_size), an
+    the samples, gradients are applied in groups of c (sharding.group_size), an
     epoch closes when all its samples are applied, dbs-sgd re-plans at every epoch with the
     engine's DBSController. Checkpoint boundaries drain the workers (every one finishes its
     step and waits; the clock stops), as the engine does."""
 
     def __init__(self, job: Job, workers: int, vector, controller, checkpoint_every: int):
         self.job, self.workers, self.controller, self.every = job, workers, controller, checkpoint_every
-        self.c = group_size(job.strategy, workers, job.softsync_n)
+        self.c = sharding.group_size(job.strategy, workers, job.softsync_n)
         self.wait_mode = job.strategy == "nsoftsync" and job.softsync_wait
         self.cursor = sharding.Cursor(job.samples, job.global_batch, job.epochs, job.drop_last, workers,
                                       self.wait_mode and self.c == workers)
@@ -872,6 +872,7 @@ def measure_residuals(comm, machine: Machine, folder: Path) -> dict:
     gradient of a parameter-server worker ("async"): each is one short run of the engine
     (train.train on a sub-communicator; the other ranks sleep), replayed without residual;
     the median over its epochs after the first of (measured - predicted) / steps."""
+    from .train import train             # the engine (torch): only calibrating runs it
     runs, residual = residual_runs(machine.cores, comm.Get_size()), {}
     for name, (ranks, strategy) in runs.items():
         member = comm.Get_rank() < ranks

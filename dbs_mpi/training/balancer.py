@@ -49,23 +49,12 @@ from ..mpi import comm as mpi
 from ..mpi.devices import model_device
 from ..options import UserError, parse_interval
 from ..planning import allocation, dynamic, sharding
+from ..planning.allocation import calibration_batches  # pure: in planning, so the simulator needs no torch
 from ..planning.heterogeneity import Emulator
 from .batches import first_samples
 from .profiling import StepTimes, model_step, split_wait, time_step
 
 POLICIES = ("ssgd", "static", "dbs")
-
-
-def calibration_batches(global_batch: int, world_size: int, min_local: int = 1,
-                        max_local: int | None = None) -> tuple[int, int]:
-    """The two local batches the start-up calibration times: about half and twice the
-    equal share B/n (within the bounds), so that the fit spans the vector's range."""
-    small = max(min_local, global_batch // (2 * world_size))
-    large = max(small + 1, min(global_batch, 2 * global_batch // world_size))
-    if max_local:
-        large = min(large, max_local)
-        small = min(small, max(1, large - 1))
-    return small, large
 
 
 def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int = 2, stretch=None,
