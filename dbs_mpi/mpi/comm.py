@@ -33,6 +33,7 @@ Library code takes the communicator as an argument; only entry points pick COMM_
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import pickle
 import socket
@@ -108,6 +109,18 @@ def wait(request: MPI.Request, timeout: float = 600.0, what: str = "collective",
             pause = next_pause(pause, waited, max_pause)
     finally:
         SUPERVISOR.waiting = None
+
+
+def _sleeping_dup(comm: MPI.Comm) -> MPI.Comm:
+    """comm.Dup(), waited for with sleeps: the first collective of a job, which a rank
+    reaches while the others may still be importing (or stalled); MPI_Comm_dup would spin
+    a core meanwhile. Unbounded here: the caller's deadline bounds it."""
+    try:
+        channel, request = comm.Idup()
+    except NotImplementedError:        # pragma: no cover - an MPI library older than MPI-3
+        return comm.Dup()
+    wait(request, math.inf, "opening the failure channel")
+    return channel
 
 
 def barrier(comm: MPI.Comm, timeout: float = 600.0, max_pause: float = POLL_SLEEP_MAX) -> None:
@@ -263,7 +276,7 @@ class Supervisor:
         if comm.Get_size() == 1 or self._channel is not None:
             return
         with self.deadline(comm, timeout, "opening the failure channel (MPI_Comm_dup)"):
-            channel = comm.Dup()
+            channel = _sleeping_dup(comm)
         buffer = np.zeros(2, dtype=np.int64)
         self._channel = (channel, self._listen(channel, buffer) if comm.Get_rank() == 0 else None, buffer)
         self._ensure_thread()
