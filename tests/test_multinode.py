@@ -33,12 +33,18 @@ h5py = pytest.importorskip("h5py")
 
 pytestmark = pytest.mark.timeout(1200)
 
-COMM_TIMEOUT = 10            # --comm-timeout of the runs that lose a node
+# --comm-timeout of the runs that lose a node. Until then the ranks left mostly spin, in an
+# allreduce that the lost node never finishes (the sleeping wait policy sleeps before the
+# allreduce, not in it): 7 CPU-s each at 10 s, measured. The set-up's waits get
+# --startup-timeout instead, as long as a launch beside another test suite on 2 cores may need.
+COMM_TIMEOUT = 5
+STARTUP_TIMEOUT = 60
 LOST_NODE_SLACK = 8          # seconds past it within which the job must have ended
 # Long enough that a node can be lost in epoch 2 (about 2 s an epoch here), short
 # enough that resuming the rest on one node stays quick.
 LONG = ("--dataset synthetic --model mlp --synthetic-samples 12000 --global-batch 64 --epochs 3 "
-        f"--strategy dbs --speeds 1,1,1,1 --comm-timeout {COMM_TIMEOUT} --progress false")
+        f"--strategy dbs --speeds 1,1,1,1 --comm-timeout {COMM_TIMEOUT} --startup-timeout {STARTUP_TIMEOUT} "
+        "--progress false")
 
 
 def _namespaces_reason():
