@@ -66,15 +66,19 @@ test: install
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-serial-jobs test-serial-rest \
 		test-np4 test-np2 test-notebooks test-np1
 
+# Every test process and every rank the tests launch gets one torch thread
+# (OMP_THREAD_LIMIT=1, which dbs-mpi respects): two suites share the cores, and a rank's
+# second thread only spins while the other suite has the core. Measured: a 1-rank run took
+# 2.5x the CPU time, and was slower; the MPI suites took 1.8x at 4 ranks and 1.5x at 2,
+# mostly in their single-process references (COMM_SELF: a rank alone takes both cores). And
+# OMP_NUM_THREADS=1, torch's default before dbs-mpi sets the threads: torch hangs when its
+# threads exceed OMP_THREAD_LIMIT. The tests of the thread choice set their own.
+ONE_THREAD := OMP_NUM_THREADS=1 OMP_THREAD_LIMIT=1
+
 # Unit tests, and tests that launch mpirun themselves (error propagation, CLI), in one
 # session; `make test` runs it as two: the job, stop, stall and resume tests, and the rest.
-# Each rank these tests launch gets one torch thread (OMP_THREAD_LIMIT=1, which dbs-mpi
-# respects): two suites share the cores, and a 1-rank run's second thread only spins
-# while the other suite has the core (measured: 2.5x the CPU time, and slower). And
-# OMP_NUM_THREADS=1, torch's default before dbs-mpi sets the threads: torch hangs when
-# its threads exceed OMP_THREAD_LIMIT. The tests of the thread choice set their own.
 SERIAL_JOBS := tests/test_checkpoint.py tests/test_jobs.py tests/test_multinode.py tests/test_stuck.py
-PYTEST_SERIAL = OMP_NUM_THREADS=1 OMP_THREAD_LIMIT=1 DBS_MPI_MPIEXEC=$(MPIEXEC) timeout $(TEST_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider
+PYTEST_SERIAL = $(ONE_THREAD) DBS_MPI_MPIEXEC=$(MPIEXEC) timeout $(TEST_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider
 test-serial:
 	$(PYTEST_SERIAL) tests
 test-serial-jobs:
@@ -88,11 +92,11 @@ MPI_TESTS := $(shell grep -l 'mark\.mpi' tests/test_*.py)
 
 # The MPI tests at one rank, without mpirun (the 1-rank path needs no launcher).
 test-np1:
-	timeout $(TEST_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider --with-mpi -m mpi $(MPI_TESTS)
+	$(ONE_THREAD) timeout $(TEST_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider --with-mpi -m mpi $(MPI_TESTS)
 
 # The MPI tests (pytest-mpi) at NP ranks; rank 0 reports, other ranks speak on failure.
 test-np%:
-	timeout $(TEST_TIMEOUT) $(MPIEXEC) -n $* $(PY) tests/mpi_pytest.py -q -p no:cacheprovider --with-mpi -m mpi \
+	$(ONE_THREAD) timeout $(TEST_TIMEOUT) $(MPIEXEC) -n $* $(PY) tests/mpi_pytest.py -q -p no:cacheprovider --with-mpi -m mpi \
 		$(MPI_TESTS)
 
 test-mpi: test-np2 test-np4
