@@ -139,12 +139,14 @@ def test_ssgd_splits_equally_and_static_follows_speed(comm, shared_tmp):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("interval", ["epoch", "1"])
 def test_dbs_follows_a_slowdown(comm, shared_tmp, interval):
-    """Rank 0 becomes 8x slower from epoch 1 (20 steps an epoch): DBS moves samples away
+    """Rank 0 becomes 8x slower from epoch 1 (40 steps an epoch): DBS moves samples away
     from it, in the next epoch (per-epoch rule) or within the slowed epoch. (4x at 32
     samples a rank was too little on 4 ranks sharing 2 cores: fixed costs and the other
-    ranks' use of the core blur a small, slowed step.)"""
+    ranks' use of the core blur a small, slowed step. 20 steps an epoch were too few on 4
+    ranks beside another test suite: in 2 runs of 25, and once in CI, the noise held the
+    move back to the epoch's end.)"""
     n = comm.Get_size()
-    cfg = small_config(n, strategy="dbs", epochs=3, global_batch=256, synthetic_samples=5120,
+    cfg = small_config(n, strategy="dbs", epochs=3, global_batch=256, synthetic_samples=10240,
                        slow_rank=0, slow_factor=8.0, slow_epochs=(1, 3), benchmark_steps=3, dbs_interval=interval)
     out = shared_tmp / f"slow-{interval}.h5"
     summary = train(comm, cfg, out=str(out), log=quiet)
@@ -159,6 +161,6 @@ def test_dbs_follows_a_slowdown(comm, shared_tmp, interval):
     if comm.Get_rank() == 0 and interval != "epoch":
         data = read_run(out)["data"]
         moved = data["replan/step"][data["replan/epoch"] == 1]
-        assert len(moved) and moved[0] < 20, f"the vector should change within epoch 2: {data['replan/step']}"
+        assert len(moved) and moved[0] < 40, f"the vector should change within epoch 2: {data['replan/step']}"
         rows = data["step/batch_sizes"]
-        assert rows.shape == (60, n) and (rows.sum(axis=1) == 256).all()
+        assert rows.shape == (120, n) and (rows.sum(axis=1) == 256).all()
