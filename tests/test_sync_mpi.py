@@ -147,7 +147,8 @@ def test_dbs_follows_a_slowdown(comm, shared_tmp, interval):
     move back to the epoch's end.)"""
     n = comm.Get_size()
     cfg = small_config(n, strategy="dbs", epochs=3, global_batch=256, synthetic_samples=10240,
-                       slow_rank=0, slow_factor=8.0, slow_epochs=(1, 3), benchmark_steps=3, dbs_interval=interval)
+                       slow_rank=0, slow_factor=8.0, slow_epochs=(1, 3), benchmark_steps=3, dbs_interval=interval,
+                       wait_policy="sleep")     # the others wait for the slowed rank: not on a core
     out = shared_tmp / f"slow-{interval}.h5"
     summary = train(comm, cfg, out=str(out), log=quiet)
     b = [e["batch_sizes"] for e in summary.epochs]
