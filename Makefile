@@ -76,10 +76,8 @@ test: install
 ONE_THREAD := OMP_NUM_THREADS=1 OMP_THREAD_LIMIT=1
 
 # Unit tests, and tests that launch mpirun themselves (error propagation, CLI), in one
-# session; `make test` runs it as two of about the same CPU time: the checkpoint, resume
-# and job-script tests (Slurm, PBS, two nodes), and the rest (the stopped and stalled
-# ranks among them). The suites after them then go to whichever ends first.
-SERIAL_JOBS := tests/test_checkpoint.py tests/test_jobs.py tests/test_multinode.py
+# session; `make test` runs it as two: the job, stop, stall and resume tests, and the rest.
+SERIAL_JOBS := tests/test_checkpoint.py tests/test_jobs.py tests/test_multinode.py tests/test_stuck.py
 PYTEST_SERIAL = $(ONE_THREAD) DBS_MPI_MPIEXEC=$(MPIEXEC) timeout $(TEST_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider
 test-serial:
 	$(PYTEST_SERIAL) tests
