@@ -122,7 +122,8 @@ TRAIN = """
 import sys
 from dbs_mpi.tools import cli
 code = cli.main(sys.argv[1:])
-print("dynamo", "torch._dynamo" in sys.modules)
+sys.stdout.write(f"dynamo {'torch._dynamo' in sys.modules}\\n")   # one write: the ranks' lines interleave
+sys.stdout.flush()
 sys.exit(code)
 """
 
