@@ -62,7 +62,7 @@ data:
 # keeps both cores busy; two suites at once do, and three were no faster), longest first:
 # the next starts when one ends. Each suite's output is printed in one piece when it ends.
 test: install
-	@echo "make test: 6 suites, two at a time; each prints its output when it ends (about 11 min on 2 cores)"
+	@echo "make test: 6 suites, two at a time; each prints its output when it ends (11 to 12 min on 2 cores)"
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-serial-jobs test-serial-rest \
 		test-np4 test-np2 test-notebooks test-np1
 
