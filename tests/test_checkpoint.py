@@ -126,16 +126,30 @@ def test_dbs_stopped_in_an_epoch_whose_vector_changed_resumes_with_every_step_on
     assert (rows[:, 1] < 32).mean() > 0.9, "rank 1 is 4x slower: it should compute less than half"
 
 
-def test_resume_refuses_changed_config_and_extends_a_run(tmp_path):
-    out = tmp_path / "run.h5"
+@pytest.fixture(scope="module")
+def one_epoch(tmp_path_factory):
+    """A complete run of one epoch at 2 ranks, which the tests of refused resumes copy."""
+    out = tmp_path_factory.mktemp("one-epoch") / "run.h5"
     proc = run_cli(["train", *RUN, "--epochs", "1", "--synthetic-samples", "640", "--out", str(out)], ranks=2,
                    timeout=120)
     assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def copy_run(source, target):
+    """A result file and its checkpoint, copied."""
+    for suffix in ("", ".ckpt"):
+        shutil.copy(str(source) + suffix, str(target) + suffix)
+
+
+def test_resume_refuses_a_changed_config_and_leaves_the_run_as_it_was(tmp_path, one_epoch):
+    """(That the run can then be extended is tested on a plug-in run: test_plugins.py.)"""
+    out = tmp_path / "run.h5"
+    copy_run(one_epoch, out)
+    before = [path.read_bytes() for path in (out, tmp_path / "run.h5.ckpt")]
     proc = run_cli(["train", "--resume", str(out), "--epochs", "2", "--lr", "0.5"], ranks=2, timeout=60)
     assert proc.returncode == 2 and "lr: 0.5 differs from the checkpoint's 0.05" in proc.stderr
-    proc = run_cli(["train", "--resume", str(out), "--epochs", "2"], ranks=2, timeout=120)   # extend a run
-    assert proc.returncode == 0, proc.stderr
-    assert read_run(out)["data"]["epoch/train_loss"].shape == (2,)
+    assert [path.read_bytes() for path in (out, tmp_path / "run.h5.ckpt")] == before
 
 
 RESIZE = ["--dataset", "synthetic", "--synthetic-samples", "4000", "--test-subset", "200", "--epochs", "2",
@@ -201,12 +215,11 @@ def test_a_run_stopped_on_2_ranks_continues_on_another_number(tmp_path, never_st
     assert set(per_step) <= {2, ranks} and len(per_step) == steps
 
 
-def test_corrupt_or_missing_checkpoint_names_the_file(tmp_path):
+def test_corrupt_or_missing_checkpoint_names_the_file(tmp_path, one_epoch):
     out = tmp_path / "run.h5"
     proc = run_cli(["train", "--resume", str(out)], ranks=2, timeout=60)
     assert proc.returncode == 2 and f"resume: no checkpoint {out}.ckpt" in proc.stderr
-    proc = run_cli(["train", *RUN, "--epochs", "1", "--synthetic-samples", "640", "--out", str(out)], timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    copy_run(one_epoch, out)
     ckpt = tmp_path / "run.h5.ckpt"
     ckpt.write_bytes(ckpt.read_bytes()[:1000])
     proc = run_cli(["train", "--resume", str(out), "--epochs", "2"], ranks=2, timeout=60)
@@ -245,31 +258,51 @@ def samples_per_epoch(run):
     return np.bincount(d["update/epoch"], weights=d["update/local_batch"]).astype(int).tolist()
 
 
+@pytest.fixture(scope="module")
+def stopped_async(tmp_path_factory):
+    """stopped_async(strategy, ranks, sig): a run of `strategy` on `ranks` stopped by `sig`
+    in epoch 2 (a checkpoint at every epoch's end, and at the stop), checked, and shared by
+    the cases that resume it: the resume cases differ after the stop, not before it."""
+    stopped = {}
+
+    def stop(strategy, ranks, sig):
+        if (strategy, ranks, sig) in stopped:
+            return stopped[strategy, ranks, sig]
+        out = tmp_path_factory.mktemp(f"{strategy}-{ranks}") / "cut.h5"
+        proc = launch([*ASYNC, "--strategy", strategy, "--checkpoint-every", "1", "--out", str(out)], ranks)
+        read_line(proc, "epoch 1/3 trained")
+        proc.send_signal(sig)
+        stdout, err = proc.communicate(timeout=120)
+        assert proc.returncode == checkpoint.EXIT_STOPPED, err
+        assert "stop requested" in stdout
+        state = checkpoint.load(str(out) + ".ckpt")
+        assert state["epoch"] < 3
+        cut = read_run(out)
+        assert cut["attrs"]["status"] == "interrupted"
+        assert cut["data"]["epoch/train_loss"].shape[0] == state["epoch"]        # every closed epoch is written
+        assert len(cut["data"]["update/version"]) == state["records"]["updates"]  # and every applied gradient
+        stopped[strategy, ranks, sig] = out
+        return out
+    return stop
+
+
 @pytest.mark.parametrize("strategy, ranks, sig, every, again, extend", [
     ("asgd", 2, signal.SIGUSR1, "0", 2, True), ("nsoftsync", 4, signal.SIGTERM, "1", 4, True),
     ("dbs-sgd", 4, signal.SIGUSR1, "1", 4, True), ("asgd", 2, signal.SIGUSR1, "1", 3, False),
-    ("dbs-sgd", 4, signal.SIGTERM, "0", 3, False)])
-def test_async_stop_and_resume_applies_every_sample_once(tmp_path, strategy, ranks, sig, every, again, extend):
+    ("dbs-sgd", 4, signal.SIGUSR1, "0", 3, False)])
+def test_async_stop_and_resume_applies_every_sample_once(tmp_path, stopped_async, strategy, ranks, sig, every,
+                                                         again, extend):
     """A stop request drains the parameter server, checkpoints and exits with
-    EXIT_STOPPED; the resumed run (on `again` ranks: the same, or another number of
-    workers) continues the same file, the clock and the server version, and every sample
-    of every epoch is applied exactly once across the stop. A complete run is extended
-    by one epoch once per strategy (`extend`)."""
+    EXIT_STOPPED (stopped_async); the resumed run (on `again` ranks: the same, or another
+    number of workers; a checkpoint at every epoch's end or only at the last, `every`)
+    continues the same file, the clock and the server version, and every sample of every
+    epoch is applied exactly once across the stop. A complete run is extended by one epoch
+    once per strategy (`extend`). The cases of a strategy and world size resume copies of
+    one stopped run."""
     out = tmp_path / "cut.h5"
-    proc = launch([*ASYNC, "--strategy", strategy, "--checkpoint-every", every, "--out", str(out)], ranks)
-    read_line(proc, "epoch 1/3 trained")
-    proc.send_signal(sig)
-    stdout, err = proc.communicate(timeout=120)
-    assert proc.returncode == checkpoint.EXIT_STOPPED, err
-    assert "stop requested" in stdout
-    state = checkpoint.load(str(out) + ".ckpt")
-    assert state["epoch"] < 3
-    cut = read_run(out)
-    assert cut["attrs"]["status"] == "interrupted"
-    assert cut["data"]["epoch/train_loss"].shape[0] == state["epoch"]        # every closed epoch is written
-    assert len(cut["data"]["update/version"]) == state["records"]["updates"]  # and every applied gradient
+    copy_run(stopped_async(strategy, ranks, sig), out)
 
-    proc = run_cli(["train", "--resume", str(out)], ranks=again, timeout=240)
+    proc = run_cli(["train", "--resume", str(out), "--checkpoint-every", every], ranks=again, timeout=240)
     assert proc.returncode == 0, proc.stderr
     run = read_run(out)
     d = run["data"]
@@ -310,8 +343,7 @@ def test_hardsync_stop_and_resume_is_bit_identical(tmp_path):
     assert proc.returncode == checkpoint.EXIT_STOPPED
     assert checkpoint.load(str(cut) + ".ckpt")["position"] != [3, 0]          # stopped before the end
     moved = tmp_path / "moved.h5"
-    for suffix in ("", ".ckpt"):
-        shutil.copy(str(cut) + suffix, str(moved) + suffix)
+    copy_run(cut, moved)
     proc = run_cli(["train", "--resume", str(cut)], ranks=2, timeout=240)
     assert proc.returncode == 0, proc.stderr
     a, b = read_run(whole)["data"], read_run(cut)["data"]
