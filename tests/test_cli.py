@@ -9,7 +9,6 @@ import sys
 import textwrap
 import time
 
-import h5py
 import pytest
 import torch
 
@@ -27,9 +26,15 @@ def error_lines(proc):
     return [line for line in proc.stderr.splitlines() if line.startswith("dbs-mpi: error:")]
 
 
-def test_one_rank_without_mpirun(tmp_path):
-    out = tmp_path / "one.h5"
-    proc = run_cli(["train", *TINY, "--epochs", "2", "--out", str(out)])
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """A 2-epoch run of one process, launched without mpirun: (result file, the process)."""
+    out = tmp_path_factory.mktemp("one-rank") / "one.h5"
+    return out, run_cli(["train", *TINY, "--epochs", "2", "--out", str(out)])
+
+
+def test_one_rank_without_mpirun(one_rank):
+    out, proc = one_rank
     assert proc.returncode == 0, proc.stderr
     assert "final: train loss" in proc.stdout and f"results: {out}" in proc.stdout
     run = read_run(out)
@@ -194,14 +199,15 @@ def test_version_and_one_default_per_option():
     assert "(default: None)" not in flat and "(default: 'dbs')" in flat and "(default: true)" in flat
 
 
-def test_resuming_a_complete_run_says_there_is_nothing_to_do(tmp_path):
+def test_resuming_a_complete_run_says_there_is_nothing_to_do(tmp_path, one_rank):
     out = tmp_path / "done.h5"
-    assert run_cli(["train", *TINY, "--out", str(out)]).returncode == 0
+    for suffix in ("", ".ckpt"):
+        shutil.copy(str(one_rank[0]) + suffix, str(out) + suffix)
     before = read_run(out)
     proc = run_cli(["train", "--resume", str(out)])
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == (f"dbs-mpi: nothing to do: {out} has all its 1 epochs; to train longer, resume "
-                                   f"with --epochs N (N > 1)")
+    assert proc.stdout.strip() == (f"dbs-mpi: nothing to do: {out} has all its 2 epochs; to train longer, resume "
+                                   f"with --epochs N (N > 2)")
     after = read_run(out)
     assert after["attrs"]["status"] == "complete" and "resumed" not in after["attrs"]
     assert after["data"]["epoch/train_loss"].tolist() == before["data"]["epoch/train_loss"].tolist()
