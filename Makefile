@@ -20,7 +20,7 @@ DATA_DIR ?= data
 # Bound on each MPI test session, so that a hang fails instead of blocking CI.
 TEST_TIMEOUT ?= 2400
 
-.PHONY: install venv deps data test test-serial test-serial-jobs test-serial-rest test-mpi test-np% run bench bench-hetero bench-ab info clean experiments figures test-notebooks
+.PHONY: install venv deps data test test-serial test-serial-jobs test-serial-resume test-serial-rest test-mpi test-np% run bench bench-hetero bench-ab info clean experiments figures test-notebooks
 
 # `make install` is idempotent: a stamp in the venv records a finished install (per MPI
 # choice), redone only when setup.cfg or pyproject.toml change; the data script skips
@@ -65,17 +65,18 @@ PACKAGE_DIRS = $(PY) -c 'import importlib.util as u, sys; print(*(u.find_spec(n)
 data:
 	@bash scripts/get-data.sh $(DATA_DIR)
 
-# The suites two at a time (most of a test's time goes to launching ranks, which seldom
-# keeps both cores busy; two suites at once do, and three were no faster), longest first:
-# the next starts when one ends. Each suite's output is printed in one piece when it ends.
+# The suites three at a time, the next starting when one ends: the job-script tests wait
+# (for Slurm, for a timeout, for a node cut off) more than they compute, and the two other
+# serial sessions keep the cores busy meanwhile. Each suite's output is printed in one
+# piece when it ends.
 test: install
-	@echo "make test: 6 suites, two at a time; each prints its output when it ends (11 to 12 min on 2 cores)"
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-serial-jobs test-serial-rest \
+	@echo "make test: 7 suites, three at a time; each prints its output when it ends (about 11 min on 2 cores)"
+	$(MAKE) --no-print-directory -j3 --output-sync=target test-serial-jobs test-serial-resume test-serial-rest \
 		test-np4 test-np2 test-notebooks test-np1
 
 # Every test process and every rank the tests launch gets one torch thread
-# (OMP_THREAD_LIMIT=1, which dbs-mpi respects): two suites share the cores, and a rank's
-# second thread only spins while the other suite has the core. Measured: a 1-rank run took
+# (OMP_THREAD_LIMIT=1, which dbs-mpi respects): the suites share the cores, and a rank's
+# second thread only spins while another suite has the core. Measured: a 1-rank run took
 # 2.5x the CPU time, and was slower; the MPI suites took 1.8x at 4 ranks and 1.5x at 2,
 # mostly in their single-process references (COMM_SELF: a rank alone takes both cores). And
 # OMP_NUM_THREADS=1, torch's default before dbs-mpi sets the threads: torch hangs when its
@@ -83,15 +84,19 @@ test: install
 ONE_THREAD := OMP_NUM_THREADS=1 OMP_THREAD_LIMIT=1
 
 # Unit tests, and tests that launch mpirun themselves (error propagation, CLI), in one
-# session; `make test` runs it as two: the job, stop, stall and resume tests, and the rest.
-SERIAL_JOBS := tests/test_checkpoint.py tests/test_jobs.py tests/test_multinode.py tests/test_stuck.py
+# session; `make test` runs it as three: the job scripts, nodes and stalled ranks (mostly
+# waiting), the stops, resumes and examples (mostly computing), and the rest.
+SERIAL_JOBS   := tests/test_jobs.py tests/test_multinode.py tests/test_stuck.py
+SERIAL_RESUME := tests/test_checkpoint.py tests/test_examples.py
 PYTEST_SERIAL = $(ONE_THREAD) DBS_MPI_MPIEXEC=$(MPIEXEC) timeout $(TEST_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider
 test-serial:
 	$(PYTEST_SERIAL) tests
 test-serial-jobs:
 	$(PYTEST_SERIAL) $(SERIAL_JOBS)
+test-serial-resume:
+	$(PYTEST_SERIAL) $(SERIAL_RESUME)
 test-serial-rest:
-	$(PYTEST_SERIAL) tests $(SERIAL_JOBS:%=--ignore=%)
+	$(PYTEST_SERIAL) tests $(SERIAL_JOBS:%=--ignore=%) $(SERIAL_RESUME:%=--ignore=%)
 
 # The MPI tests: the files that mark tests `mpi` (collecting only them saves every rank
 # 2.7 s of CPU, importing the other test modules).
