@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from conftest import run_cli
