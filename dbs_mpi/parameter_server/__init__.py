@@ -41,12 +41,12 @@ The files, bottom up:
 Not supported here: models with floating-point buffers (BatchNorm statistics: use
 norm = "group").
 """
-from ..planning.sharding import Cursor
+from ..planning.sharding import Cursor, group_size, in_rounds
 from .protocol import HEADER, Message, bind_gradients, bind_parameters
 from .records import UPDATE_COLUMNS, epoch_record, staleness_stats
 from .server import Server
 from .trainer import AsyncTrainer, initial_vector
-from .update import group_size, in_rounds, server_momentum
+from .update import server_momentum
 from .worker import Worker
 
 __all__ = ["AsyncTrainer", "Cursor", "HEADER", "Message", "Server", "UPDATE_COLUMNS", "Worker", "bind_gradients",

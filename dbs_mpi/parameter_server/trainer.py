@@ -40,15 +40,16 @@ from mpi4py import MPI
 from ..mpi import comm as mpi, startup
 from ..options import UserError
 from ..planning import allocation, dynamic
+from ..planning.allocation import calibration_batches
+from ..planning.sharding import group_size
 from ..planning.heterogeneity import Emulator
 from ..training import checkpoint
-from ..training.balancer import calibrate, calibration_batches
+from ..training.balancer import calibrate
 from ..training.batches import first_samples
 from ..training.profiling import model_step
 from .protocol import END_DONE, END_STOP, bind_parameters
 from .records import epoch_record
 from .server import Server
-from .update import group_size
 from .worker import Worker
 
 

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from ..planning.sharding import group_size, in_rounds  # pure: in planning, so the simulator needs no torch
+from ..planning.sharding import group_size, in_rounds
 from ..training.optimizer import SGD, make_optimizer
 from .protocol import bind_gradients
 

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..planning.sharding import Cursor
-from .update import in_rounds
+from ..planning.sharding import Cursor, in_rounds
 
 
 class WorkPlan:

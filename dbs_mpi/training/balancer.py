@@ -49,7 +49,6 @@ from ..mpi import comm as mpi
 from ..mpi.devices import model_device
 from ..options import UserError, parse_interval
 from ..planning import allocation, dynamic, sharding
-from ..planning.allocation import calibration_batches  # pure: in planning, so the simulator needs no torch
 from ..planning.heterogeneity import Emulator
 from .batches import first_samples
 from .profiling import StepTimes, model_step, split_wait, time_step
@@ -314,7 +313,7 @@ class BatchPolicy:
 
     # --- calibration --------------------------------------------------------------
     def calibration_batches(self) -> tuple[int, int]:
-        return calibration_batches(self.global_batch, self.world_size, self.min_local, self.max_local)
+        return allocation.calibration_batches(self.global_batch, self.world_size, self.min_local, self.max_local)
 
     def calibrate(self, step, steps: int = 5, warmup: int = 2) -> np.ndarray:
         """Collective. Time `step(b)` (one forward and backward on b samples, on a copy of
