@@ -215,35 +215,37 @@ def test_resuming_a_complete_run_says_there_is_nothing_to_do(tmp_path, one_rank)
 
 def test_bad_input_is_answered_before_torch_is_imported(tmp_path):
     """What the command line shows by itself (options, ranks, an existing --out) is checked
-    before torch loads: about 1.4 s of CPU a rank that a mistake need not cost."""
+    before torch loads: about 1.4 s of CPU a rank that a mistake need not cost. main()
+    turns the garbage collector on again when a command ends before its imports."""
     existing = tmp_path / "done.h5"
     existing.write_bytes(b"")
-    code = ("import sys; from dbs_mpi.tools import cli; "
+    code = ("import gc, sys; from dbs_mpi.tools import cli; "
             "codes = [cli.main(['train', *sys.argv[1:-1], *bad]) for bad in "
             "(['--speeds', '1,2'], ['--strategy', 'turbo'], ['--global-batch', '0'], ['--out', sys.argv[-1]])]; "
-            "print(codes, 'torch' in sys.modules)")
+            "print(codes, 'torch' in sys.modules, gc.isenabled())")
     proc = subprocess.run([sys.executable, "-c", code, *TINY, str(existing)], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
-    assert proc.stdout.split("\n")[0] == "[2, 2, 2, 2] False", proc.stdout + proc.stderr
+    assert proc.stdout.split("\n")[0] == "[2, 2, 2, 2] False True", proc.stdout + proc.stderr
     assert len(error_lines(proc)) == 4 and "exists already" in error_lines(proc)[3], proc.stderr
 
 
 def test_simulate_data_and_close_run_without_torch(tmp_path):
     """The commands that plan or handle files need no torch (about 1.4 s of CPU to
     import; more on a login node): a projection, a mistake, a data check and closing a
-    crashed run's file all answer with torch never imported."""
+    crashed run's file all answer with torch never imported; the garbage collector is on
+    again after them, leaving their imports' objects out of its passes (gc.freeze)."""
     crashed = tmp_path / "crashed.h5"
     RunWriter(crashed, dict(config=Config().to_json(), strategy="ssgd", world_size=1, hostnames=["a"]), 1).file.close()
     commands = [["simulate", "--ranks", "8", "--model", "lenet5", "--samples", "2048", "--epochs", "1", "--json"],
                 ["simulate", "--ranks", "8", "--network", "fast"],
                 ["data", "check", "mnist", "--data-dir", str(tmp_path)],
                 ["close", str(crashed)]]
-    code = ("import json, sys; from dbs_mpi.tools import cli; "
+    code = ("import gc, json, sys; from dbs_mpi.tools import cli; "
             "codes = [cli.main(argv) for argv in json.loads(sys.argv[1])]; "
-            "print(codes, 'torch' in sys.modules)")
+            "print(codes, 'torch' in sys.modules, gc.isenabled(), gc.get_freeze_count() > 1000)")
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(commands)], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
-    assert proc.stdout.splitlines()[-1] == "[0, 2, 1, 0] False", proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[-1] == "[0, 2, 1, 0] False True True", proc.stdout + proc.stderr
     assert json.loads(proc.stdout.splitlines()[0])["ranks"] == 8, proc.stdout
     assert "mnist" in proc.stdout and "missing" in proc.stdout and "running -> failed" in proc.stdout, proc.stdout
     assert error_lines(proc) and error_lines(proc)[0].startswith("dbs-mpi: error: network"), proc.stderr

@@ -98,9 +98,10 @@ def load_train_config(argv, rank: int):
 def collect_from_here() -> None:
     """The start-up's imports are over: the cyclic garbage collector, off since main()
     began, starts again, and leaves out of its passes every object that exists now
-    (gc.freeze). Those are torch's modules and the like, hundreds of thousands of objects
+    (gc.freeze). Those are torch's modules and the like, about 260,000 objects
     that live as long as the process; each full pass walked them all. With the collector
-    running as usual, a 1-rank run of 8 steps took 1.8 CPU-s, 1.3 without these passes."""
+    running as usual, a 1-rank run of 8 steps took 2.0 CPU-s, 1.4 without these passes
+    (docs/api.md, "Start-up")."""
     gc.freeze()
     gc.enable()
 
