@@ -23,8 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import h5py
-
 import numpy as np
 import pytest
 
@@ -494,7 +492,7 @@ def test_slurm_stopped_job_resubmitted_with_another_ntasks_continues_the_run(clu
                           EXTRA_ARGS=STOPPABLE)
     job, _ = _submit_and_signal(env, tmp_path, result)
     deadline = time.monotonic() + 180
-    while (state := _job_state(env, job)[0]) in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING"):
+    while _job_state(env, job)[0] in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING"):
         assert time.monotonic() < deadline, f"job {job} did not stop"
         time.sleep(0.5)
     assert "exited with status 3" in _read(tmp_path / f"dbs-mpi-train-{job}.out")

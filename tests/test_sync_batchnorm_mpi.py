@@ -19,7 +19,6 @@ import dbs_mpi
 from dbs_mpi.mpi import comm as mpi
 from dbs_mpi.planning import allocation
 from dbs_mpi.training import ddp, sync_batchnorm
-from dbs_mpi.planning.sharding import epoch_permutation
 from test_api_mpi import Pairs, flat_params, speeds_for
 
 TIMEOUT = 60.0
