@@ -96,5 +96,5 @@ def shared_tmp(comm, tmp_path):
 def pytest_collection_finish(session):
     """The test modules and what they import (torch) are loaded: the garbage collector
     leaves their objects out of its passes from now on, as `dbs-mpi` does after its imports
-    (the 2-rank MPI suite: 30.4 -> 27.8 CPU-s)."""
+    (the 2-rank MPI suite: 30.3 -> 27.8 CPU-s)."""
     gc.freeze()
