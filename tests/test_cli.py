@@ -45,7 +45,7 @@ def test_one_rank_without_mpirun(one_rank):
 
 def test_two_ranks_with_speeds_write_one_complete_file(tmp_path):
     out = tmp_path / "two.h5"
-    proc = run_cli(["train", *TINY, "--speeds", "1,0.25", "--strategy", "static", "--out", str(out)], ranks=2)
+    proc = run_cli(["train", *TINY, "--speeds", "1,0.1", "--strategy", "static", "--out", str(out)], ranks=2)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("final: train loss") == 1          # summary from rank 0 only
     run = read_run(out)
@@ -61,7 +61,7 @@ def test_two_ranks_with_speeds_write_one_complete_file(tmp_path):
 def test_sync_bn_trains_a_batchnorm_resnet_and_is_recorded(tmp_path):
     out = tmp_path / "bn.h5"
     proc = run_cli(["train", *TINY, "--model", "resnet20", "--norm", "batch", "--sync-bn", "--synthetic-shape",
-                    "3,8,8", "--speeds", "1,0.25", "--strategy", "static", "--out", str(out)], ranks=2)
+                    "3,8,8", "--speeds", "1,0.1", "--strategy", "static", "--out", str(out)], ranks=2)
     assert proc.returncode == 0, proc.stderr
     assert "BatchNorm" not in proc.stderr                         # synchronised: no warning
     run = read_run(out)

@@ -36,21 +36,22 @@ def finish(proc, timeout=300):
 
 def test_api_example_trains_a_user_model_at_two_ranks(tmp_path):
     out = tmp_path / "api.h5"
-    # Rank 1 at a quarter of rank 0's speed: dbs re-plans epoch 2 from epoch 1's measured
-    # times, and with two test suites at once on 2 cores a half-speed rank 1 once came out
-    # faster than rank 0 (vector [120, 136]): the machine, not the example, was slower.
-    code, stdout, err = finish(launch([EXAMPLES / "train_api.py", "--epochs", "2", "--speeds", "1,0.25",
+    # Rank 1 at a tenth of rank 0's speed. The emulation stretches a rank's CPU time, not its
+    # waits for a core, so a busy machine dilutes it: with three test suites on 2 cores, a
+    # half-speed rank 1 once came out faster than rank 0 (vector [120, 136]), and a
+    # quarter-speed one even at start-up ([126, 130]): the machine, not the example, was slower.
+    code, stdout, err = finish(launch([EXAMPLES / "train_api.py", "--epochs", "2", "--speeds", "1,0.1",
                                        "--out", out]))
     assert code == 0, err
     assert stdout.count("epoch 2:") == 1 and f"results: {out}" in stdout          # rank 0 prints, once
     run = read_run(out)
     assert run["attrs"]["status"] == "complete" and run["attrs"]["world_size"] == 2
-    assert run["config"]["speeds"] == "1,0.25" and run["config"]["workers"] == 2
+    assert run["config"]["speeds"] == "1,0.1" and run["config"]["workers"] == 2
     data = run["data"]
     assert data["epoch/test_accuracy"].shape == (2,)
     assert data["epoch/test_accuracy"][-1] > 0.25, "16 classes: chance is 6%, two epochs reach about 55%"
     b = data["epoch/batch_sizes"]
-    assert (b.sum(axis=1) == 256).all() and (b[:, 0] > b[:, 1]).all(), "rank 1 is emulated at a quarter speed"
+    assert (b.sum(axis=1) == 256).all() and (b[:, 0] > b[:, 1]).all(), "rank 1 is emulated at a tenth of the speed"
     assert data["startup/step_time"].shape == (2, 2)
     assert (data["epoch/data_time"] > 0).all() and (data["epoch/compute_time"] > 0).all()
     assert run["attrs"]["strategy"] == "dbs" and run["attrs"]["global_batch"] == 256
@@ -62,15 +63,15 @@ def test_api_example_trains_a_user_model_at_two_ranks(tmp_path):
 
 
 def test_ddp_example_trains_with_uneven_local_batches(tmp_path):
-    # A quarter speed, as in the API example's test: half speed can be lost in a busy machine's noise
-    code, stdout, err = finish(launch([EXAMPLES / "train_ddp.py", "--epochs", "2", "--speeds", "1,0.25"]))
+    # A tenth of the speed, as in the API example's test: less can be lost in a busy machine's noise
+    code, stdout, err = finish(launch([EXAMPLES / "train_ddp.py", "--epochs", "2", "--speeds", "1,0.1"]))
     assert code == 0, err
     lines = [line for line in stdout.splitlines() if line.startswith("epoch ")]
     assert [line.split(":")[0] for line in lines] == ["epoch 1", "epoch 2"], stdout     # rank 0 prints, once
     accuracy = float(lines[-1].split("accuracy ")[1].split("%")[0])
     assert accuracy > 25, "16 classes: chance is 6%"
     batches = json.loads(lines[-1].split("local batches ")[1].split(" ->")[0])
-    assert sum(batches) == 256 and batches[0] > batches[1], "rank 1 is emulated at a quarter speed"
+    assert sum(batches) == 256 and batches[0] > batches[1], "rank 1 is emulated at a tenth of the speed"
 
 
 def test_api_example_runs_as_one_process_without_mpirun(tmp_path):
