@@ -40,9 +40,8 @@ from mpi4py import MPI
 from ..mpi import comm as mpi, startup
 from ..options import UserError
 from ..planning import allocation, dynamic
-from ..planning.allocation import calibration_batches
-from ..planning.sharding import group_size
 from ..planning.heterogeneity import Emulator
+from ..planning.sharding import group_size
 from ..training import checkpoint
 from ..training.balancer import calibrate
 from ..training.batches import first_samples
@@ -71,7 +70,7 @@ def initial_vector(run, emulator):
         return allocation.equal(cfg.global_batch, workers, cfg.min_local_batch, max_local), None, {}
     # Every rank (the server too: the calibration is a collective) times itself at two
     # local batches; the workers' part of the fit sizes their local batches.
-    small, large = calibration_batches(cfg.global_batch, comm.Get_size(), cfg.min_local_batch, max_local)
+    small, large = allocation.calibration_batches(cfg.global_batch, comm.Get_size(), cfg.min_local_batch, max_local)
     step = model_step(run.model, run.loss_fn, *first_samples(run.train_set, large))
     fit, times = calibrate(comm, step, small, large, steps=cfg.benchmark_steps, warmup=cfg.benchmark_warmup,
                            stretch=emulator.stretch, affine=cfg.dbs_model == "affine", timeout=cfg.comm_timeout)
