@@ -94,10 +94,11 @@ def test_a_step_gives_one_processs_gradient_and_statistics_on_the_union(comm):
     check_one_step(comm)
 
 
-def train(comm, sync, epochs=2, drop_last=False, **optimizer_kw):
+def train(comm, sync, epochs=2, drop_last=False, bf16=False, **optimizer_kw):
     """Two epochs of SGD on a BatchNorm model under a fixed uneven vector (a 2-sample rank
     at 4 ranks; the last step of 6 samples leaves a rank without any, and one with one
-    sample, on which plain BatchNorm1d fails: drop_last drops it)."""
+    sample, on which plain BatchNorm1d fails: drop_last drops it); bf16: the forward
+    under torch.autocast("cpu", bfloat16)."""
     data, global_batch = Pairs(150, seed=2), 48
     torch.manual_seed(0)
     model = BNNet()
@@ -112,11 +113,29 @@ def train(comm, sync, epochs=2, drop_last=False, **optimizer_kw):
         sampler.set_epoch(epoch)
         for x, y in DataLoader(data, batch_sampler=sampler):
             optimizer.zero_grad()
-            loss = F.cross_entropy(model(x), y)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = F.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step(loss=loss)
         table = balancer.end_epoch().table
     return model, table
+
+
+@pytest.mark.mpi(min_size=1)
+def test_bf16_autocast_trains_allocation_invariant_with_sync(comm):
+    """Under bf16 autocast the layer's statistics and backward stay in float32 (the
+    parameters' dtype), so it trains at any number of ranks, and the run is one
+    process's within bf16's rounding: the local batches' shapes change how the
+    reduced-precision convolutions round, nothing else."""
+    model, _ = train(comm, sync=True, bf16=True)
+    single, _ = train(MPI.COMM_SELF, sync=True, bf16=True)
+    fp32, _ = train(MPI.COMM_SELF, sync=True)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert spread(comm, buffers(model)) == 0.0
+    bf16_gap = (flat_params(model) - flat_params(single)).norm() / flat_params(single).norm()
+    precision_gap = (flat_params(single) - flat_params(fp32)).norm() / flat_params(fp32).norm()
+    assert bf16_gap <= 2e-2, bf16_gap
+    assert bf16_gap <= max(precision_gap, 1e-6) * 2, (bf16_gap, precision_gap)
 
 
 @pytest.mark.mpi(min_size=1)

@@ -194,17 +194,22 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         x = x.contiguous()
         placeholder = share.local == 0 or x.shape[0] == 0     # this rank has no samples in this step
         count = 0 if placeholder else x.numel() // x.shape[1]
+        # Under autocast the input may be bf16 or fp16 while the parameters stay float32:
+        # the statistics are taken in float32 (at least) and kept in the parameters' dtype,
+        # which torch's BatchNorm kernels take beside a reduced-precision input.
+        stat_dtype = _statistics_dtype(x, weight)
         if count:
-            var_l, mean_l = torch.var_mean(x, [0, *range(2, x.dim())], correction=0)
+            var_l, mean_l = torch.var_mean(x.to(torch.promote_types(x.dtype, torch.float32)),
+                                           [0, *range(2, x.dim())], correction=0)
         else:
-            var_l = mean_l = torch.zeros(x.shape[1], device=x.device, dtype=x.dtype)
+            var_l = mean_l = torch.zeros(x.shape[1], device=x.device, dtype=stat_dtype)
         row = torch.cat([torch.tensor([float(count)], device=x.device, dtype=torch.float64),
                          mean_l.to(torch.float64), var_l.to(torch.float64)])
         total, mean64, var64 = global_statistics(channel.gather(row), eps)
-        mean, var = mean64.to(x.dtype), var64.to(x.dtype)
+        mean, var = mean64.to(stat_dtype), var64.to(stat_dtype)
         if running_mean is not None:
-            running_mean.mul_(1 - factor).add_(factor * mean)
-            running_var.mul_(1 - factor).add_(factor * (var64 * total / (total - 1)).to(x.dtype))
+            running_mean.mul_(1 - factor).add_(factor * mean.to(running_mean.dtype))
+            running_var.mul_(1 - factor).add_(factor * (var64 * total / (total - 1)).to(running_var.dtype))
         y = F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)     # (x - mean) / sqrt(var + eps) w + b
         ctx.save_for_backward(x, weight, mean, var)
         ctx.channel, ctx.total, ctx.count, ctx.eps = channel, total, count, eps
@@ -239,6 +244,14 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             else:
                 grad_input = torch.zeros_like(x)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def _statistics_dtype(x: torch.Tensor, weight) -> torch.dtype:
+    """The dtype of the global mean and variance: the affine parameters' (float32 under
+    autocast, whatever the input's), else the input's promoted to at least float32."""
+    if weight is not None:
+        return weight.dtype
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def _input_gradient(partial, x, gain, mean, var, eps, sums, scale):
