@@ -95,6 +95,12 @@ class Emulator:
     def active(self) -> bool:
         return self.factor != 1.0 or self.step_sleep > 0
 
+    @property
+    def idle(self) -> bool:
+        """True if this emulator can never slow its rank (full speed, no disturbance of its
+        own): its stretch is always 0, and a GPU rank need not wait for its compute's end."""
+        return self.speed == 1.0 and self.slow_factor == 1.0 and self.sleep_prob <= 0 and self.contention is None
+
     def start_epoch(self, epoch: int, steps: int) -> None:
         lo, hi = self.slow_epochs
         self.epoch_slowed = lo <= epoch < hi

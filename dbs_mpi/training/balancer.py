@@ -236,6 +236,13 @@ class _Epoch:
         gathered = mpi.allgather_array(comm, self.times.as_array(), timeout)     # (R, 6, S)
         return self.table[self.measured_from:], _phases(gathered[:, :, self.measured_from:])
 
+    def amend(self, epoch: int, step: int, pre: float, collective: float, update: float, loss: float) -> None:
+        """A recorded step's times and loss, measured late (Balancer.amend_step)."""
+        if self.epoch != epoch or step >= self.step:
+            raise RuntimeError(f"amend_step(epoch {epoch + 1}, step {step + 1}): not a recorded step of the open "
+                               f"epoch (a late clock must be settled before end_epoch)")
+        self.times.amend(step, pre, collective, update, loss)
+
     def position(self) -> dict:
         """The epoch in a checkpoint taken in its middle (state_dict's "open"): where it is,
         its steps' times so far, and its table and changes (dbs may have changed them)."""
@@ -305,6 +312,7 @@ class BatchPolicy:
         self.startup: dict | None = None      # the calibration: local_batch (2,), step_time (R, 2), batch_sizes
         self._heard = False                   # within-epoch dbs: step times arrived in the open epoch
         self._warned = False                  # ... and the warning that none did was given
+        self._settlers = []                   # clocks that record steps late (settle_with)
 
     @property
     def local_batch(self) -> int:
@@ -550,12 +558,24 @@ class Balancer(BatchPolicy):
         e.last_end = time.perf_counter()
         self.emulator.step_done(self.trained_before + e.elapsed_before + e.last_end - e.start)
 
+    def settle_with(self, settle, remove: bool = False) -> None:
+        """Register (or remove) `settle()` of a clock that amends steps late (LateSteps): called before the
+        records are read (end_epoch, state_dict), it amends every step recorded so far, returns how many."""
+        (self._settlers.remove if remove else self._settlers.append)(settle)
+
+    def amend_step(self, epoch: int, step: int, pre: float, collective: float, update: float,
+                   loss: float = float("nan")) -> None:
+        """Step `step` of epoch `epoch`, recorded, gets the times and loss measured late."""
+        self._open.amend(epoch, step, pre, collective, update, loss)
+
     def end_epoch(self) -> EpochStats:
         """Collective: close the open epoch on every rank, gather everybody's step times,
         and (dbs) re-plan the vector. Returns what the epoch did."""
         e = self._open
         if e is None:
             raise RuntimeError("end_epoch() without an open epoch (a HeteroSampler opens it when iterated)")
+        if sum(settle() for settle in self._settlers):   # read late: the epoch ends when the device is done
+            e.last_end = time.perf_counter()
         if e.step != len(e.table):
             raise RuntimeError(f"end_epoch() after {e.step} of the {len(e.table)} steps of epoch {e.epoch + 1}: every "
                                f"rank takes every step (one optimizer.step() per batch of the HeteroSampler)")
@@ -573,6 +593,7 @@ class Balancer(BatchPolicy):
     def state_dict(self) -> dict:
         """This rank's balancer: the vector, the models, and the open epoch's position and
         step times (a checkpoint in the middle of an epoch). Plain types and arrays."""
+        sum(settle() for settle in self._settlers)
         return {"policy": self.policy, "global_batch": self.global_batch, "world_size": self.world_size,
                 "batch_sizes": self.batch_sizes.copy(), "next_epoch": self.next_epoch, "run_steps": self.run_steps,
                 "trained_before": self.trained_before, **self._models_state(),

@@ -95,7 +95,8 @@ import torch.distributed as dist
 from ..mpi.devices import model_device, synchronize
 from ..mpi.process_group import destroy_process_group, init_process_group  # noqa: F401 (documented here too)
 from . import sync_batchnorm
-from .optimizer import batch_length
+from .event_clock import LateSteps
+from .optimizer import _reads_late, batch_length
 
 # --- the sample-weighted comm hook --------------------------------------------------
 
@@ -106,24 +107,33 @@ class StepClock:
     is recorded (the optimizer's update shows in the next step's data time). On NCCL a
     future completes when its work is queued, so the collective reads about 0 and the
     wait for slower ranks shows in the next step's data time; compute, what DBS
-    allocates from, is measured on the compute stream either way."""
+    allocates from, is measured on the compute stream either way: by waiting for it at
+    the last bucket, or, where nothing else needs the host to wait (optimizer._reads_late:
+    NCCL, no emulation, no re-planning within the epoch), by CUDA events read one or more
+    steps later (`late`, event_clock.LateSteps), which then also time the collective."""
 
-    def __init__(self, balancer):
-        self.balancer = balancer
+    def __init__(self, balancer, late: LateSteps | None = None):
+        self.balancer, self.late = balancer, late
         self.begin = (0.0, 0.0)         # perf_counter and process_time at the step's first forward
         self.pre_end = 0.0
         self.last_end = time.perf_counter()
+        self.marks = []                 # late: the step's events so far
 
     def start(self) -> None:
         self.begin = (time.perf_counter(), time.process_time())
+        if self.late is not None:
+            self.marks = [self.late.mark()]
 
     def end_compute(self, device: torch.device) -> None:
         """On a GPU the compute ends when the device is done (not when backward's last
         kernel was launched), and emulated speeds stretch that wall time (the balancer
         knows the device: sample_weighted tells it)."""
         start, cpu = self.begin
-        synchronize(device)                  # the compute stream, not NCCL's queued buckets
-        self.balancer.stretch(time.perf_counter() - start, time.process_time() - cpu)
+        if self.late is not None:
+            self.marks.append(self.late.mark())
+        else:
+            synchronize(device)                  # the compute stream, not NCCL's queued buckets
+            self.balancer.stretch(time.perf_counter() - start, time.process_time() - cpu)
         self.pre_end = time.perf_counter()
 
     def telemetry(self, device: torch.device, group):
@@ -141,11 +151,15 @@ class StepClock:
         """The step is over (its last bucket's future completed): record it, with the sum of
         telemetry if any. DDP waits for this before backward() returns, so a new vector is
         in the balancer's table before the loop asks the sampler for more."""
-        end, start = time.perf_counter(), self.begin[0]
+        end, start, b = time.perf_counter(), self.begin[0], self.balancer
         summed = None if telemetry is None else telemetry.wait()[0].cpu().numpy()
-        self.balancer.record_step(max(start - self.last_end, 0.0), self.pre_end - start, end - self.pre_end, 0.0,
-                                  telemetry=summed)
+        if self.late is not None:        # the callback's stream waits for the bucket: the collective's end
+            self.late.push(self.marks)
+        b.record_step(max(start - self.last_end, 0.0), self.pre_end - start, end - self.pre_end, 0.0,
+                      telemetry=summed)
         self.last_end = end
+        if self.late is not None:
+            self.late.amend()
 
 
 class SampleWeightedState:
@@ -158,10 +172,10 @@ class SampleWeightedState:
     when the step's last bucket is reduced (see the module's docstring). check_batch:
     with a balancer, check the forward's batch length against the table."""
 
-    def __init__(self, process_group=None, balancer=None, check_batch: bool = True):
+    def __init__(self, process_group=None, balancer=None, check_batch: bool = True, late: LateSteps | None = None):
         self.process_group = process_group
         self.balancer, self.check_batch = balancer, bool(check_batch)
-        self.clock = StepClock(balancer) if balancer is not None else None
+        self.clock = StepClock(balancer, late) if balancer is not None else None
         self._local = None            # b_i of the step under way
         self._total = None            # B (balancer) or, from the first bucket on, the future of its all_reduce
         self._armed = False           # a counted forward (or a hand-set local_batch) since the last backward
@@ -306,9 +320,14 @@ def sample_weighted(ddp_model, process_group=None, *, balancer=None,
                          f"{balancer.world_size}) is not the DDP process group (rank {dist.get_rank(group)} of "
                          f"{dist.get_world_size(group)}): make both from the same communicator "
                          f"(dbs_mpi.ddp.init_process_group(comm), Balancer(comm, ...))")
+    late = None
     if balancer is not None:
-        balancer.on_device(model_device(ddp_model))
-    state = SampleWeightedState(group, balancer, check_batch)
+        device = model_device(ddp_model)
+        balancer.on_device(device)
+        backend = "nccl" if dist.get_backend(group) == "nccl" else "other"
+        synced = bool(sync_batchnorm.layers(ddp_model.module)) and balancer.world_size > 1
+        late = LateSteps(balancer, device) if _reads_late(device, backend, balancer, synced) else None
+    state = SampleWeightedState(group, balancer, check_batch, late)
     if balancer is not None and sync_batchnorm.layers(ddp_model.module):
         state.batchnorm = sync_batchnorm.StepShare()
         for layer in sync_batchnorm.layers(ddp_model.module):

@@ -318,7 +318,8 @@ class GradientExchange(GradientBuffer):
         """flat <- sum over ranks of weight_r * grad_r; returns sum_r loss_share_r.
 
         weight is b_i/B for sample-weighted aggregation (1/n for plain averaging);
-        loss_share is loss_i * b_i/B, so the returned value is the global mean loss.
+        loss_share is loss_i * b_i/B, so the returned value is the global mean loss (a
+        0-dim tensor on the buffer's device where loss_share is one: nothing waits for it).
         extra: this rank's values of the extra slots (float32, `extra` of them at
         construction), summed over ranks into self.extra. Waits for every bucket:
         afterwards the .grad tensors hold the reduced gradient."""
@@ -350,18 +351,20 @@ class GradientExchange(GradientBuffer):
                     transport.reduce(last, schedule.requests)
                     transport.wait(schedule.requests)
                     transport.finish()
-                    return self._sums(transport)
+                    return self._sums(transport, isinstance(loss_share, torch.Tensor))
                 finally:
                     SUPERVISOR.disarm()
             transport.finish()
-            return self._sums(transport)
+            return self._sums(transport, isinstance(loss_share, torch.Tensor))
         finally:
             schedule.reset()
 
-    def _sums(self, transport) -> float:
+    def _sums(self, transport, on_device: bool = False):
+        """The loss slot's sum (a float; on_device: a 0-dim tensor, read by nothing) and the
+        extra slots' (self.extra)."""
         if self.extra_slots:
             self.extra = transport.extra()
-        return transport.loss()
+        return transport.loss_tensor() if on_device else transport.loss()
 
 
 def _one_float32_device(params) -> torch.device:

@@ -52,10 +52,18 @@ import torch
 
 from ..mpi import comm as mpi, devices, startup, transport
 from . import sync_batchnorm
+from .event_clock import LateSteps
 from .exchange import GradientExchange
+from .loss_scaling import skip_update
 
 AGGREGATIONS = ("weighted", "mean")
 MIB = 2 ** 20
+
+# GradScaler.step(optimizer) passes itself to step() of an optimizer that handles the
+# scaling (loss_scaling.py), which it announces as going away; torch's
+# other contract (found_inf attributes set before step) checks each rank's own gradient,
+# which ranks disagree on, so this one is used, and its notice is not shown every run.
+warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 
 
 def step_weight(row, rank: int, aggregation: str = "weighted") -> float:
@@ -70,6 +78,17 @@ def step_weight(row, rank: int, aggregation: str = "weighted") -> float:
 
 def _number(loss) -> float:
     return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+
+
+def _loss_share(loss, local: int, row, device=None):
+    """This rank's part of the global mean loss, loss_i b_i / B: a number, or, with the
+    device of a clock that reads late and a tensor loss, a 0-dim tensor there (nothing
+    waits for the loss)."""
+    if device is not None and isinstance(loss, torch.Tensor):
+        if not local:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return loss.detach().float().reshape(()) * (local / float(np.sum(row)))
+    return _number(loss) * local / float(np.sum(row)) if loss is not None and local else 0.0
 
 
 def batch_length(args, kwargs) -> int | None:
@@ -187,12 +206,18 @@ class StepClock:
     model's first training forward, compute from there to the exchange, the collective
     after it. What SyncBatchNorm's collectives spent inside forward and backward, waiting
     for the slowest rank, is communication, not this rank's compute: it moves from
-    compute to the collective, so that neither dbs nor the emulation sees it. On a GPU
-    the compute ends when the device is done, not when its kernels were launched."""
+    compute to the collective, so that neither dbs nor the emulation sees it.
 
-    def __init__(self, channels, device: torch.device):
+    On a GPU the compute ends when the device is done, not when its kernels were
+    launched: either the clock waits for the device at each boundary (`late` None), or,
+    where nothing else on the step needs the host to wait, it marks CUDA events there
+    (`late`, an event_clock.LateSteps) whose device times replace the step's records
+    one or more steps later (DistributedOptimizer's `_reads_late`)."""
+
+    def __init__(self, channels, device: torch.device, late: LateSteps | None = None):
         self.channels = channels           # the model's SyncBatchNorm channels: their seconds in collectives
         self.device, self.cuda = device, device.type == "cuda"
+        self.late = late
         self.restart(time.perf_counter())
 
     def restart(self, now: float) -> None:
@@ -200,6 +225,7 @@ class StepClock:
         self.compute_start = None          # the model's first training forward of this step
         self.compute_cpu = None            # the process's CPU time then
         self.sync_start = 0.0              # SyncBatchNorm seconds before this step's first forward
+        self.marks = []                    # late: the step's events so far
 
     def forward(self) -> bool:
         """At a training forward: True if it is the step's first (its compute starts now)."""
@@ -207,6 +233,8 @@ class StepClock:
             return False
         self.compute_start, self.compute_cpu = time.perf_counter(), time.process_time()
         self.sync_start = self.sync_seconds()
+        if self.late is not None:
+            self.marks.append(self.late.mark())
         return True
 
     def compute(self) -> tuple[float, float | None, float]:
@@ -219,7 +247,19 @@ class StepClock:
 
     def phases(self, began: float, pre_end: float, in_sync: float) -> tuple[float, float, float]:
         """(data, compute, collective) seconds of a step whose exchange, begun at pre_end, ended now."""
-        return began - self.last_end, pre_end - began - in_sync, time.perf_counter() - pre_end + in_sync
+        now = time.perf_counter() if self.late is None else self.boundary()     # late: the collective's end
+        return began - self.last_end, pre_end - began - in_sync, now - pre_end + in_sync
+
+    def boundary(self) -> float:
+        """A phase boundary (compute end, collective end, update end): perf_counter() once
+        the device has run everything launched so far, or, reading late, an event here and
+        perf_counter() at once."""
+        if self.late is None:
+            return self.now()
+        if not self.marks:                 # no forward was seen: the compute is empty
+            self.marks.append(self.late.mark())
+        self.marks.append(self.late.mark())
+        return time.perf_counter()
 
     def now(self) -> float:
         """perf_counter() once the device has run everything launched so far."""
@@ -230,6 +270,30 @@ class StepClock:
     def sync_seconds(self) -> float:
         """Seconds the model's SyncBatchNorm collectives have taken so far."""
         return sum(channel.seconds for channel in self.channels)
+
+    def record(self, balancer, update_start: float, times: tuple, loss, telemetry) -> None:
+        """The step's (data, compute, collective) `times`, its update and loss into the
+        balancer: now, or, reading late, provisional host times now and the device's own
+        once its events have been passed (LateSteps)."""
+        late = self.late
+        end = self.now() if late is None else time.perf_counter()   # late: push() marks the update's end
+        if late is not None:
+            late.push(self.marks, loss if isinstance(loss, torch.Tensor) else None)
+        balancer.record_step(*times, end - update_start, loss if late is None else float("nan"), telemetry)
+        self.last_end = end
+        if late is not None:
+            late.amend()
+
+
+def _reads_late(device: torch.device, exchange: str, balancer, synced_batchnorm: bool) -> bool:
+    """Whether the step's clock reads CUDA events late instead of waiting for the device:
+    on a GPU rank whose exchange stays on the device (local: one rank; nccl), unless the
+    rank emulates a slower device (a stretch needs the compute's end at once), dbs
+    re-plans within the epoch (its telemetry is read on the host every step anyway), or
+    SyncBatchNorm layers wait for other ranks inside the compute (their waits, which the
+    host clock takes out of the compute, would be in the events' compute)."""
+    return device.type == "cuda" and exchange in ("local", "nccl") and balancer.emulator.idle \
+        and balancer.telemetry_size == 0 and not synced_batchnorm
 
 
 def _attach_batchnorm(model, comm, exchange_transport, timeout: float) -> sync_batchnorm.StepShare:
@@ -390,7 +454,10 @@ class DistributedOptimizer(_WrappedOptimizer):
         self.sleep_while_waiting = self.exchange.sleep_while_waiting
         self._share = _attach_batchnorm(model, self.comm, self.exchange.transport, self.timeout)
         channels = {id(layer.channel): layer.channel for layer in sync_batchnorm.layers(model)}
-        self._clock = StepClock(list(channels.values()), self.device)
+        late = _reads_late(self.device, self.exchange.transport.name, balancer, bool(channels) and
+                           self.comm.Get_size() > 1)
+        self._clock = StepClock(list(channels.values()), self.device,
+                                LateSteps(balancer, self.device) if late else None)
         self.checks = StepChecks(model, check_batch)
         floating = [b for b in model.buffers() if b.is_floating_point()]
         self._buffers = floating if broadcast_buffers and self.comm.Get_size() > 1 else []
@@ -434,10 +501,10 @@ class DistributedOptimizer(_WrappedOptimizer):
 
     def synchronize(self, loss=None) -> float:
         """Exchange the gradients now (e.g. to clip the global gradient before step()).
-        Returns the global mean loss if `loss` is given (else NaN)."""
+        Returns the global mean loss if `loss` is given (else NaN), as step() does."""
         if self._synced:
             raise RuntimeError("synchronize() twice in one step")
-        start = self._clock.now()           # the step's compute ends when the device is done, not its launches
+        start = self._clock.boundary()      # the step's compute ends when the device is done, not its launches
         rank = self.comm.Get_rank()
         try:
             row = self.balancer.step_batch_sizes()
@@ -449,10 +516,9 @@ class DistributedOptimizer(_WrappedOptimizer):
             self._new_step(self._clock.last_end)    # a refused step leaves nothing behind for the next one
             raise
         began, cpu, in_sync = self._clock.compute()     # less SyncBatchNorm's waits (see StepClock)
-        self.balancer.stretch(start - began - in_sync, cpu)
+        self.balancer.stretch(start - began - in_sync, cpu)     # nothing where the clock reads late (full speed)
         pre_end = time.perf_counter()
-        local = int(row[rank])
-        share = _number(loss) * local / float(np.sum(row)) if loss is not None and local else 0.0
+        share = _loss_share(loss, int(row[rank]), row, self.device if self._clock.late is not None else None)
         telemetry = self.balancer.telemetry(pre_end - began - in_sync)   # dbs: every rank's step time, in the buffer
         global_loss = self.exchange.allreduce(step_weight(row, rank, self.aggregation), share, telemetry)
         self._telemetry = None if telemetry is None else self.exchange.extra
@@ -461,10 +527,12 @@ class DistributedOptimizer(_WrappedOptimizer):
         self._synced = True
         return self._loss
 
-    def step(self, closure=None, *, loss=None) -> float:
+    def step(self, closure=None, *, loss=None, grad_scaler=None) -> float:
         """Complete the gradient exchange (unless synchronize() did), then the wrapped
         optimizer's step. loss: this rank's mean loss of the step (a tensor or number), to
-        get the global mean loss back and into the records. Returns it (NaN if not given)."""
+        get the global mean loss back and into the records. Returns it (NaN if not given;
+        a 0-dim device tensor where the clock reads late). grad_scaler: what
+        `scaler.step(optimizer)` passes (loss_scaling.py: unscaled after the exchange)."""
         if closure is not None:
             raise ValueError("DistributedOptimizer.step(closure): closures are not supported (every rank must "
                              "take exactly one exchange per step)")
@@ -472,16 +540,17 @@ class DistributedOptimizer(_WrappedOptimizer):
             self.synchronize(loss)
         startup.done()                      # a launch watchdog (startup.arm) is not needed any more
         start = time.perf_counter()
-        self.optimizer.step()
+        if not skip_update(self, grad_scaler, self.exchange.flat[:self.exchange.numel]):
+            self.optimizer.step()
         if self._buffers:
             mpi.broadcast_flat(self._buffers, self.comm, 0, self.timeout)
-        end = self._clock.now()
         self.exchange.flat.zero_()          # the gradients are applied: the next step starts from zero
-        data, pre, collective = self._times
-        self.balancer.record_step(data, pre, collective, end - start, self._loss, self._telemetry)
+        self._clock.record(self.balancer, start, self._times, self._loss, self._telemetry)
         global_loss = self._loss
-        self._new_step(end)
+        self._new_step(self._clock.last_end)
         return global_loss
+
+    _step_supports_amp_scaling = True      # GradScaler.step(optimizer) hands step() the scaler
 
     def resync(self, root: int = 0) -> float:
         """Collective: every rank's parameters, buffers and optimizer state become root's;
@@ -497,6 +566,9 @@ class DistributedOptimizer(_WrappedOptimizer):
         return broadcast_state(self.comm, self.model, self.optimizer.state, self.exchange.params, root, self.timeout)
 
     def close(self) -> None:
-        """Remove the hooks (the .grad tensors stay views of the exchange buffer)."""
+        """Remove the hooks (the .grad tensors stay views of the exchange buffer); the
+        steps still to be read late are read first."""
+        if self._clock.late is not None:
+            self._clock.late.close()
         self._hook.remove()
         self.exchange.close()

@@ -51,6 +51,13 @@ class StepTimes:
         self.pre[step] = pre
         self.loss[step] = loss
 
+    def amend(self, step: int, pre: float, collective: float, update: float, loss: float) -> None:
+        """A recorded step's compute, collective, update and loss replaced by what was
+        measured later (a GPU's events, event_clock.py); its data time stays."""
+        self.table[1:, step] = (pre + update, collective, update)
+        self.pre[step] = pre
+        self.loss[step] = loss
+
     def snapshot(self, steps: int) -> dict:
         """The first `steps` columns, for a checkpoint taken in the middle of an epoch."""
         return {"table": self.table[:, :steps].copy(), "pre": self.pre[:steps].copy(),
