@@ -40,6 +40,7 @@ DBS_MODELS = ("affine", "proportional")
 WAIT_POLICIES = ("auto", "spin", "sleep")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LOADERS = ("auto", "dataloader")
+AMPS = ("none", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class Config:
     loader_workers: int = 0          # DataLoader worker processes per rank (0: load in the training process)
     norm: str = "group"              # resnet20's normalisation: group (consistent across uneven local batches) | batch
     sync_bn: bool = False            # BatchNorm layers normalise over the step's global batch (dbs_mpi.SyncBatchNorm; synchronous strategies)
+    amp: str = "none"                # mixed precision (synchronous strategies): none | bf16 (autocast in bfloat16, CPU and GPU) | fp16 (autocast in float16 with loss scaling, torch.amp.GradScaler; every rank on a GPU)
     augment: bool = False            # cifar10 training only: random crop (padding 4) and horizontal flip, seeded
     epochs: int = 3                  # passes over the training set
     global_batch: int = 512          # B: samples per step, summed over all ranks
@@ -275,6 +277,10 @@ def _check_choices(c: Config) -> None:
     if c.sync_bn and c.strategy in ASYNC_STRATEGIES:
         _fail("sync_bn", f"synchronises BatchNorm over the ranks of a step: strategies {', '.join(SYNC_STRATEGIES)} "
                          f"only (got {c.strategy})")
+    choice("amp", AMPS)
+    if c.amp != "none" and c.strategy in ASYNC_STRATEGIES:
+        _fail("amp", f"mixed precision runs with the synchronous strategies {', '.join(SYNC_STRATEGIES)} only "
+                     f"(got {c.strategy})")
     choice("dbs_model", DBS_MODELS)
     choice("wait_policy", WAIT_POLICIES)
     choice("exchange", EXCHANGES)

@@ -122,11 +122,44 @@ def place(run: Run) -> list:
     places = mpi.placement(comm, cfg.comm_timeout)
     threads = mpi.set_torch_threads(cfg.threads or devices.cpu_threads(places, run.devices, rank, mpi.thread_limit()))
     run.threads = mpi.allgather_object(comm, threads, cfg.comm_timeout, "gathering every rank's threads")
+    if cfg.amp == "fp16" and "cpu" in run.devices:
+        cpu = [r for r, d in enumerate(run.devices) if d == "cpu"]
+        mpi.collective(comm, _refuse, f"amp: fp16 needs every rank on a GPU, and rank(s) {cpu} compute on the CPU; "
+                                      f"use --amp bf16", timeout=cfg.comm_timeout)
     run.model.to(run.device)
     mpi.broadcast_parameters(run.model, comm, timeout=cfg.comm_timeout)
     if cfg.sync_bn:                # BatchNorm over the global batch (setup checked there is some)
         run.model = sync_batchnorm.convert_sync_batchnorm(run.model, comm, cfg.comm_timeout)
     return places
+
+
+def _refuse(message: str):
+    raise UserError(message)
+
+
+class Precision:
+    """The loop's mixed precision (cfg.amp): the forward under torch.autocast, and for
+    fp16 the loss scaled by a torch.amp.GradScaler, which DistributedOptimizer unscales
+    and checks after the exchange, so that every rank skips an overflowed step together."""
+
+    DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+    def __init__(self, amp: str, device: torch.device):
+        self.device_type, self.dtype = device.type, self.DTYPES.get(amp)
+        self.scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
+
+    def autocast(self):
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None)
+
+    def step(self, loss, optimizer) -> None:
+        """backward and the optimizer's step, scaled where fp16 needs it."""
+        if self.scaler is None:
+            loss.backward()
+            optimizer.step(loss=loss)
+            return
+        self.scaler.scale(loss).backward()
+        self.scaler.step(optimizer, loss=loss)
+        self.scaler.update()
 
 
 def server_on_cpu(cfg: Config, world_size: int):
@@ -229,6 +262,7 @@ class SyncTrainer:
                                          bucket_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb,
                                          timeout=cfg.comm_timeout, exchange=run.exchange)
         run.recorder.writer.set_attrs(exchange=optimizer.exchange.transport.name)
+        self.precision = Precision(cfg.amp, run.device)
         self.parts = dict(model=run.model, optimizer=optimizer, balancer=balancer, sampler=sampler)
         if run.state is not None:
             startup.phase("restore", backstop=True)
@@ -259,13 +293,14 @@ class SyncTrainer:
     def train_epoch(self, loader, optimizer, epoch: int) -> int:
         """One epoch's steps; returns the stop signal if all ranks agreed to stop after a step."""
         model, loss_fn, stop, device = self.run.model, self.run.loss_fn, self.run.stop, self.run.device
+        precision = self.precision
         for x, y in _progress(loader, self.cfg, epoch, self.comm.Get_rank()):
             x, y = devices.to_device((x, y), device)
             stop.start()                  # the stop agreement overlaps the step
             optimizer.zero_grad()
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            optimizer.step(loss=loss)
+            with precision.autocast():
+                loss = loss_fn(model(x), y)
+            precision.step(loss, optimizer)
             signal = stop.agreed()
             if signal:
                 return signal
@@ -288,6 +323,8 @@ class SyncTrainer:
         common = {"config": self.cfg.to_dict(), "world_size": self.comm.Get_size(), "epoch": position["epoch"],
                   "step": position["step"], "model": p["model"].state_dict(), "optimizer": p["optimizer"].state_dict(),
                   "records": run.recorder.state_dict()}
+        if self.precision.scaler is not None:
+            common["scaler"] = self.precision.scaler.state_dict()
         per_rank = {"rng": checkpoint.rng_state(), "balancer": p["balancer"].state_dict()}
         start = time.perf_counter()
         checkpoint.save(self.comm, run.checkpoint_path, common, per_rank, self.cfg.comm_timeout)
@@ -308,6 +345,8 @@ class SyncTrainer:
         parts = state["per_rank"]
         p["balancer"].load_state_dict(parts[rank if rank < len(parts) else 0]["balancer"])
         p["sampler"].load_state_dict({"epoch": state["epoch"], "step": state["step"], "seed": self.cfg.seed})
+        if self.precision.scaler is not None and "scaler" in state:
+            self.precision.scaler.load_state_dict(state["scaler"])
         if rank < len(parts):
             checkpoint.restore_rng(parts[rank]["rng"])
         else:
