@@ -137,6 +137,109 @@ def test_the_optimizers_clock_and_emulated_speeds_see_the_devices_compute(comm):
     assert np.median(per_step) >= 0.8 * kernel / speeds[comm.Get_rank()]
 
 
+def sleepy_loop(comm, steps=6, warmup=2):
+    """A 1-rank library loop on the GPU (local exchange, full speed: the clock reads
+    late) over SleepyNet, with CUDA's synchronisation check set to fail on any implicit
+    wait: returns the host's seconds for the launches of the steps after `warmup` (the
+    first ones load CUDA's kernels and cuBLAS, which waits for the device), the losses
+    step() gave and the epoch's stats. 6 steps stay within the late clock's backlog (8)."""
+    import dbs_mpi
+    device = gpu_for(comm)
+    torch.manual_seed(0)
+    model = SleepyNet().to(device)
+    balancer = dbs_mpi.Balancer(comm, 4, "ssgd", timeout=120)
+    n = steps + warmup
+    data = torch.utils.data.TensorDataset(torch.randn(4 * n, 8), torch.randint(3, (4 * n,)))
+    sampler = dbs_mpi.HeteroSampler(data, balancer, seed=0)
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, balancer)
+    assert optimizer.exchange.transport.name == "local" and optimizer._clock.late is not None
+    batches = [devices.to_device(b, device) for b in torch.utils.data.DataLoader(data, batch_sampler=sampler)]
+    returned, marks = [], []
+    for i, (x, y) in enumerate(batches):
+        if i == warmup:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        marks.append(time.perf_counter())
+        try:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            returned.append(optimizer.step(loss=loss))
+        finally:
+            if i == n - 1:
+                torch.cuda.set_sync_debug_mode("default")
+    marks.append(time.perf_counter())
+    per_step = np.diff(marks)[warmup:]
+    print(f"host seconds per step after the warm-up: {np.round(per_step, 4).tolist()}")
+    return float(per_step.sum()), returned[warmup:], balancer.end_epoch()
+
+
+def test_the_optimizer_step_waits_for_nothing_and_its_clock_sees_the_devices_compute():
+    from mpi4py import MPI
+    kernel = kernel_seconds()
+    launched, returned, stats = sleepy_loop(MPI.COMM_SELF)
+    assert launched < 0.5 * kernel * len(returned), "the host waited for the device during the steps"
+    assert all(r.is_cuda and r.dim() == 0 for r in returned)
+    np.testing.assert_allclose(stats.step_loss[-len(returned):], [float(r) for r in returned], rtol=1e-6)
+    assert np.median(stats.step_pre[:, 0]) >= 0.8 * kernel            # the device's compute, read late
+
+
+def test_the_ddp_hook_on_nccl_waits_for_nothing_and_sees_the_devices_compute():
+    """One rank, NCCL, sample_weighted with a balancer: the hook's clock reads events late."""
+    import dbs_mpi
+    from dbs_mpi.training import ddp
+    from mpi4py import MPI
+    from torch.nn.parallel import DistributedDataParallel
+    # DDP's own reducer waits for the device to time its first 10 iterations (its runtime
+    # statistics): the steps timed here come after them.
+    comm, device, steps, warmup = MPI.COMM_SELF, torch.device("cuda:0"), 18, 12
+    kernel = kernel_seconds()
+    group = ddp.init_process_group(comm, device=device)
+    try:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(SleepyNet().to(device), device_ids=[0], process_group=group)
+        balancer = dbs_mpi.Balancer(comm, 4, "ssgd", timeout=120)
+        state = ddp.sample_weighted(model, balancer=balancer)
+        assert state.clock.late is not None
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = torch.utils.data.TensorDataset(torch.randn(4 * steps, 8), torch.randint(3, (4 * steps,)))
+        sampler = dbs_mpi.HeteroSampler(data, balancer, seed=0)
+        batches = [devices.to_device(b, device) for b in torch.utils.data.DataLoader(data, batch_sampler=sampler)]
+        for i, (x, y) in enumerate(batches):
+            if i == warmup:
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        launched = time.perf_counter() - start
+        stats = balancer.end_epoch()
+    finally:
+        ddp.destroy_process_group()
+    assert launched < 0.5 * kernel * (steps - warmup), "the host waited for the device during the steps"
+    assert np.median(stats.step_pre[:, 0]) >= 0.8 * kernel
+
+
+@pytest.mark.mpi(min_size=1)
+def test_fp16_with_a_grad_scaler_on_gpu_ranks_is_one_process_on_the_union(comm):
+    """Ranks sharing the GPU (host-staged) under fp16 autocast and GradScaler against one
+    process on the union batch: the same run up to fp16's rounding of other batch shapes."""
+    from mpi4py import MPI
+    from test_amp_mpi import same_everywhere, train
+    from test_api_mpi import flat_params
+    model, scales, _ = train(comm, device=gpu_for(comm), dtype=torch.float16)
+    single, _, _ = train(MPI.COMM_SELF, device=gpu_for(comm), dtype=torch.float16)
+    gap = float((flat_params(model) - flat_params(single)).norm() / flat_params(single).norm())
+    print(f"fp16 + GradScaler, {comm.Get_size()} rank(s) against 1: relative L2 difference {gap:.2e}")
+    assert gap < 1e-2 and same_everywhere(comm, scales)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_an_fp16_overflow_on_one_gpu_rank_skips_the_step_on_every_rank(comm):
+    from test_amp_mpi import check_overflow_skipped_everywhere
+    check_overflow_skipped_everywhere(comm, False, device=gpu_for(comm), dtype=torch.float16)
+
+
 def run_exchange(comm, device, transport, caps=(1, 1), steps=3, sleep=False):
     """Weighted exchanges of a LeNet-5's gradients on `device`: the reduced gradients."""
     data = load_synthetic("train", 64, (1, 28, 28), 10, seed=3)
@@ -175,14 +278,19 @@ def test_gpu_exchanges_give_the_cpus_sum(comm, transport, sleep):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
 
 
-def test_train_on_the_gpu_end_to_end(tmp_path):
+@pytest.mark.parametrize("amp", ["none", "bf16", "fp16"])
+def test_train_on_the_gpu_end_to_end(tmp_path, amp):
     out = tmp_path / "gpu.h5"
     proc = run_cli(["train", "--dataset", "synthetic", "--epochs", "2", "--global-batch", "64", "--device", "cuda",
-                    "--out", str(out), "--progress", "false"], timeout=300)
+                    "--amp", amp, "--out", str(out), "--progress", "false"], timeout=300)
     assert proc.returncode == 0, proc.stderr
     run = read_released(out, time.time() + 30)
     assert list(run["attrs"]["rank_devices"]) == ["cuda:0"] and run["attrs"]["status"] == "complete"
+    assert json.loads(run["attrs"]["config"])["amp"] == amp
+    assert np.isfinite(run["data"]["step/loss"]).all()                  # read late, every step's
     assert run["data"]["epoch/test_accuracy"][-1] > 0.5, "on the CPU: 0.85 to 0.98 (3 seeds); 16 steps of 512: 0.15"
+    if amp == "fp16":                                                     # the scaler's state is checkpointed
+        assert checkpoint.load(str(out) + ".ckpt")["scaler"]["scale"] > 0
 
 
 def test_a_job_mixing_a_gpu_rank_and_cpu_ranks(tmp_path):
