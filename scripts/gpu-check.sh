@@ -53,7 +53,8 @@ export -f facts
 export py
 cpus=cuda$(printf ',cpu%.0s' 1 2 3 4 5 6 7)
 step facts 60 bash -c facts
-step cuda-tests-1-rank 300 "$py" -m pytest -q -p no:cacheprovider -s -rs -m cuda tests/test_cuda.py tests/test_optimizer.py
+step cuda-tests-1-rank 300 "$py" -m pytest -q -p no:cacheprovider -s -rs -m cuda tests/test_cuda.py tests/test_optimizer.py \
+    tests/test_event_clock.py
 step cuda-tests-mpi-1-rank 90 "$mpirun" -n 1 "$py" tests/mpi_pytest.py -q -p no:cacheprovider -rs --with-mpi \
     -m "mpi and cuda" tests/test_cuda.py
 step cuda-tests-2-ranks 150 "$mpirun" -n 2 "$py" tests/mpi_pytest.py -q -p no:cacheprovider -rs --with-mpi \
@@ -61,6 +62,15 @@ step cuda-tests-2-ranks 150 "$mpirun" -n 2 "$py" tests/mpi_pytest.py -q -p no:ca
 # (c) one GPU rank against a plain PyTorch loop of the same model and batch
 step overhead 90 "$py" -m dbs_mpi bench overhead --device cuda --model lenet5 --local-batch 512 --steps 100 \
     --out-dir "$bench"
+step overhead-resnet20 90 "$py" -m dbs_mpi bench overhead --device cuda --model resnet20 --dataset synthetic \
+    --synthetic-shape 3,32,32 --synthetic-samples $((12800 * scale)) --local-batch 256 --steps 50 --out-dir "$bench"
+# mixed precision against float32, one short run each (throughput and test accuracy)
+for amp in none bf16 fp16; do
+    step "amp-$amp" 90 "$py" -m dbs_mpi train --device cuda --model resnet20 --epochs 3 --global-batch 256 \
+        --strategy ssgd --amp "$amp" --out "$out/amp-$amp.h5" --progress false
+done
+# the GPU rank's step beside CPU trainers (busy cores, threads, a core of its own)
+step gpu-beside-cpu 150 "$py" scripts/gpu-beside-cpu.py --steps 150
 # (a) 1 GPU rank beside 7 CPU ranks of 2 threads: LeNet-5 on Fashion-MNIST, ResNet-20 on CIFAR-10-shaped
 # data; first the GPU rank alone on the same epoch
 alone=("$py" -m dbs_mpi bench hetero --speeds none --device cuda --strategies ssgd --out-dir "$bench")
