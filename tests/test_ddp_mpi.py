@@ -324,3 +324,39 @@ def test_misuses_that_would_weight_the_gradient_wrongly_raise(comm, group):
         alone = dbs_mpi.Balancer(MPI.COMM_SELF, 16, "ssgd")
         with pytest.raises(ValueError, match="not the DDP process group"):
             ddp.sample_weighted(models()[0], balancer=alone)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.filterwarnings("ignore:.*GradScaler.*:FutureWarning")
+def test_a_grad_scaler_with_the_sample_weighted_hook_agrees_on_every_rank(comm, group):
+    """DDP reduces in backward, so GradScaler's unscale and inf/NaN check see the reduced
+    gradient, the same on every rank: the scaled run is the unscaled one, and an overflow
+    planted on one rank skips that step on all, with the scale halved everywhere."""
+    rank, world = comm.Get_rank(), comm.Get_size()
+    results = {}
+    for scaled, poison in ((False, None), (True, None), (True, 1)):     # step 1: every rank has samples
+        model, _ = models()
+        ddp.sample_weighted(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, enabled=scaled)
+        scales, unchanged = [], []
+        for step, sizes in enumerate(step_sizes(world)[:4]):
+            x, y = my_part(*step_samples(step, sum(sizes)), sizes, rank)
+            before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y) if len(y) else model(x).sum() * 0     # an empty batch: 0
+            if poison == step and rank == world - 1:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            scales.append(scaler.get_scale() if scaled else 1.0)
+            unchanged.append(bool(torch.equal(before, after)))
+        results[(scaled, poison)] = (torch.cat([p.detach().reshape(-1) for p in model.parameters()]), scales,
+                                     unchanged)
+    torch.testing.assert_close(results[(True, None)][0], results[(False, None)][0], **TIGHT)
+    _, scales, unchanged = results[(True, 1)]
+    assert unchanged == [False, True, False, False] and scales[1] == scales[0] / 2
+    every = comm.allgather(scales)
+    assert all(s == scales for s in every)
