@@ -26,3 +26,30 @@ def test_a_long_wait_sleeps_a_share_of_what_it_waited_up_to_the_long_limit():
 def test_no_sleep_where_the_caller_asked_for_none_and_a_longer_limit_is_kept():
     assert pauses([0.001, 1.0, 10.0], max_pause=0.0) == [0.0, 0.0, 0.0]
     assert next_pause(0.01, 10.0, max_pause=0.01) == 0.01          # (bench: a rank that sits a case out)
+
+
+LIBRARY = "MPICH Version: 5.0.2"
+
+
+@pytest.mark.parametrize("environ, says", [
+    ({"WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2"}, "torchrun"),
+    ({"WORLD_SIZE": "4"}, "mpirun -n 4"),
+    ({"SLURM_STEP_NUM_TASKS": "3", "SLURM_NTASKS": "3"}, "srun --mpi=pmi2"),
+    ({"PMI_SIZE": "8"}, "mpirun started 8 processes, but the MPI library mpi4py loaded (MPICH"),
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, "mpirun started 2 processes"),
+])
+def test_a_launch_that_mpi_does_not_see_is_named(environ, says):
+    from dbs_mpi.mpi.comm import launch_mismatch
+    assert says in launch_mismatch(environ, 1, LIBRARY)
+
+
+@pytest.mark.parametrize("environ", [{}, {"WORLD_SIZE": "1"}, {"SLURM_NTASKS": "4"}, {"SLURM_STEP_NUM_TASKS": "1"},
+                                     {"PMI_SIZE": "1"}, {"WORLD_SIZE": "rubbish"}])
+def test_a_single_process_on_purpose_keeps_working(environ):
+    from dbs_mpi.mpi.comm import launch_mismatch
+    assert launch_mismatch(environ, 1, LIBRARY) is None                  # (sbatch's own script: SLURM_NTASKS only)
+
+
+def test_a_world_of_several_is_never_questioned():
+    from dbs_mpi.mpi.comm import launch_mismatch
+    assert launch_mismatch({"WORLD_SIZE": "2", "PMI_SIZE": "4"}, 4, LIBRARY) is None

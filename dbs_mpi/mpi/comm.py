@@ -489,12 +489,46 @@ def init(comm: MPI.Comm | None = None, threads: int | None = None, timeout: floa
 def start(comm: MPI.Comm | None = None, timeout: float = 600.0) -> MPI.Comm:
     """init without torch: the communicator, the fail-together hook and the supervisor.
     The command line starts so, checks its input, then sets torch's threads (init's
-    last step), so that bad input is answered before torch is imported."""
+    last step), so that bad input is answered before torch is imported. A launch whose
+    processes MPI does not see together (`launch_mismatch`) ends here: one line, exit 2."""
     comm = MPI.COMM_WORLD if comm is None else comm
+    if comm == MPI.COMM_WORLD:
+        problem = launch_mismatch(os.environ, comm.Get_size(), MPI.Get_library_version().splitlines()[0].strip())
+        if problem:
+            _write_stderr(f"dbs-mpi: error: {problem}\n")
+            raise SystemExit(2)
     abort_on_uncaught(comm)
     SUPERVISOR.attach(comm, timeout)
     atexit.register(SUPERVISOR.detach)
     return comm
+
+
+def launch_mismatch(environ, world_size: int, library: str = "") -> str | None:
+    """What is wrong with a launch whose MPI world is `world_size` processes, from the
+    launcher's variables in `environ` (None: nothing). dbs-mpi's ranks are MPI processes:
+    a launcher that starts N processes MPI does not connect (torchrun, srun without a PMI
+    plug-in, another MPI library's mpirun) gives N worlds of one, N independent runs. A
+    single process started on purpose sets none of these variables above 1."""
+    if world_size > 1:
+        return None
+
+    def count(name: str) -> int:
+        value = str(environ.get(name, "")).strip()
+        return int(value) if value.isdigit() else 0
+
+    mpi_size = max(count("PMI_SIZE"), count("OMPI_COMM_WORLD_SIZE"), count("PMIX_SIZE"))
+    if mpi_size > 1:
+        return (f"an mpirun started {mpi_size} processes, but the MPI library mpi4py loaded ({library or 'unknown'}) "
+                f"sees 1: launch with the mpirun of that library, or point mpi4py at the launcher's (MPI4PY_LIBMPI)")
+    if count("SLURM_STEP_NUM_TASKS") > 1:
+        return (f"srun started {count('SLURM_STEP_NUM_TASKS')} tasks that MPI does not connect (no PMI): launch with "
+                f"srun --mpi=pmi2 (or pmix), or mpirun -n {count('SLURM_STEP_NUM_TASKS')}")
+    if count("WORLD_SIZE") > 1 or "TORCHELASTIC_RUN_ID" in environ and count("LOCAL_WORLD_SIZE") > 1:
+        n = count("WORLD_SIZE") or count("LOCAL_WORLD_SIZE")
+        return (f"started by torchrun or another launcher that is not MPI (WORLD_SIZE={n}), so each of the {n} "
+                f"processes would train alone: dbs-mpi's ranks are MPI processes; launch with mpirun -n {n} (on Slurm: "
+                f"srun --mpi=pmi2)")
+    return None
 
 
 THREADS_GIVEN = False     # init() was given threads: select_device leaves them as they are
