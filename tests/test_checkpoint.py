@@ -430,3 +430,31 @@ def test_async_exception_ends_all_ranks_within_10_s(tmp_path, ranks, where):
     # is released when it is gone, which must also be within 10 s of the failure.
     run = read_released(out, deadline=fail_at[0] + 10)
     assert run["attrs"]["status"] == "failed", "rank 0 was alive: it records the failure before the abort"
+
+
+def test_a_learning_rate_schedule_resumes_bit_for_bit_in_the_middle_of_an_epoch(tmp_path):
+    """cosine with half an epoch of warm-up, 2 ranks, stopped in epoch 2 and resumed: the
+    scheduler's state travels in the checkpoint, so the run ends as the one never
+    stopped; a resume that would change the schedule's length is refused first."""
+    run = [*RUN, "--lr-schedule", "cosine", "--warmup-epochs", "0.5", "--lr", "0.1"]
+    whole, cut = tmp_path / "whole.h5", tmp_path / "cut.h5"
+    proc = run_cli(["train", *run, "--out", str(whole)], ranks=2, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    proc = launch([*run, "--out", str(cut)], 2)
+    read_line(proc, "epoch 1/2")
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == checkpoint.EXIT_STOPPED, err
+    state = checkpoint.load(str(cut) + ".ckpt")
+    assert state["step"] > 0 and "scheduler" in state
+    proc = run_cli(["train", "--resume", str(cut), "--epochs", "3"], ranks=2, timeout=120)
+    assert proc.returncode == 2 and "epochs: the cosine schedule was planned over 2 epochs" in proc.stderr
+    proc = run_cli(["train", "--resume", str(cut)], ranks=2, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    a, b = read_run(whole), read_run(cut)
+    np.testing.assert_array_equal(a["data"]["step/loss"], b["data"]["step/loss"])
+    np.testing.assert_array_equal(a["data"]["epoch/lr"], b["data"]["epoch/lr"])
+    assert 0 < a["data"]["epoch/lr"][-1] < 0.01 < a["data"]["epoch/lr"][0] <= 0.1     # annealed
+    ma, mb = model_of(str(whole) + ".ckpt"), model_of(str(cut) + ".ckpt")
+    for name in ma:
+        assert torch.equal(ma[name], mb[name]), name

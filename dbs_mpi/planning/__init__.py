@@ -2,6 +2,7 @@
 
 allocation.py (batch-size vectors from measured speed), dynamic.py (the DBS controller
 and its step-time estimator), sharding.py (uneven shards with equal step counts, the
-sampler) and heterogeneity.py (emulated speeds). The training layer and the simulator
+sampler), heterogeneity.py (emulated speeds) and schedule.py (learning-rate schedules over
+the run's steps). The training layer and the simulator
 call the same functions, so a simulated run plans exactly as a real one.
 """

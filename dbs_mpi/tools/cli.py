@@ -18,6 +18,7 @@ import sys
 
 from ..about import __version__
 from ..options import UserError
+from ..planning import schedule
 from . import config as config_mod
 from .config import ArgumentParser
 
@@ -92,6 +93,9 @@ def load_train_config(argv, rank: int):
                             f"{getattr(base, name)!r}; a resumed run keeps its configuration")
     if cfg.epochs < state["epoch"]:
         raise UserError(f"epochs: {cfg.epochs} is fewer than the {state['epoch']} epochs already done")
+    problem = schedule.check_length(cfg.lr_schedule, cfg.warmup_epochs, base.epochs, cfg.epochs)
+    if problem:
+        raise UserError(problem)
     return cfg, state, resume
 
 

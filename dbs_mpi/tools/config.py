@@ -19,6 +19,7 @@ except ModuleNotFoundError:  # pragma: no cover - older Pythons on clusters
     import tomli as tomllib
 
 from ..options import DEVICE_SPEC, EXCHANGES, ConfigError, UserError, parse_interval  # noqa: F401 (UserError)
+from ..planning import schedule
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -62,7 +63,11 @@ class Config:
     augment: bool = False            # cifar10 training only: random crop (padding 4) and horizontal flip, seeded
     epochs: int = 3                  # passes over the training set
     global_batch: int = 512          # B: samples per step, summed over all ranks
-    lr: float = 0.05                 # learning rate
+    lr: float = 0.05                 # learning rate (the peak of a schedule)
+    lr_schedule: str = "constant"    # constant | step (x lr_gamma at each of lr_milestones) | cosine (to 0 after the warm-up) | onecycle (torch's OneCycleLR, its own warm-up); stepped every step
+    warmup_epochs: float = 0.0       # linear warm-up over the first epochs' steps, from lr/k to lr (k: its steps); not with onecycle
+    lr_milestones: tuple = ()        # step schedule: epochs at which the lr is multiplied by lr_gamma, e.g. 30,60
+    lr_gamma: float = 0.1            # step schedule: the factor at each milestone
     momentum: float = 0.9            # SGD momentum (sgd only)
     weight_decay: float = 0.0        # L2 penalty
     seed: int = 0                    # seeds model init, data order, disturbances
@@ -300,7 +305,7 @@ def _check_ranges(c: Config) -> None:
             _fail(name, f"must be zero or positive; got {getattr(c, name)!r}")
 
     for name in ("epochs", "global_batch", "softsync_n", "synthetic_samples", "synthetic_classes", "benchmark_steps",
-                 "comm_timeout", "slow_factor"):
+                 "comm_timeout", "slow_factor", "lr_gamma"):
         positive(name)
     for name in ("lr", "momentum", "weight_decay", "subset", "test_subset", "max_local_batch",
                  "benchmark_warmup", "threads", "checkpoint_every", "sleep_prob", "dbs_min_gain",
@@ -321,6 +326,10 @@ def _check_ranges(c: Config) -> None:
     parse_interval(c.dbs_interval)
     if c.dbs_window < 5:
         _fail("dbs_window", f"must be at least 5 steps; got {c.dbs_window}")
+    problem = schedule.check(c.lr_schedule, c.epochs, c.warmup_epochs, c.lr_milestones)
+    if problem:
+        name, _, message = problem.partition(": ")
+        _fail(name, message)
 
 
 def _check_emulation(c: Config) -> None:

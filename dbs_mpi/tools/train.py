@@ -24,6 +24,7 @@ import torch
 from ..mpi import comm as mpi, devices, startup, transport
 from ..options import UserError
 from ..parameter_server import AsyncTrainer
+from ..planning import schedule
 from ..planning.sharding import HeteroSampler, steps_per_epoch
 from ..training import checkpoint, sync_batchnorm
 from ..training.balancer import Balancer, steps_before_resume
@@ -263,6 +264,10 @@ class SyncTrainer:
                                          timeout=cfg.comm_timeout, exchange=run.exchange)
         run.recorder.writer.set_attrs(exchange=optimizer.exchange.transport.name)
         self.precision = Precision(cfg.amp, run.device)
+        self.scheduler = schedule.make_scheduler(
+            optimizer, cfg.lr_schedule, epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs, milestones=cfg.lr_milestones,
+            gamma=cfg.lr_gamma, steps_per_epoch=steps_per_epoch(len(run.train_set), cfg.global_batch, cfg.drop_last))
+        self.last_lr = optimizer.param_groups[0]["lr"]
         self.parts = dict(model=run.model, optimizer=optimizer, balancer=balancer, sampler=sampler)
         if run.state is not None:
             startup.phase("restore", backstop=True)
@@ -301,6 +306,9 @@ class SyncTrainer:
             with precision.autocast():
                 loss = loss_fn(model(x), y)
             precision.step(loss, optimizer)
+            self.last_lr = optimizer.param_groups[0]["lr"]
+            if self.scheduler is not None:
+                self.scheduler.step()
             signal = stop.agreed()
             if signal:
                 return signal
@@ -309,7 +317,8 @@ class SyncTrainer:
     def end_epoch(self, stats) -> None:
         run, cfg = self.run, self.cfg
         test_loss, test_accuracy, eval_time = run.evaluate()
-        record = run.recorder.epoch(stats, test_loss=test_loss, test_accuracy=test_accuracy, eval_time=eval_time)
+        record = run.recorder.epoch(stats, test_loss=test_loss, test_accuracy=test_accuracy, eval_time=eval_time,
+                                    lr=self.last_lr)
         run.summary.epochs.append(record)
         run.log(f"epoch {stats.epoch + 1}/{cfg.epochs}  train loss {record['train_loss']:.4f}  test loss "
                 f"{test_loss:.4f}  accuracy {100 * test_accuracy:.2f}%  time {stats.duration:.2f} s  "
@@ -325,6 +334,8 @@ class SyncTrainer:
                   "records": run.recorder.state_dict()}
         if self.precision.scaler is not None:
             common["scaler"] = self.precision.scaler.state_dict()
+        if self.scheduler is not None:
+            common["scheduler"] = self.scheduler.state_dict()
         per_rank = {"rng": checkpoint.rng_state(), "balancer": p["balancer"].state_dict()}
         start = time.perf_counter()
         checkpoint.save(self.comm, run.checkpoint_path, common, per_rank, self.cfg.comm_timeout)
@@ -347,6 +358,8 @@ class SyncTrainer:
         p["sampler"].load_state_dict({"epoch": state["epoch"], "step": state["step"], "seed": self.cfg.seed})
         if self.precision.scaler is not None and "scaler" in state:
             self.precision.scaler.load_state_dict(state["scaler"])
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
         if rank < len(parts):
             checkpoint.restore_rng(parts[rank]["rng"])
         else:

@@ -92,6 +92,7 @@ SCHEMA_DATASETS = {
     "epoch/test_accuracy": ("(E,)", "fraction", "share of the test set classified right, in [0, 1]"),
     "epoch/duration": ("(E,)", "s", "wall seconds of the epoch's training, evaluation and checkpoints excluded"),
     "epoch/eval_time": ("(E,)", "s", "wall seconds of the evaluation after the epoch"),
+    "epoch/lr": ("(E,)", "lr", "synchronous: learning rate of the epoch's last step (`lr_schedule`)"),
     "epoch/batch_sizes": ("(E, R) int", "samples", "local batch of every rank in the epoch's full steps (the last "
                                                   "full step's where `dbs` changed the vector within the epoch: "
                                                   "`step/batch_sizes` has every step's)"),
