@@ -115,9 +115,13 @@ test-mpi: test-np2 test-np4
 
 # The main job: NP ranks with emulated heterogeneous speeds, Fashion-MNIST, LeNet-5.
 # ARGS: more `dbs-mpi train` options, which override the file's (make run ARGS="--epochs 1").
+# Any NP: rank i runs at the speed jobs/main.toml gives rank i mod (its number of speeds),
+# so NP=2 is 1,0.5, NP=3 adds 0.25 and NP=8 repeats the four (ARGS="--speeds ..." overrides).
 ARGS     ?=
+RUN_SPEEDS = $(PY) -c 'import sys; from dbs_mpi.tools.config import load_toml; s = load_toml("jobs/main.toml")["speeds"]; print(",".join(str(s[i % len(s)]) for i in range(int(sys.argv[1]))))'
 run: install
-	$(MPIEXEC) -n $(NP) $(VENV)/bin/dbs-mpi train --config jobs/main.toml --data-dir $(DATA_DIR) $(ARGS)
+	$(MPIEXEC) -n $(NP) $(VENV)/bin/dbs-mpi train --config jobs/main.toml --data-dir $(DATA_DIR) \
+		--speeds "$$($(RUN_SPEEDS) $(NP))" $(ARGS)
 
 # Every benchmark case in one job (cases needing fewer ranks run on the first ranks; the
 # 4-rank runs are oversubscribed on a 2-core machine and marked so); one table at the end,

@@ -2,7 +2,8 @@
 creates the venv, installs, fetches Fashion-MNIST and runs the main job; the install is
 recorded by a stamp, so a second `make install` (which `make test` runs first) does
 nothing. Slow (a venv with torch: about a minute), bounded in time. The job's epochs are
-the same code whatever their number: one epoch on 6,000 images (`ARGS`) shows it runs."""
+the same code whatever their number: one epoch on 6,000 images (`ARGS`) shows it runs;
+and it runs at 1, 2 and 3 ranks too (`make run NP=N`)."""
 import os
 import subprocess
 
@@ -28,3 +29,9 @@ def test_make_run_alone_works_on_a_fresh_clone(tmp_path):
     again = subprocess.run(["make", "install"], cwd=clone, capture_output=True, text=True, timeout=300, env=env)
     assert again.returncode == 0, again.stderr
     assert "pip" not in again.stdout and "fashion-mnist: present" in again.stdout, again.stdout
+    for np_ in (1, 2, 3):              # any number of ranks: rank i takes the file's speed i mod 4
+        out = tmp_path / f"np{np_}.h5"
+        proc = subprocess.run(["make", "run", f"NP={np_}", f"ARGS=--epochs 1 --subset 2000 --out {out}"], cwd=clone,
+                              capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert list(read_run(out)["config"]["speeds"]) == [1.0, 0.5, 0.25][:np_]
