@@ -171,6 +171,26 @@ def test_exception_on_one_rank_ends_all_ranks(tmp_path, ranks):
     assert proc.stderr.count("RuntimeError: injected failure on the last rank") == 1, proc.stderr
 
 
+DDP_CRASH = textwrap.dedent("""
+    import dbs_mpi
+    comm = dbs_mpi.init(timeout=30)
+    dbs_mpi.init_process_group(comm)          # torch.distributed puts its own exception hook before ours
+    if comm.Get_rank() == comm.Get_size() - 1:
+        raise ValueError("user bug 4711")
+    comm.Barrier()                            # the other ranks wait here for the failed one
+""")
+
+
+def test_an_exception_in_a_ddp_script_shows_the_users_traceback(tmp_path):
+    script = tmp_path / "ddp_crash.py"
+    script.write_text(DDP_CRASH)
+    start = time.monotonic()
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode != 0 and time.monotonic() - start < 30
+    assert proc.stderr.count("ValueError: user bug 4711") == 1 and "ddp_crash.py" in proc.stderr, proc.stderr
+
+
 def test_info_and_usage():
     proc = run_cli(["info"], ranks=2, timeout=60)
     assert proc.returncode == 0, proc.stderr

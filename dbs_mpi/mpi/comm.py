@@ -423,14 +423,19 @@ def agree(comm: MPI.Comm, fn, *args, **kwargs):
 
 
 def _write_stderr(message: str) -> None:
-    """Write message to stderr in as few system calls as possible (whole, unbuffered)."""
-    sys.stderr.flush()
-    try:
-        data, fd = message.encode(errors="replace"), sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):      # a stream without a file descriptor
-        sys.stderr.write(message)
-        sys.stderr.flush()
-        return
+    """Write message to the process's stderr in as few system calls as possible (whole,
+    unbuffered). Where sys.stderr is no file (torch.distributed's exception hook swaps in
+    a buffer while the hook before it, ours, runs: a rank that never returns from it would
+    lose the message), the process's own stderr, file descriptor 2."""
+    fd = 2
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            stream.flush()
+            fd = stream.fileno()
+            break
+        except (AttributeError, OSError, ValueError):  # a stream without a file descriptor
+            continue
+    data = message.encode(errors="replace")
     while data:
         data = data[os.write(fd, data):]
 
