@@ -37,3 +37,24 @@ def parse_interval(value) -> int | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ConfigError(f"dbs_interval: must be a positive number of steps or \"epoch\"; got {value!r}")
     return int(value)
+
+
+def user_stacklevel() -> int:
+    """The stacklevel at which a warning issued by the caller of this function points at
+    the user's code: the first frame outside dbs_mpi, torch and Python's own libraries
+    (a DataLoader or an lr_scheduler's wrapper may stand between the user and dbs-mpi)."""
+    import os
+    import sys
+    skip = tuple(os.path.dirname(m.__file__) for m in (sys.modules.get("dbs_mpi"), sys.modules.get("torch"))
+                 if m is not None and getattr(m, "__file__", None))
+    stdlib = os.path.dirname(os.__file__)
+    frame, level = sys._getframe(1), 1          # level 1: the function that warns
+    while frame is not None:
+        name = frame.f_code.co_filename
+        library = name.startswith(skip) or name.startswith("<frozen") or (
+            name.startswith(stdlib) and "-packages" not in name)
+        if not library:
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
+

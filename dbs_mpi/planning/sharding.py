@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..options import user_stacklevel
 from .allocation import split_partial
 
 
@@ -103,6 +104,7 @@ class HeteroSampler:
         self.num_samples = dataset if isinstance(dataset, int) else len(dataset)
         self.balancer, self.seed, self.drop_last = balancer, int(seed), bool(drop_last)
         self.epoch, self._first_step = 0, 0
+        self._warned = False                # a repeated epoch (set_epoch forgotten) was pointed out
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
@@ -117,6 +119,7 @@ class HeteroSampler:
         if b.open_epoch == epoch:           # the loop broke out of this epoch: go on where it stopped
             table, first = b.epoch_table, b.step
         else:
+            self._check_new_epoch(epoch, b)
             table = b.begin_epoch(epoch, self.num_samples, self.drop_last, first)
         self._first_step = 0
         perm = epoch_permutation(self.num_samples, epoch, self.seed)
@@ -128,6 +131,17 @@ class HeteroSampler:
             count = int(row[rank])
             yield perm[start:start + count] if count else perm[s * global_batch:s * global_batch + 1]
 
+    def _check_new_epoch(self, epoch: int, balancer) -> None:
+        """Warn (once, rank 0) where an epoch that already ended begins again: the loop
+        forgot sampler.set_epoch(epoch), and every epoch would repeat one permutation."""
+        if epoch < getattr(balancer, "next_epoch", 0) and not self._warned:
+            self._warned = True
+            if balancer.rank == 0:
+                import warnings
+                warnings.warn(f"HeteroSampler: epoch {epoch} begins again ({balancer.next_epoch} epoch(s) ended), so "
+                              f"its sample order repeats: call sampler.set_epoch(epoch) at the start of every epoch",
+                              UserWarning, stacklevel=user_stacklevel())
+
     def __iter__(self):
         for indices in self.iter_arrays():
             yield indices.tolist()
@@ -136,6 +150,8 @@ class HeteroSampler:
         b = self.balancer
         if b.open_epoch is not None:
             return {"epoch": b.open_epoch, "step": b.step, "seed": self.seed}
+        if self._first_step:                # loaded, not iterated yet: the position it will go on from
+            return {"epoch": self.epoch, "step": self._first_step, "seed": self.seed}
         return {"epoch": b.next_epoch, "step": 0, "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from ..mpi import comm as mpi, devices, startup, transport
+from ..options import user_stacklevel
 from . import sync_batchnorm
 from .event_clock import LateSteps
 from .exchange import GradientExchange
@@ -166,17 +167,19 @@ class StepChecks:
             f"of dbs_mpi.HeteroSampler (DataLoader(dataset, batch_sampler=sampler)), one optimizer.step() per "
             f"batch; pass check_batch=False if the model's first input is not batch-first")
 
-    def batchnorm(self, row) -> None:
-        """Warn once (every rank) if plain BatchNorm layers see uneven local batches."""
+    def batchnorm(self, row, rank: int) -> None:
+        """Warn once, on rank 0 (once a job), if plain BatchNorm layers see uneven local batches."""
         if self.warned_batchnorm or not self.plain_batchnorm or np.min(row) == np.max(row):
             return
         self.warned_batchnorm = True
         names = self.plain_batchnorm
+        if rank != 0:
+            return
         warnings.warn(f"the model's BatchNorm layers ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) "
                       f"normalise over each rank's own local batch and the local batches are uneven "
                       f"({np.asarray(row).tolist()}), so training depends on the vector: convert them with "
                       f"dbs_mpi.convert_sync_batchnorm(model, comm) (dbs-mpi train --sync-bn)", UserWarning,
-                      stacklevel=4)
+                      stacklevel=user_stacklevel())
 
 
 class _WrappedOptimizer(torch.optim.Optimizer):
@@ -336,6 +339,17 @@ def broadcast_state(comm, model, state: dict, params, root: int, timeout: float)
                 tensors.append(state[p][key])
     drift = mpi.broadcast_tensors(tensors, comm, root, timeout)
     return float(mpi.allgather_array(comm, [drift], timeout).max())
+
+
+def clip_grad_norm_(optimizer: "DistributedOptimizer", max_norm: float, norm_type: float = 2.0, loss=None):
+    """Clip the global gradient: exchange it first (optimizer.synchronize(loss), unless done
+    in this step), then torch.nn.utils.clip_grad_norm_ on it, the same on every rank; then
+    optimizer.step() applies it. Returns the global gradient's norm before clipping.
+    Clipping each rank's own gradient before the exchange trains another model: the
+    norm of a part is not the norm of the whole."""
+    if not optimizer._synced:
+        optimizer.synchronize(loss)
+    return torch.nn.utils.clip_grad_norm_(optimizer.exchange.params, max_norm, norm_type)
 
 
 # --- the command line's optimizers ---------------------------------------------------
@@ -511,7 +525,7 @@ class DistributedOptimizer(_WrappedOptimizer):
             if self._row is not None and not np.array_equal(row, self._row):
                 raise RuntimeError("the balancer's step changed during this step")
             self.checks.samples_match(rank, int(row[rank]), row, self.balancer)
-            self.checks.batchnorm(row)
+            self.checks.batchnorm(row, rank)
         except Exception:
             self._new_step(self._clock.last_end)    # a refused step leaves nothing behind for the next one
             raise
