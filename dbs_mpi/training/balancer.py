@@ -419,7 +419,7 @@ class BatchPolicy:
         return {"speed_model": self.speed_model.state_dict() if self.speed_model is not None else None,
                 "controller": self.controller.state_dict() if self.controller is not None else None,
                 "replanner": self.replanner.state_dict() if self.replanner is not None else None,
-                "startup": self.startup}
+                "startup": self.startup, "rank": self.rank}
 
     def _load_policy(self, state: dict) -> bool:
         """load_state_dict()'s vector, models and emulation; from another world's state
@@ -428,6 +428,9 @@ class BatchPolicy:
         for key, mine in (("policy", self.policy), ("global_batch", self.global_batch)):
             if state[key] != mine:
                 raise UserError(f"balancer: the state was saved with {key} {state[key]!r}, this balancer has {mine!r}")
+        if state["world_size"] == self.world_size and state.get("rank", self.rank) != self.rank:
+            raise UserError(f"balancer: this state was saved by rank {state['rank']}, and this is rank {self.rank}: "
+                            f"every rank loads its own part of a checkpoint (its per-rank state)")
         if state["world_size"] != self.world_size:
             self.batch_sizes = allocation.equal(self.global_batch, self.world_size, self.min_local, self.max_local)
             self.speed_model = self.controller = self.startup = None

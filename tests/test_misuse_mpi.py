@@ -1,0 +1,83 @@
+"""Misuses of the library that would train another model without a word, caught (pytest-
+mpi, any number of ranks, run at 1, 2 and 4): a loop that forgets sampler.set_epoch is
+warned once a job, at its own line; clipping has a one-call form that clips the global
+gradient, as one process would; a checkpoint part of another rank is refused naming both
+ranks; a sampler reports the position a checkpoint gave it before it is iterated."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch.utils.data import DataLoader
+
+import dbs_mpi
+from dbs_mpi.planning import allocation
+from test_api_mpi import Pairs, UserNet, flat_params, speeds_for
+
+TIMEOUT = 60.0
+
+
+def loop(comm, epochs=2, set_epoch=True, clip=None):
+    data, global_batch = Pairs(96, seed=7), 24
+    torch.manual_seed(0)
+    model = UserNet()
+    balancer = dbs_mpi.Balancer(comm, global_batch, "ssgd", timeout=TIMEOUT)
+    balancer.batch_sizes = allocation.proportional(global_batch, speeds_for(comm.Get_size()))
+    sampler = dbs_mpi.HeteroSampler(data, balancer, seed=3)
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model, balancer)
+    norms = []
+    for epoch in range(epochs):
+        if set_epoch:
+            sampler.set_epoch(epoch)
+        for x, y in DataLoader(data, batch_sampler=sampler):
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            if clip is not None:
+                norms.append(float(dbs_mpi.clip_grad_norm_(optimizer, clip, loss=loss)))
+            optimizer.step(loss=loss)
+        balancer.end_epoch()
+    return model, norms, sampler, balancer
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_forgotten_set_epoch_is_warned_once_a_job_at_the_users_line(comm):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loop(comm, epochs=3, set_epoch=False)
+    mine = [w for w in caught if "set_epoch" in str(w.message)]
+    if comm.Get_rank() == 0:
+        assert len(mine) == 1 and mine[0].filename == __file__, [(w.filename, str(w.message)) for w in mine]
+        assert "epoch 0 begins again" in str(mine[0].message)
+    else:
+        assert not mine
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loop(comm, epochs=2)                                          # set_epoch called: nothing to say
+
+
+@pytest.mark.mpi(min_size=1)
+def test_clip_grad_norm_clips_the_global_gradient_as_one_process_does(comm):
+    model, norms, _, _ = loop(comm, clip=0.05)
+    single, single_norms, _, _ = loop(MPI.COMM_SELF, clip=0.05)
+    assert min(single_norms) > 0.05                                     # it clipped every step
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(single_norms), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(flat_params(model), flat_params(single), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_another_ranks_part_of_a_checkpoint_is_refused_naming_both(comm):
+    _, _, _, balancer = loop(comm, epochs=1)
+    state = balancer.state_dict()
+    other = (comm.Get_rank() + 1) % max(comm.Get_size(), 2)
+    with pytest.raises(dbs_mpi.UserError, match=f"saved by rank {other}, and this is rank {comm.Get_rank()}"):
+        balancer.load_state_dict({**state, "rank": other})
+    balancer.load_state_dict(state)                                    # its own part loads
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_sampler_reports_a_loaded_position_before_it_is_iterated(comm):
+    _, _, sampler, _ = loop(comm, epochs=1)
+    sampler.load_state_dict({"epoch": 1, "step": 2, "seed": 3})
+    assert sampler.state_dict() == {"epoch": 1, "step": 2, "seed": 3}
