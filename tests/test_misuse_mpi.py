@@ -81,3 +81,40 @@ def test_a_sampler_reports_a_loaded_position_before_it_is_iterated(comm):
     _, _, sampler, _ = loop(comm, epochs=1)
     sampler.load_state_dict({"epoch": 1, "step": 2, "seed": 3})
     assert sampler.state_dict() == {"epoch": 1, "step": 2, "seed": 3}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_with_another_global_batch_are_told_at_once(comm):
+    """The last rank builds its balancer with another global batch (200 against 256): it
+    would wait in other collectives than the others; every rank stops at once instead."""
+    import time
+    last = comm.Get_rank() == comm.Get_size() - 1
+    start = time.monotonic()
+    with pytest.raises(dbs_mpi.AgreedError) as caught:
+        dbs_mpi.Balancer(comm, 200 if last else 256, "ssgd", timeout=TIMEOUT)
+    assert time.monotonic() - start < 10
+    assert str(caught.value).startswith("Balancer: global_batch differs between the ranks: rank 0 has 256, "
+                                        f"rank(s) [{comm.Get_size() - 1}] 200")
+    assert caught.value.local == (comm.Get_rank() == 0)           # one rank prints it
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("setting", ["seed", "dataset_length"])
+def test_ranks_whose_samplers_disagree_are_told_at_the_epochs_start(comm, setting):
+    last = comm.Get_rank() == comm.Get_size() - 1
+    balancer = dbs_mpi.Balancer(comm, 24, "ssgd", timeout=TIMEOUT)
+    data = Pairs(96 if not (last and setting == "dataset_length") else 95, seed=7)
+    sampler = dbs_mpi.HeteroSampler(data, balancer, seed=5 if last and setting == "seed" else 3)
+    with pytest.raises(dbs_mpi.AgreedError, match=f"HeteroSampler: {setting} differs between the ranks"):
+        next(iter(sampler))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_with_another_model_are_told_which(comm):
+    last = comm.Get_rank() == comm.Get_size() - 1
+    torch.manual_seed(0)
+    model = UserNet(classes=6 if last else 5)
+    balancer = dbs_mpi.Balancer(comm, 24, "ssgd", timeout=TIMEOUT)
+    with pytest.raises(dbs_mpi.AgreedError, match=rf"the model of rank\(s\) \[{comm.Get_size() - 1}\] has other "
+                                                  r"parameters than rank 0's \(\d+ values against \d+"):
+        dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, balancer)

@@ -393,6 +393,22 @@ def _error_line(exc) -> str:
     return f"dbs-mpi: error: {exc}"
 
 
+def agree_settings(comm: MPI.Comm, settings: dict, timeout: float = 600.0, who: str = "") -> None:
+    """Collective (one allgather, none on one rank): every rank has the same `settings`
+    (name -> value), or every rank raises AgreedError naming the first setting that
+    differs, rank 0's value and the ranks that have another. Ranks that disagree on what
+    they run would otherwise wait in different collectives, or train another model."""
+    if comm.Get_size() == 1:
+        return
+    every = allgather_object(comm, settings, timeout, f"agreeing on the settings of {who or 'the run'}")
+    for name, value in every[0].items():
+        differ = [r for r, mine in enumerate(every) if mine.get(name) != value]
+        if differ:
+            others = ", ".join(sorted({repr(every[r].get(name)) for r in differ}))
+            raise AgreedError(f"{who + ': ' if who else ''}{name} differs between the ranks: rank 0 has {value!r}, "
+                              f"rank(s) {differ} {others}", 0, comm.Get_rank() == 0, comm.Get_size())
+
+
 def collective(comm: MPI.Comm, fn, *args, timeout: float = 600.0, **kwargs):
     """Run fn on every rank; if it raises on any rank, every rank raises AgreedError
     (bounded: one allgather of a small object).

@@ -120,7 +120,7 @@ class HeteroSampler:
             table, first = b.epoch_table, b.step
         else:
             self._check_new_epoch(epoch, b)
-            table = b.begin_epoch(epoch, self.num_samples, self.drop_last, first)
+            table = b.begin_epoch(epoch, self.num_samples, self.drop_last, first, seed=self.seed)
         self._first_step = 0
         perm = epoch_permutation(self.num_samples, epoch, self.seed)
         rank, global_batch = self.balancer.rank, self.balancer.global_batch

@@ -267,6 +267,17 @@ def steps_before_resume(states: list[dict], epoch_index: int) -> dict:
                 comm_time=comm_t.T, wait_time=wait_t.T, data_time=data_t.T, pre_time=pre_t.T)
 
 
+def _check_settings(comm, timeout: float, **settings) -> None:
+    """Collective: every rank's balancer has the same settings (a rank with another global
+    batch would wait in another collective; AgreedError names the setting and the ranks),
+    then they are checked."""
+    mpi.agree_settings(comm, settings, timeout, "Balancer")
+    if settings["policy"] not in POLICIES:
+        raise UserError(f"policy: must be one of {', '.join(POLICIES)}; got {settings['policy']!r}")
+    if settings["dbs_model"] not in ("affine", "proportional"):
+        raise UserError(f"dbs_model: must be affine or proportional; got {settings['dbs_model']!r}")
+
+
 def _emulator(speeds, emulator: Emulator | None, rank: int, world_size: int) -> Emulator:
     """This rank's emulated device: `emulator`, or else one of relative `speeds` (one per
     rank, the fastest at full speed; none: every rank at full speed)."""
@@ -289,10 +300,8 @@ class BatchPolicy:
     def __init__(self, comm, global_batch: int, policy: str, min_local_batch: int, max_local_batch: int,
                  dbs_model: str, damping: dict, interval, window: int, speeds, emulator: Emulator | None,
                  timeout: float):
-        if policy not in POLICIES:
-            raise UserError(f"policy: must be one of {', '.join(POLICIES)}; got {policy!r}")
-        if dbs_model not in ("affine", "proportional"):
-            raise UserError(f"dbs_model: must be affine or proportional; got {dbs_model!r}")
+        _check_settings(comm, timeout, policy=policy, global_batch=global_batch, min_local_batch=min_local_batch,
+                        max_local_batch=max_local_batch, dbs_model=dbs_model, interval=interval, window=window)
         self.comm, self.rank, self.world_size = comm, comm.Get_rank(), comm.Get_size()
         allocation.check_feasible(global_batch, self.world_size, min_local_batch, max_local_batch or None)
         self.policy, self.global_batch = policy, int(global_batch)
@@ -359,8 +368,11 @@ class BatchPolicy:
         """Sleep as the emulated device would be slower (heterogeneity.Emulator.stretch)."""
         return self.emulator.stretch(compute_seconds, cpu_seconds)
 
-    def _new_table(self, epoch: int, num_samples: int, drop_last: bool, first_step: int) -> np.ndarray:
-        """An epoch's (steps x ranks) table of local batches from the current vector."""
+    def _new_table(self, epoch: int, num_samples: int, drop_last: bool, first_step: int, seed=None) -> np.ndarray:
+        """An epoch's (steps x ranks) table of local batches from the current vector, once
+        the ranks agree on what the epoch is (collective: one allgather, none on one rank)."""
+        mpi.agree_settings(self.comm, dict(epoch=epoch, dataset_length=num_samples, drop_last=drop_last,
+                                           first_step=first_step, seed=seed), self.timeout, "HeteroSampler")
         if self.policy == "static" and self.speed_model is None and first_step == 0 and epoch == 0:
             raise RuntimeError("policy 'static' allocates from the start-up calibration: call balancer.calibrate() "
                                "(or calibrate_model()) before the first epoch")
@@ -484,13 +496,14 @@ class Balancer(BatchPolicy):
                    timeout=cfg.comm_timeout)
 
     # --- an epoch -----------------------------------------------------------------
-    def begin_epoch(self, epoch: int, num_samples: int, drop_last: bool = False, first_step: int = 0) -> np.ndarray:
+    def begin_epoch(self, epoch: int, num_samples: int, drop_last: bool = False, first_step: int = 0,
+                    seed: int | None = None) -> np.ndarray:
         """Open `epoch`: its (steps x ranks) table of local batches, from the current vector.
         first_step > 0 continues an epoch stopped there (load_state_dict first)."""
         if self._open is not None:
             raise RuntimeError(f"epoch {self._open.epoch + 1} is still open: call balancer.end_epoch() after every "
                                f"epoch, before the next one begins")
-        table = self._new_table(epoch, num_samples, drop_last, first_step)
+        table = self._new_table(epoch, num_samples, drop_last, first_step, seed)
         restored, self._restored = self._restored, None
         if first_step == 0:
             self.emulator.start_epoch(epoch, len(table))
@@ -566,8 +579,7 @@ class Balancer(BatchPolicy):
         records are read (end_epoch, state_dict), it amends every step recorded so far, returns how many."""
         (self._settlers.remove if remove else self._settlers.append)(settle)
 
-    def amend_step(self, epoch: int, step: int, pre: float, collective: float, update: float,
-                   loss: float = float("nan")) -> None:
+    def amend_step(self, epoch: int, step: int, pre: float, collective: float, update: float, loss=np.nan) -> None:
         """Step `step` of epoch `epoch`, recorded, gets the times and loss measured late."""
         self._open.amend(epoch, step, pre, collective, update, loss)
 

@@ -316,11 +316,18 @@ def _attach_batchnorm(model, comm, exchange_transport, timeout: float) -> sync_b
 
 
 def check_same_parameters(comm, params, timeout: float) -> None:
-    """Collective: fail on every rank together if the parameters differ between ranks."""
-    crc = 0
+    """Collective: fail on every rank together if the model's parameters (their shapes,
+    then their values) differ between ranks."""
+    crc, shapes = 0, zlib.crc32(repr([tuple(p.shape) for p in params]).encode())
     for p in params:
         crc = zlib.crc32(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
-    sums = mpi.allgather_array(comm, [float(crc)], timeout)[:, 0]
+    gathered = mpi.allgather_array(comm, [float(crc), float(shapes), float(sum(p.numel() for p in params))], timeout)
+    sums = gathered[:, 0]
+    if np.any(gathered[:, 1] != gathered[0, 1]):
+        differ = np.flatnonzero(gathered[:, 1] != gathered[0, 1]).tolist()
+        raise mpi.AgreedError(f"DistributedOptimizer: the model of rank(s) {differ} has other parameters than rank "
+                              f"0's ({int(gathered[differ[0], 2])} values against {int(gathered[0, 2])}, or other "
+                              f"shapes): every rank wraps the same model", 0, comm.Get_rank() == 0, comm.Get_size())
     if np.any(sums != sums[0]):
         differ = np.flatnonzero(sums != sums[0]).tolist()
         raise mpi.AgreedError(f"DistributedOptimizer: the parameters of rank(s) {differ} differ from rank 0's; call "
