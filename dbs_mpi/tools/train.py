@@ -239,7 +239,11 @@ def make_loader(run: Run, sampler: HeteroSampler):
     if cfg.loader == "auto" and not plugins.is_spec(cfg.dataset):
         return InMemoryLoader(run.train_set, sampler, augment=cfg.augment, seed=cfg.seed)
     from torch.utils.data import DataLoader
-    return DataLoader(run.train_set, batch_sampler=sampler, num_workers=cfg.loader_workers,
+    # A generator of its own: a DataLoader without one draws its workers' base seed from the
+    # global generator each time it starts them, which shifted the model's random stream
+    # (dropout) after a resume; seeded by (seed, rank), the global stream is the model's alone.
+    generator = torch.Generator().manual_seed(cfg.seed * 100_003 + run.comm.Get_rank())
+    return DataLoader(run.train_set, batch_sampler=sampler, num_workers=cfg.loader_workers, generator=generator,
                       persistent_workers=cfg.loader_workers > 0, pin_memory=run.device.type == "cuda")
 
 
