@@ -31,7 +31,8 @@ def test_make_run_alone_works_on_a_fresh_clone(tmp_path):
     assert "pip" not in again.stdout and "fashion-mnist: present" in again.stdout, again.stdout
     for np_ in (1, 2, 3):              # any number of ranks: rank i takes the file's speed i mod 4
         out = tmp_path / f"np{np_}.h5"
-        proc = subprocess.run(["make", "run", f"NP={np_}", f"ARGS=--epochs 1 --subset 2000 --test-subset 1000 --out {out}"], cwd=clone,
-                              capture_output=True, text=True, timeout=600, env=env)
+        args = f"ARGS=--epochs 1 --subset 2000 --test-subset 1000 --out {out}"
+        proc = subprocess.run(["make", "run", f"NP={np_}", args], cwd=clone, capture_output=True, text=True,
+                              timeout=600, env=env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert list(read_run(out)["config"]["speeds"]) == [1.0, 0.5, 0.25][:np_]
