@@ -94,7 +94,7 @@ def test_ranks_with_another_global_batch_are_told_at_once(comm):
         dbs_mpi.Balancer(comm, 200 if last else 256, "ssgd", timeout=TIMEOUT)
     assert time.monotonic() - start < 10
     assert str(caught.value).startswith("Balancer: global_batch differs between the ranks: rank 0 has 256, "
-                                        f"rank(s) [{comm.Get_size() - 1}] 200")
+                                        f"rank(s) [{comm.Get_size() - 1}] have 200")
     assert caught.value.local == (comm.Get_rank() == 0)           # one rank prints it
 
 

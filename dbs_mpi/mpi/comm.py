@@ -406,7 +406,7 @@ def agree_settings(comm: MPI.Comm, settings: dict, timeout: float = 600.0, who: 
         if differ:
             others = ", ".join(sorted({repr(every[r].get(name)) for r in differ}))
             raise AgreedError(f"{who + ': ' if who else ''}{name} differs between the ranks: rank 0 has {value!r}, "
-                              f"rank(s) {differ} {others}", 0, comm.Get_rank() == 0, comm.Get_size())
+                              f"rank(s) {differ} have {others}", 0, comm.Get_rank() == 0, comm.Get_size())
 
 
 def collective(comm: MPI.Comm, fn, *args, timeout: float = 600.0, **kwargs):
