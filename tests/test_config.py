@@ -39,6 +39,10 @@ def test_toml_then_command_line(tmp_path):
     (["--synthetic-shape", "3,32"], "synthetic_shape"),
     (["--sync-bn", "--strategy", "asgd"], "sync_bn"),
     (["--sync-bn", "sometimes"], "sync_bn"),
+    (["--compile", "--sync-bn", "--model", "resnet20", "--norm", "batch"], "compile"),
+    (["--compile", "--strategy", "asgd"], "compile"),
+    (["--amp", "fp8"], "amp"),
+    (["--amp", "bf16", "--strategy", "nsoftsync"], "amp"),
 ])
 def test_bad_values_name_the_field(argv, field):
     with pytest.raises(ConfigError, match=f"^{field}: "):

@@ -268,6 +268,7 @@ class SyncTrainer:
                                          timeout=cfg.comm_timeout, exchange=run.exchange)
         run.recorder.writer.set_attrs(exchange=optimizer.exchange.transport.name)
         self.precision = Precision(cfg.amp, run.device)
+        self.forward = torch.compile(run.model) if cfg.compile else run.model      # state dicts stay the model's
         self.scheduler = schedule.make_scheduler(
             optimizer, cfg.lr_schedule, epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs, milestones=cfg.lr_milestones,
             gamma=cfg.lr_gamma, steps_per_epoch=steps_per_epoch(len(run.train_set), cfg.global_batch, cfg.drop_last))
@@ -301,7 +302,7 @@ class SyncTrainer:
 
     def train_epoch(self, loader, optimizer, epoch: int) -> int:
         """One epoch's steps; returns the stop signal if all ranks agreed to stop after a step."""
-        model, loss_fn, stop, device = self.run.model, self.run.loss_fn, self.run.stop, self.run.device
+        model, loss_fn, stop, device = self.forward, self.run.loss_fn, self.run.stop, self.run.device
         precision = self.precision
         for x, y in _progress(loader, self.cfg, epoch, self.comm.Get_rank()):
             x, y = devices.to_device((x, y), device)

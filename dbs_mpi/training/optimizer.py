@@ -67,6 +67,12 @@ MIB = 2 ** 20
 warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 
 
+_NO_HOOK_WITH_SYNC_BN = (
+    "the model's SyncBatchNorm layers learn each step's local batch from DistributedOptimizer's forward hook, "
+    "which did not run in this step (a torch.compile'd model runs without it): their gradient would be weighted "
+    "wrongly; run the model eagerly, or compile its parts without SyncBatchNorm")
+
+
 def step_weight(row, rank: int, aggregation: str = "weighted") -> float:
     """This rank's share of a step's global gradient, from the step's local batches."""
     local = int(row[rank])
@@ -113,6 +119,8 @@ class _ForwardHook:
         self.optimizer = weakref.ref(optimizer)
 
     def __call__(self, module, args, kwargs):
+        if torch.compiler.is_compiling():   # torch.compile traces the model: the hook stays out of its graph
+            return None
         optimizer = self.optimizer()
         if optimizer is not None:
             optimizer._on_forward(module, args, kwargs)
@@ -166,6 +174,15 @@ class StepChecks:
             f"{np.asarray(row).tolist()}), so the gradient would be weighted wrongly. Feed the model the batches "
             f"of dbs_mpi.HeteroSampler (DataLoader(dataset, batch_sampler=sampler)), one optimizer.step() per "
             f"batch; pass check_batch=False if the model's first input is not batch-first")
+
+    @staticmethod
+    def same_step(row, armed_row, synced_batchnorm: bool) -> None:
+        """The step's local batches are the ones its forward armed (armed_row; None: the
+        forward hook did not run, as in a torch.compile'd model, which SyncBatchNorm needs)."""
+        if armed_row is not None and not np.array_equal(row, armed_row):
+            raise RuntimeError("the balancer's step changed during this step")
+        if armed_row is None and synced_batchnorm:
+            raise RuntimeError(_NO_HOOK_WITH_SYNC_BN)
 
     def batchnorm(self, row, rank: int) -> None:
         """Warn once, on rank 0 (once a job), if plain BatchNorm layers see uneven local batches."""
@@ -529,8 +546,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         rank = self.comm.Get_rank()
         try:
             row = self.balancer.step_batch_sizes()
-            if self._row is not None and not np.array_equal(row, self._row):
-                raise RuntimeError("the balancer's step changed during this step")
+            self.checks.same_step(row, self._row, bool(self._clock.channels))
             self.checks.samples_match(rank, int(row[rank]), row, self.balancer)
             self.checks.batchnorm(row, rank)
         except Exception:
