@@ -85,8 +85,9 @@ ONE_THREAD := OMP_NUM_THREADS=1 OMP_THREAD_LIMIT=1
 
 # Unit tests, and tests that launch mpirun themselves (error propagation, CLI), in one
 # session; `make test` runs it as three: the job scripts, nodes and stalled ranks (mostly
-# waiting), the stops, resumes and examples (mostly computing), and the rest.
-SERIAL_JOBS   := tests/test_jobs.py tests/test_multinode.py tests/test_stuck.py
+# waiting) with the fresh clone's install and runs (which compute while they wait), the
+# stops, resumes and examples (mostly computing), and the rest.
+SERIAL_JOBS   := tests/test_jobs.py tests/test_multinode.py tests/test_stuck.py tests/test_fresh_clone.py
 SERIAL_RESUME := tests/test_checkpoint.py tests/test_examples.py
 PYTEST_SERIAL = $(ONE_THREAD) DBS_MPI_MPIEXEC=$(MPIEXEC) timeout $(TEST_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider
 test-serial:
