@@ -432,32 +432,45 @@ def test_async_exception_ends_all_ranks_within_10_s(tmp_path, ranks, where):
     assert run["attrs"]["status"] == "failed", "rank 0 was alive: it records the failure before the abort"
 
 
-def test_a_learning_rate_schedule_resumes_bit_for_bit_in_the_middle_of_an_epoch(tmp_path):
-    """cosine with half an epoch of warm-up, 2 ranks, stopped in epoch 2 and resumed: the
-    scheduler's state travels in the checkpoint, so the run ends as the one never
-    stopped; a resume that would change the schedule's length is refused first."""
-    run = [*RUN, "--lr-schedule", "cosine", "--warmup-epochs", "0.5", "--lr", "0.1"]
+def whole_and_stopped(run, tmp_path, ranks=2):
+    """`run` (train options) on `ranks` ranks twice: once whole, once stopped by SIGUSR1 in
+    the middle of epoch 2. Returns (whole result file, stopped result file, its checkpoint)."""
     whole, cut = tmp_path / "whole.h5", tmp_path / "cut.h5"
-    proc = run_cli(["train", *run, "--out", str(whole)], ranks=2, timeout=240)
+    proc = run_cli(["train", *run, "--out", str(whole)], ranks=ranks, timeout=240)
     assert proc.returncode == 0, proc.stderr
-    proc = launch([*run, "--out", str(cut)], 2)
+    proc = launch([*run, "--out", str(cut)], ranks)
     read_line(proc, "epoch 1/2")
     proc.send_signal(signal.SIGUSR1)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == checkpoint.EXIT_STOPPED, err
     state = checkpoint.load(str(cut) + ".ckpt")
-    assert state["step"] > 0 and "scheduler" in state
+    assert state["step"] > 0                                               # in the middle of epoch 2
+    return whole, cut, state
+
+
+def assert_same_run(whole, cut):
+    """The resumed run's step losses and final parameters are the whole run's, bit for bit."""
+    np.testing.assert_array_equal(read_run(whole)["data"]["step/loss"], read_run(cut)["data"]["step/loss"])
+    ma, mb = model_of(str(whole) + ".ckpt"), model_of(str(cut) + ".ckpt")
+    for name in ma:
+        assert torch.equal(ma[name], mb[name]), name
+
+
+def test_a_learning_rate_schedule_resumes_bit_for_bit_in_the_middle_of_an_epoch(tmp_path):
+    """cosine with half an epoch of warm-up, 2 ranks, stopped in epoch 2 and resumed: the
+    scheduler's state travels in the checkpoint, so the run ends as the one never
+    stopped; a resume that would change the schedule's length is refused first."""
+    run = [*RUN, "--lr-schedule", "cosine", "--warmup-epochs", "0.5", "--lr", "0.1"]
+    whole, cut, state = whole_and_stopped(run, tmp_path)
+    assert "scheduler" in state
     proc = run_cli(["train", "--resume", str(cut), "--epochs", "3"], ranks=2, timeout=120)
     assert proc.returncode == 2 and "epochs: the cosine schedule was planned over 2 epochs" in proc.stderr
     proc = run_cli(["train", "--resume", str(cut)], ranks=2, timeout=240)
     assert proc.returncode == 0, proc.stderr
+    assert_same_run(whole, cut)
     a, b = read_run(whole), read_run(cut)
-    np.testing.assert_array_equal(a["data"]["step/loss"], b["data"]["step/loss"])
     np.testing.assert_array_equal(a["data"]["epoch/lr"], b["data"]["epoch/lr"])
     assert 0 < a["data"]["epoch/lr"][-1] < 0.01 < a["data"]["epoch/lr"][0] <= 0.1     # annealed
-    ma, mb = model_of(str(whole) + ".ckpt"), model_of(str(cut) + ".ckpt")
-    for name in ma:
-        assert torch.equal(ma[name], mb[name]), name
 
 
 DROPOUT_MODEL = textwrap.dedent("""
@@ -479,18 +492,7 @@ def test_dropout_through_dataloader_workers_resumes_bit_for_bit(tmp_path):
     one never stopped (it differed by up to 0.28 in a weight)."""
     (tmp_path / "dropnet.py").write_text(DROPOUT_MODEL)
     run = [*RUN, "--model", f"{tmp_path / 'dropnet.py'}:build", "--loader", "dataloader", "--loader-workers", "2"]
-    whole, cut = tmp_path / "whole.h5", tmp_path / "cut.h5"
-    proc = run_cli(["train", *run, "--out", str(whole)], ranks=2, timeout=240)
-    assert proc.returncode == 0, proc.stderr
-    proc = launch([*run, "--out", str(cut)], 2)
-    read_line(proc, "epoch 1/2")
-    proc.send_signal(signal.SIGUSR1)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == checkpoint.EXIT_STOPPED, err
-    assert checkpoint.load(str(cut) + ".ckpt")["step"] > 0                # in the middle of epoch 2
+    whole, cut, _ = whole_and_stopped(run, tmp_path)
     proc = run_cli(["train", "--resume", str(cut)], ranks=2, timeout=240)
     assert proc.returncode == 0, proc.stderr
-    np.testing.assert_array_equal(read_run(whole)["data"]["step/loss"], read_run(cut)["data"]["step/loss"])
-    ma, mb = model_of(str(whole) + ".ckpt"), model_of(str(cut) + ".ckpt")
-    for name in ma:
-        assert torch.equal(ma[name], mb[name]), name
+    assert_same_run(whole, cut)

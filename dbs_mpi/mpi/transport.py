@@ -39,8 +39,7 @@ Every transport offers the same small interface to GradientExchange:
   wait(requests) complete them all; finish() puts the sums where the .grad views are
   set_tail(x, extra)     the loss slot and `extra` more slots (the balancer's telemetry) at
                  the end of the final bucket, written before its collective
-  loss() / extra()       their sums, after it (loss_tensor(): the loss's as a 0-dim
-                         tensor on the buffer's device, read by nothing)
+  loss() / extra()       their sums, after it
   deferred       True if start() may return requests that begin later (GradientExchange
                  then begins the ready ones, in order, whenever it progresses MPI)
 Sample weighting, buckets, the order of collectives and the supervisor's deadlines are
@@ -169,9 +168,6 @@ class HostMPI(_Gated):
     def loss(self) -> float:
         return float(self.array[self.loss_at])
 
-    def loss_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.array[self.loss_at], device=self.flat.device)
-
     def extra(self):
         return self.array[self.loss_at + 1:].copy()
 
@@ -213,9 +209,6 @@ class CudaAwareMPI(_Gated):
     def loss(self) -> float:
         return float(self.flat[self.loss_at])
 
-    def loss_tensor(self) -> torch.Tensor:
-        return self.flat[self.loss_at].clone()
-
     def extra(self):
         return self.flat[self.loss_at + 1:].cpu().numpy()
 
@@ -252,9 +245,6 @@ class Local:
 
     def loss(self) -> float:
         return float(self.flat[self.loss_at])
-
-    def loss_tensor(self) -> torch.Tensor:
-        return self.flat[self.loss_at].clone()
 
     def extra(self):
         return self.flat[self.loss_at + 1:].cpu().numpy()
@@ -297,9 +287,6 @@ class TorchDistributed:
 
     def loss(self) -> float:
         return float(self.flat[self.loss_at])   # waits for the collectives (bounded by the supervisor's deadline)
-
-    def loss_tensor(self) -> torch.Tensor:
-        return self.flat[self.loss_at].clone()
 
     def extra(self):
         return self.flat[self.loss_at + 1:].cpu().numpy()

@@ -360,11 +360,11 @@ class GradientExchange(GradientBuffer):
             schedule.reset()
 
     def _sums(self, transport, on_device: bool = False):
-        """The loss slot's sum (a float; on_device: a 0-dim tensor, read by nothing) and the
-        extra slots' (self.extra)."""
+        """The loss slot's sum (a float; on_device: a 0-dim tensor, read by nothing: after
+        finish() every transport has the sums in the buffer) and the extra slots' (self.extra)."""
         if self.extra_slots:
             self.extra = transport.extra()
-        return transport.loss_tensor() if on_device else transport.loss()
+        return self.flat[self.numel].clone() if on_device else transport.loss()
 
 
 def _one_float32_device(params) -> torch.device:

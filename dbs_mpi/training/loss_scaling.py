@@ -21,15 +21,16 @@ from __future__ import annotations
 import torch
 
 
-def skip_update(optimizer, scaler, grads: torch.Tensor) -> bool:
+def skip_update(optimizer, scaler, exchange) -> bool:
     """After the exchange: True if the update is to be skipped (`scaler`, the GradScaler
-    that called optimizer.step, found inf/NaN; None: no scaler, never)."""
+    that called optimizer.step, found inf/NaN in `exchange`'s gradients; None: no scaler,
+    never)."""
     if scaler is None:
         if getattr(optimizer, "found_inf", None) is not None:     # a GradScaler of another contract
             raise RuntimeError("DistributedOptimizer: GradScaler did not pass itself to step(); its inf/NaN check "
                                "would see this rank's gradient alone, which ranks disagree on")
         return False
-    return unscale_after_exchange(scaler, optimizer, grads)
+    return unscale_after_exchange(scaler, optimizer, exchange.flat[:exchange.numel])
 
 
 def unscale_after_exchange(scaler, optimizer, grads: torch.Tensor) -> bool:

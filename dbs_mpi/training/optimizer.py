@@ -577,7 +577,7 @@ class DistributedOptimizer(_WrappedOptimizer):
             self.synchronize(loss)
         startup.done()                      # a launch watchdog (startup.arm) is not needed any more
         start = time.perf_counter()
-        if not skip_update(self, grad_scaler, self.exchange.flat[:self.exchange.numel]):
+        if not skip_update(self, grad_scaler, self.exchange):
             self.optimizer.step()
         if self._buffers:
             mpi.broadcast_flat(self._buffers, self.comm, 0, self.timeout)
