@@ -395,3 +395,20 @@ def test_nccl_for_ranks_sharing_a_gpu_is_refused_in_one_line(tmp_path):
                     "--out", str(tmp_path / "nccl.h5"), "--progress", "false"], ranks=2, timeout=120)
     assert proc.returncode == 2 and "nccl takes one rank per GPU" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_event_clock_records_on_the_stream_the_loop_is_on():
+    from dbs_mpi.training.event_clock import _CudaEvents
+
+    events = _CudaEvents(torch.device("cuda"))
+    first = events.new()
+    events.record(first)                          # the default stream (the raw handle is cached)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        late = events.new()
+        events.record(late)
+    assert events.stream == side and not late.query()     # behind the side stream's sleep, not on the default
+    late.synchronize()
+    events.record(first)
+    assert events.stream == torch.cuda.current_stream()

@@ -3,6 +3,9 @@ local rank, per-rank lists, GPUs bound per task by the scheduler), thread shares
 mixed CPU/GPU nodes, the choice of gradient exchange, and the errors a missing device
 gives, on every rank (pytest-mpi at 1, 2 and 4 ranks). The CUDA paths themselves are
 tested in test_cuda.py, on a GPU machine."""
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -59,6 +62,37 @@ def test_cpu_ranks_share_the_cores_gpu_ranks_leave():
     assert devices.cpu_threads(places, names, 5, limit=1) == 1                     # OMP_THREAD_LIMIT
     pinned = [("n1", (r,)) for r in range(8)]                                      # one core per rank
     assert devices.cpu_threads(pinned, names, 2) == 1
+
+
+def test_gpu_ranks_get_a_core_of_their_own_where_the_launcher_bound_nothing():
+    places = [("n1", tuple(range(16)))] * 8
+    names = ["cuda:0"] + ["cpu"] * 7
+    plan = devices.core_plan(places, names, mode="gpu")
+    assert plan[0] == {0} and all(p == set(range(1, 16)) for p in plan[1:])
+    pairs = lambda core: {core, core + 8 if core < 8 else core - 8}      # SMT: 0 and 8 are one core
+    assert devices.core_plan(places, names, pairs, "gpu")[0] == {0, 8}
+    assert devices.core_plan(places, names, pairs)[3] == set(range(16)) - {0, 8}
+    assert devices.core_plan(places, names)[:2] == [None, set(range(1, 16))]      # the default: CPU ranks only
+    assert devices.core_plan(places, names, mode="none") == [None] * 8
+    # nothing to do: no GPU rank, no CPU rank, a launcher's own binding, too few cores
+    assert devices.core_plan(places, ["cpu"] * 8) == [None] * 8
+    assert devices.core_plan(places, ["cuda:0"] * 8) == [None] * 8
+    assert devices.core_plan([("n1", (r,)) for r in range(8)], names) == [None] * 8
+    assert devices.core_plan([("n1", (0, 1))] * 3, ["cuda:0", "cpu", "cpu"]) == [None] * 3
+    # two nodes are planned apart: n2 has no GPU rank
+    two = [("n1", (0, 1, 2, 3))] * 2 + [("n2", (0, 1, 2, 3))] * 2
+    assert devices.core_plan(two, ["cuda:0", "cpu", "cpu", "cpu"], mode="gpu") == [{0}, {1, 2, 3}, None, None]
+
+
+def test_binding_is_chosen_by_an_environment_variable(monkeypatch):
+    monkeypatch.delenv("DBS_MPI_BIND", raising=False)
+    assert devices.bind_mode() == "cpu"
+    monkeypatch.setenv("DBS_MPI_BIND", "GPU")
+    assert devices.bind_mode() == "gpu"
+    monkeypatch.setenv("DBS_MPI_BIND", "core")
+    with pytest.raises(UserError, match="DBS_MPI_BIND: must be one of cpu, gpu, none; got 'core'"):
+        devices.bind_mode()
+    assert devices.siblings(0) >= {0}
 
 
 def test_the_exchange_is_chosen_from_every_ranks_device():
@@ -186,3 +220,14 @@ def test_resync_makes_drifted_replicas_and_their_optimizer_state_equal_again(com
     for other in allgather_object(comm, mine):
         for a, b in zip(mine, other):
             assert torch.equal(a, b)
+
+
+def test_binding_reaches_every_thread_of_the_process():
+    code = ("import os, threading, time\n"
+            "from dbs_mpi.mpi import devices\n"
+            "t = threading.Thread(target=time.sleep, args=(2,)); t.start()\n"
+            "devices.bind_process({0})\n"
+            "print(sorted({tuple(sorted(os.sched_getaffinity(int(x)))) for x in os.listdir('/proc/self/task')}))\n"
+            "t.join()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[(0,)]"

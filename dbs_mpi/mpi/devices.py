@@ -21,6 +21,16 @@ CPU ranks of a node share the node's other cores:
 
     threads(CPU rank) = (cores of the node - GPU ranks on the node) // CPU ranks on the node
 
+A core of its own. Sharing cores with busy CPU ranks slows that host thread, and with it
+the GPU (measured on an H100 node, README "GPU figures"). On a node that mixes GPU and
+CPU ranks which the launcher left unbound (every rank of the node may run on the same
+cores), `select` keeps the CPU ranks' threads off one core per GPU rank (with its SMT
+siblings; `core_plan`), so the GPU ranks' host threads find a core nobody computes on.
+A launcher's own binding (`mpirun -bind-to core`, `srun --cpu-bind`) is left as it is.
+DBS_MPI_BIND chooses: `cpu` (the default: as above; the GPU ranks stay unbound, so
+their DataLoader workers, which inherit a binding, keep every core), `gpu` (the GPU
+ranks bound to their cores as well), `none`.
+
 Timing. CUDA runs asynchronously: a wall clock around a forward and backward measures
 the kernel launches, not the compute. `synchronize(device)` waits for the device's
 queued work, so a clock read after it (the start-up calibration, the optimizer's step
@@ -33,6 +43,7 @@ No MPI here except in `select` (one allgather of every rank's host and visible G
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 import socket
 
@@ -143,6 +154,9 @@ def select(comm, device: str = "auto", devices=None, timeout: float = 600.0,
     if mine.type == "cuda":
         torch.cuda.set_device(mine)
     places = mpi.placement(comm, timeout)          # collective on every rank, whatever each decides below
+    cores = core_plan(places, chosen, siblings, bind_mode())[comm.Get_rank()]
+    if cores is not None:
+        bind_process(cores)
     if threads or (threads is None and not mpi.THREADS_GIVEN):
         mpi.set_torch_threads(cpu_threads(places, chosen, comm.Get_rank(), mpi.thread_limit()))
     return mine
@@ -170,6 +184,79 @@ def cpu_threads(places, device_names: list[str], rank: int, limit: int | None = 
     share = max(1, (mpi.node_cores(places)[host] - gpu_ranks) // max(cpu_ranks, 1))
     share = min(share, len(places[rank][1]) or share)
     return min(share, limit) if limit else share
+
+
+BIND_MODES = ("cpu", "gpu", "none")
+
+
+def bind_mode() -> str:
+    """DBS_MPI_BIND (see the module docstring), checked."""
+    mode = os.environ.get("DBS_MPI_BIND", "cpu").strip().lower() or "cpu"
+    if mode not in BIND_MODES:
+        raise UserError(f"DBS_MPI_BIND: must be one of {', '.join(BIND_MODES)}; got {mode!r}")
+    return mode
+
+
+def core_plan(places, device_names: list[str], smt=None, mode: str = "cpu") -> list[set[int] | None]:
+    """The cores each rank is bound to (None: left as it is): on a node with GPU and CPU
+    ranks whose affinity sets are all the same (the launcher bound nothing), GPU rank j
+    of the node gets the j-th core of the set with its SMT siblings (`smt(core)`), the
+    CPU ranks every core no GPU rank took; only where at least one core is left per CPU
+    rank. mode "cpu" (the default) leaves the GPU ranks unbound (their cores are only
+    kept free of CPU ranks); "none": nobody is bound.
+    places: (host, cores) per rank (comm.placement); pure."""
+    smt = smt or (lambda core: {core})
+    plan: list[set[int] | None] = [None] * len(places)
+    if mode == "none":
+        return plan
+    for host in dict.fromkeys(h for h, _ in places):
+        ranks = [r for r, (h, _) in enumerate(places) if h == host]
+        gpu = [r for r in ranks if device_names[r] != "cpu"]
+        cpu = [r for r in ranks if device_names[r] == "cpu"]
+        if not gpu or not cpu or len({places[r][1] for r in ranks}) != 1:
+            continue
+        free = sorted(places[ranks[0]][1])
+        taken = []
+        for r in gpu:
+            if not free:
+                break
+            own = {c for c in smt(free[0]) if c in free} | {free[0]}
+            taken.append((r, own))
+            free = [c for c in free if c not in own]
+        if len(taken) < len(gpu) or len(free) < len(cpu):
+            continue
+        for r, own in taken:
+            plan[r] = own if mode == "gpu" else None
+        for r in cpu:
+            plan[r] = set(free)
+    return plan
+
+
+def siblings(core: int) -> set[int]:
+    """The SMT siblings of `core` (itself included), from Linux's sysfs; {core} elsewhere."""
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{core}/topology/thread_siblings_list") as f:
+            text = f.read().strip()
+    except OSError:
+        return {core}
+    out = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out or {core}
+
+
+def bind_process(cores: set[int]) -> None:
+    """Bind every thread of this process (and those it starts later) to `cores`."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:                     # pragma: no cover - not Linux
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:                 # a thread that ended meanwhile
+            pass
 
 
 def synchronize(device) -> None:
