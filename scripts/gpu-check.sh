@@ -71,6 +71,13 @@ for amp in none bf16 fp16; do
 done
 # the GPU rank's step beside CPU trainers (busy cores, threads, a core of its own)
 step gpu-beside-cpu 150 "$py" scripts/gpu-beside-cpu.py --steps 150
+# the mixed job with the CPU ranks kept off the GPU rank's core (the default) and not (none), alternated
+for rep in 1 2 3; do
+    for bind in none cpu; do
+        step "mixed-bind-$bind-$rep" 60 env DBS_MPI_BIND=$bind "$mpirun" -n 8 "$py" -m dbs_mpi train --devices "$cpus" \
+            --strategy dbs --subset $((30000 * scale)) --epochs 2 --progress false --out "$out/bind-$bind-$rep.h5"
+    done
+done
 # (a) 1 GPU rank beside 7 CPU ranks of 2 threads: LeNet-5 on Fashion-MNIST, ResNet-20 on CIFAR-10-shaped
 # data; first the GPU rank alone on the same epoch
 alone=("$py" -m dbs_mpi bench hetero --speeds none --device cuda --strategies ssgd --out-dir "$bench")
