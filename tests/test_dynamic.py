@@ -269,6 +269,19 @@ def test_switch_step_waits_for_samples_already_handed_out():
     assert dynamic.switch_step(5, [9, 6]) == 9                # a DataLoader prefetched up to step 8
 
 
+def test_a_ranks_own_telemetry_handed_over_as_the_sum_fails_on_every_rank():
+    """A loop that passes record_step its own telemetry() instead of the sum over ranks
+    would make only rank 0 switch vectors: the count slot catches it on every rank."""
+    truth = model_of([1e-4, 1e-4], [1e-3, 1e-3])
+    ranks = [dynamic.Replanner(r, 2, 200, model=truth) for r in range(2)]
+    vector = np.array([100, 100])
+    own = [r.outgoing(1e-2, 1).copy() for r in ranks]
+    for r in ranks:
+        with pytest.raises(RuntimeError, match=r"counts 1 of the 2 ranks: record_step\(telemetry=...\) takes the sum"):
+            r.incoming(own[r.rank], vector, vector, 1, 1)
+    assert ranks[0].incoming(own[0] + own[1], vector, vector, 1, 1) is None
+
+
 def test_ranks_that_sum_their_outgoing_slots_switch_together_and_announce_once():
     """The Replanner protocol without MPI: three ranks' outgoing() summed, as the
     allreduce does, reaches every rank; rank 0's proposal is announced once and every rank

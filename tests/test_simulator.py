@@ -228,7 +228,7 @@ def test_the_simulated_replanner_fed_a_run_s_step_times_makes_the_engine_s_decis
             next_step = s - first_of_epoch[epoch[s]] + 1
             announced = replanner.announce if replanner.announce is not None else np.zeros(c.size)
             replanner.announce = None
-            summed = np.concatenate([pre[s], np.full(c.size, next_step), announced]).astype(np.float32)
+            summed = np.concatenate([pre[s], np.full(c.size, next_step), announced, [c.size]]).astype(np.float32)
             switch = replanner.incoming(summed, rows[s], current, next_step, s + 1)
             if switch is not None:
                 current = switch.vector

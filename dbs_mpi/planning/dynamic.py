@@ -428,6 +428,8 @@ class Replanner:
         [0, R)      every rank's pre-collective compute seconds of the step
         [R, 2R)     every rank's steps of the epoch handed out by its sampler
         [2R, 3R)    rank 0's proposal, announced (zeros: none)
+        3R          1 from every rank: the sum is R, or the array is not the sum over all ranks
+
 
     Every rank then holds the same times and runs the same planner on them; the vector
     that counts is rank 0's, so that floating-point differences between ranks (other CPUs,
@@ -446,6 +448,7 @@ class Replanner:
         self.announce: np.ndarray | None = None     # rank 0: the vector to announce with the next step
         self.proposal: Proposal | None = None       # the last proposal of this rank's planner
         self._out = np.zeros(self.size, dtype=np.float32)
+        self._out[-1] = 1.0                         # every rank's count: the sum is the world size
         self._announced = False
 
     def _planner(self, model: SpeedModel) -> StepPlanner:
@@ -459,7 +462,7 @@ class Replanner:
 
     @property
     def size(self) -> int:
-        return 3 * self.world_size
+        return 3 * self.world_size + 1
 
     def propose(self, vector) -> None:
         """Ask for `vector` (rank 0's request is the one all ranks follow)."""
@@ -477,11 +480,11 @@ class Replanner:
         out[self.rank] = seconds
         out[n + self.rank] = handed
         if self.announce is not None:
-            out[2 * n:] = self.announce
+            out[2 * n:3 * n] = self.announce
             self.announce = None
             self._announced = True
         elif self._announced:                      # last step's proposal went out: zeros again
-            out[2 * n:] = 0.0
+            out[2 * n:3 * n] = 0.0
             self._announced = False
         return out
 
@@ -493,6 +496,11 @@ class Replanner:
         summed = summed.tolist() if hasattr(summed, "tolist") else list(summed)   # plain numbers: cheap to read
         n = self.world_size
         seconds, handed, announced = summed[:n], summed[n:2 * n], summed[2 * n:3 * n]
+        if len(summed) != self.size or summed[-1] != n:
+            raise RuntimeError(
+                f"rank {self.rank}: the step's telemetry counts {summed[-1] if summed else 0:g} of the {n} ranks: "
+                f"record_step(telemetry=...) takes the sum over all ranks of balancer.telemetry() that the step's "
+                f"exchange carried, not this rank's own array")
         switch = None
         if any(announced):
             vector = np.rint(announced).astype(np.int64)

@@ -372,7 +372,7 @@ class _SyncClock:
         r, n = self.replanner, table.shape[1]
         announced = np.zeros(n) if r.announce is None else r.announce.astype(float)
         r.announce = None
-        summed = np.concatenate([seconds, np.full(n, s + 1.0), announced])       # nobody prefetches
+        summed = np.concatenate([seconds, np.full(n, s + 1.0), announced, [n]])     # nobody prefetches
         current = self.vector if self.vector is not None else table[0]
         switch = r.incoming(summed, table[s], current, s + 1, self.run_steps)
         if switch is None:
