@@ -6,6 +6,7 @@ the result file says failed when rank 0 is alive to write it. Every launch is bo
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -69,12 +70,42 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path, strategy, poli
     assert waited_in in err, err
     if strategy != "asgd":
         assert f"rank(s) [{victim}] did not arrive" in err, err
+        assert f"dbs-mpi: rank {victim} did not answer within 0.5 s: stopped" in err, err      # asked where it is
     else:
         assert f"worker(s) [{victim}] sent no gradient" in err, err
     run = read_released(out, time.time() + 10)
     assert run["attrs"]["status"] == "failed", "rank 0 was alive: it must have recorded the failure"
     if strategy != "asgd":     # (asgd without checkpoints writes its epochs at the end of the run)
         assert run["data"]["epoch/train_loss"].shape[0] >= 1              # finished epochs kept
+
+
+LATE = """
+import sys, time
+import dbs_mpi
+from dbs_mpi.mpi import comm as mpi
+comm = dbs_mpi.init()
+if comm.Get_rank() == 1:
+    if sys.argv[1] == "computing":
+        time.sleep(60)
+    mpi.bcast_object(comm, None, 0, 60, "rank 1's broadcast")          # another collective than rank 0's
+mpi.barrier(comm, 3)
+"""
+
+
+@pytest.mark.parametrize("where, says", [
+    ("computing", "dbs-mpi: rank 1 is alive and not in a collective: computing"),
+    ("elsewhere", "dbs-mpi: rank 1 is alive, waiting in rank 1's broadcast for "),
+])
+def test_a_timed_out_wait_says_where_the_late_rank_is(where, says):
+    """Rank 0's barrier times out after 3 s; rank 1 is alive, computing or in another
+    collective: rank 0 asks it and says where it is, instead of "stuck or dead"."""
+    started = time.monotonic()
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-c", LATE, where], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode != 0 and time.monotonic() - started < 30, proc.stderr
+    assert "waited more than 3 s in barrier" in proc.stderr and "rank(s) [1] did not arrive" in proc.stderr, \
+        proc.stderr
+    assert says in proc.stderr, proc.stderr
 
 
 def test_a_stopped_rank_0_ends_the_job_too(tmp_path):

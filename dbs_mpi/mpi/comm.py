@@ -60,10 +60,14 @@ POLL_SLEEP_MAX = 1e-4   # longest sleep between polls in a short wait, seconds (
 POLL_SLEEP_LONG = 2e-3  # ... in a long wait, which may sleep up to POLL_LONG_SHARE of the time it waited
 POLL_LONG_SHARE = 0.02
 ABORT_GRACE = 0.2       # seconds between printing a failure and aborting the job
-NOTICE_GRACE = 2.0      # seconds a failing rank gives rank 0 to record the failure and abort the job first
+NOTICE_GRACE = 3.0      # seconds a failing rank gives rank 0 to record the failure and abort the job first
 COLLECT_GRACE = 1.0     # seconds a timed-out rank 0 waits for the other ranks' notices (who arrived)
 WATCH_INTERVAL = 0.05   # seconds between the watchdog thread's checks
 NOTICE_TAG = 7431       # tag of failure notices, on the supervisor's own communicator
+QUERY_TAG = 7432        # rank 0 asks a late rank where it is (after a timeout) ...
+ANSWER_TAG = 7433       # ... and its watchdog answers, in ANSWER_BYTES of UTF-8
+ANSWER_BYTES = 256
+QUERY_GRACE = 0.5       # seconds rank 0 waits for the late ranks' answers (within NOTICE_GRACE with COLLECT_GRACE)
 WAIT_POLICIES = ("auto", "spin", "sleep")
 
 
@@ -72,7 +76,7 @@ class CommTimeout(RuntimeError):
 
 
 def timeout_message(timeout: float, what: str) -> str:
-    return (f"waited more than {timeout:g} s in {what}: another rank is stuck or dead (raise comm_timeout if a "
+    return (f"waited more than {timeout:g} s in {what}: another rank did not arrive in time (raise comm_timeout if a "
             f"step can legitimately take that long)")
 
 
@@ -99,7 +103,7 @@ def wait(request: MPI.Request, timeout: float = 600.0, what: str = "collective",
         if request.Test():
             return
     pause = POLL_SLEEP_MIN
-    SUPERVISOR.waiting = what
+    SUPERVISOR.waiting = (what, start)
     try:
         while not request.Test():
             waited = time.perf_counter() - start
@@ -233,11 +237,14 @@ class Supervisor:
       and gives it NOTICE_GRACE seconds; rank 0's watchdog sees the notice, runs rank 0's
       callbacks (the file says failed) and aborts the job. When the failure is a timeout,
       rank 0 first waits COLLECT_GRACE for the notices of the ranks that time out in the
-      same wait, and names the ranks that did not arrive (stuck or dead)."""
+      same wait, names the ranks that did not arrive, and asks each where it is
+      (`Whereabouts`): in which wait and for how long, computing, or no answer (stopped
+      or dead)."""
 
     def __init__(self):
         self._deadline = None            # (perf_counter time, comm, seconds, what) of the blocking call under way
-        self.waiting = None              # what a sleeping wait of this rank waits in, or None
+        self.waiting = None              # (what, since) of the sleeping wait this rank is in, or None
+        self.whereabouts = Whereabouts()
         self._callbacks: list = []
         self._channel = None             # (communicator, rank 0's receive request, its buffer [rank, timed out])
         self._thread = None
@@ -279,6 +286,8 @@ class Supervisor:
             channel = _sleeping_dup(comm)
         buffer = np.zeros(2, dtype=np.int64)
         self._channel = (channel, self._listen(channel, buffer) if comm.Get_rank() == 0 else None, buffer)
+        if comm.Get_rank() != 0:
+            self.whereabouts.listen(channel)
         self._ensure_thread()
 
     @staticmethod
@@ -291,6 +300,7 @@ class Supervisor:
         if channel is not None and channel[1] is not None:
             channel[1].Cancel()
             channel[1].Wait()
+        self.whereabouts.cancel()
 
     def _notice(self) -> tuple[int, bool] | None:
         """Rank 0: (rank, timed out) of a failure notice that arrived, if one did."""
@@ -308,6 +318,8 @@ class Supervisor:
             if d is not None and time.perf_counter() > d[0]:
                 self.fail(d[1], f"dbs-mpi: rank {d[1].Get_rank()} of {d[1].Get_size()}: "
                                 f"{timeout_message(d[2], d[3])}{startup.during()}\n", timed_out=True)
+            if self._channel is not None and not self._failing:
+                self.whereabouts.answer(self._channel[0], self.where)
             notice = None if self._failing else self._notice()
             if notice is not None:
                 self.fail(self._channel[0], f"dbs-mpi: rank 0: rank {notice[0]} failed"
@@ -363,8 +375,68 @@ class Supervisor:
             time.sleep(0.01)
         missing = sorted(set(range(channel[0].Get_size())) - arrived)
         if missing:
-            _write_stderr(f"dbs-mpi: rank 0: rank(s) {missing} did not arrive (stuck, dead or slower than the "
-                          f"timeout); rank(s) {sorted(arrived)} waited for them\n")
+            _write_stderr(f"dbs-mpi: rank 0: rank(s) {missing} did not arrive; rank(s) {sorted(arrived)} waited "
+                          f"for them\n")
+            answers = Whereabouts.ask(channel[0], missing)
+            _write_stderr("".join(f"dbs-mpi: rank {r} {answers.get(r, NO_ANSWER)}\n" for r in missing))
+
+    def where(self) -> str:
+        """Where this rank is: the wait it is in and for how long, or not in one."""
+        now, d, w = time.perf_counter(), self._deadline, self.waiting
+        if d is not None:
+            return f"is alive, waiting in {d[3]} for {now - d[0] + d[2]:.1f} s"
+        if w is not None:
+            return f"is alive, waiting in {w[0]} for {now - w[1]:.1f} s"
+        return "is alive and not in a collective: computing, or held up outside MPI, for longer than the timeout"
+
+
+NO_ANSWER = f"did not answer within {QUERY_GRACE:g} s: stopped, dead or hung (its watchdog thread could not reply)"
+
+
+class Whereabouts:
+    """Rank 0 asks the ranks that did not arrive in a timed-out wait where they are, and
+    their watchdog threads answer (Supervisor.where): a rank waiting in another
+    collective (the ranks run different code or settings), one computing for longer than
+    the timeout, or one that cannot answer (stopped, dead). Every rank but 0 listens from
+    `attach` on; the messages go on the supervisor's own communicator."""
+
+    def __init__(self):
+        self.query = None                # this rank's receive of rank 0's question
+        self.sent = None                 # its answer, on its way
+
+    def listen(self, channel: MPI.Comm) -> None:
+        self.query = channel.Irecv(np.zeros(1, dtype=np.int64), source=0, tag=QUERY_TAG)
+
+    def answer(self, channel: MPI.Comm, where) -> None:
+        """If rank 0 asked: send it where() (the watchdog calls this every interval)."""
+        if self.query is None or not self.query.Test():
+            return
+        self.query = None
+        text = where().encode()[:ANSWER_BYTES]
+        self.sent = channel.Isend(np.frombuffer(text.ljust(ANSWER_BYTES, b"\0"), dtype=np.uint8), dest=0,
+                                  tag=ANSWER_TAG)
+
+    def cancel(self) -> None:
+        if self.query is not None:
+            self.query.Cancel()
+            self.query.Wait()
+            self.query = None
+
+    @staticmethod
+    def ask(channel: MPI.Comm, ranks: list[int], grace: float = QUERY_GRACE) -> dict[int, str]:
+        """Rank 0: the answers of `ranks` that came within `grace` seconds."""
+        asks = [channel.Isend(np.zeros(1, dtype=np.int64), dest=r, tag=QUERY_TAG) for r in ranks]
+        buffers = {r: np.zeros(ANSWER_BYTES, dtype=np.uint8) for r in ranks}
+        pending = {r: channel.Irecv(buffers[r], source=r, tag=ANSWER_TAG) for r in ranks}
+        answers, end = {}, time.perf_counter() + grace
+        while pending and time.perf_counter() < end:
+            for r in [r for r, request in pending.items() if request.Test()]:
+                answers[r] = buffers[r].tobytes().rstrip(b"\0").decode(errors="replace")
+                del pending[r]
+            for request in asks:
+                request.Test()
+            time.sleep(0.01)
+        return answers
 
 
 SUPERVISOR = Supervisor()

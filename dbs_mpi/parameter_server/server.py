@@ -82,7 +82,7 @@ class Server:
         takes in at least one gradient (at most max_messages in all) or sleeps; a worker
         that holds its work longer than comm_timeout raises CommTimeout (check_late)."""
         pause, idle_since = mpi.POLL_SLEEP_MIN, time.perf_counter()
-        mpi.SUPERVISOR.waiting = "the parameter server's loop"
+        mpi.SUPERVISOR.waiting = ("the parameter server's loop", time.perf_counter())
         while not all(self.stopped):
             t = time.perf_counter()
             self.channels.check_late(t)
