@@ -58,6 +58,19 @@ def test_two_ranks_with_speeds_write_one_complete_file(tmp_path):
     assert b.sum() == 32 and b[0] > b[1]
 
 
+def test_micro_batches_train_the_run_of_whole_local_batches(tmp_path, one_rank):
+    """--micro-batch 5 at 2 ranks (local batches up to 16 and more, cut into micro-batches
+    of 5): the same losses as one process running whole batches of 32."""
+    out = tmp_path / "micro.h5"
+    proc = run_cli(["train", *TINY, "--epochs", "2", "--micro-batch", "5", "--speeds", "1,0.5", "--strategy",
+                    "static", "--out", str(out)], ranks=2)
+    assert proc.returncode == 0, proc.stderr
+    run, whole = read_run(out)["data"], read_run(one_rank[0])["data"]
+    assert run["epoch/batch_sizes"][0].max() > 5 and run["epoch/batch_sizes"][0].sum() == 32
+    for key in ("epoch/train_loss", "epoch/test_loss", "step/loss"):
+        assert run[key] == pytest.approx(whole[key], rel=1e-4), key
+
+
 def test_sync_bn_trains_a_batchnorm_resnet_and_is_recorded(tmp_path):
     out = tmp_path / "bn.h5"
     proc = run_cli(["train", *TINY, "--model", "resnet20", "--norm", "batch", "--sync-bn", "--synthetic-shape",

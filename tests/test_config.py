@@ -42,6 +42,9 @@ def test_toml_then_command_line(tmp_path):
     (["--compile", "--sync-bn", "--model", "resnet20", "--norm", "batch"], "compile"),
     (["--compile", "--strategy", "asgd"], "compile"),
     (["--amp", "fp8"], "amp"),
+    (["--micro-batch", "-1"], "micro_batch"),
+    (["--micro-batch", "8", "--sync-bn"], "micro_batch"),
+    (["--micro-batch", "8", "--strategy", "asgd"], "micro_batch"),
     (["--amp", "bf16", "--strategy", "nsoftsync"], "amp"),
 ])
 def test_bad_values_name_the_field(argv, field):

@@ -60,6 +60,7 @@ class Config:
     norm: str = "group"              # resnet20's normalisation: group (consistent across uneven local batches) | batch
     sync_bn: bool = False            # BatchNorm layers normalise over the step's global batch (dbs_mpi.SyncBatchNorm; synchronous strategies)
     compile: bool = False            # torch.compile the model's forward (default mode; the first steps compile it); not with sync_bn
+    micro_batch: int = 0             # gradient accumulation: each rank runs its local batch in micro-batches of at most this many samples, one exchange a step (0: all at once); not with sync_bn
     amp: str = "none"                # mixed precision (synchronous strategies): none | bf16 (autocast in bfloat16, CPU and GPU) | fp16 (autocast in float16 with loss scaling, torch.amp.GradScaler; every rank on a GPU)
     augment: bool = False            # cifar10 training only: random crop (padding 4) and horizontal flip, seeded
     epochs: int = 3                  # passes over the training set
@@ -286,6 +287,9 @@ def _check_choices(c: Config) -> None:
     if c.compile and (c.sync_bn or c.strategy in ASYNC_STRATEGIES):
         _fail("compile", "a compiled model runs without DistributedOptimizer's forward hook, which sync_bn needs, "
                          f"and with the synchronous strategies {', '.join(SYNC_STRATEGIES)} only")
+    if c.micro_batch and (c.sync_bn or c.strategy in ASYNC_STRATEGIES):
+        _fail("micro_batch", "SyncBatchNorm normalises over the step's global batch, which micro-batches would cut "
+                             f"into parts; and it runs with the synchronous strategies {', '.join(SYNC_STRATEGIES)} only")
     choice("amp", AMPS)
     if c.amp != "none" and c.strategy in ASYNC_STRATEGIES:
         _fail("amp", f"mixed precision runs with the synchronous strategies {', '.join(SYNC_STRATEGIES)} only "
@@ -313,7 +317,7 @@ def _check_ranges(c: Config) -> None:
         positive(name)
     for name in ("lr", "momentum", "weight_decay", "subset", "test_subset", "max_local_batch",
                  "benchmark_warmup", "threads", "checkpoint_every", "sleep_prob", "dbs_min_gain",
-                 "bucket_mb", "first_bucket_mb", "num_classes", "loader_workers", "startup_timeout"):
+                 "bucket_mb", "first_bucket_mb", "num_classes", "loader_workers", "startup_timeout", "micro_batch"):
         non_negative(name)
     if c.time_budget < 0:
         _fail("time_budget", f"must be zero (no limit) or positive seconds; got {c.time_budget}")

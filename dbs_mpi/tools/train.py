@@ -152,13 +152,15 @@ class Precision:
     def autocast(self):
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None)
 
-    def step(self, loss, optimizer) -> None:
-        """backward and the optimizer's step, scaled where fp16 needs it."""
+    def backward(self, loss) -> None:
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def step(self, optimizer, loss=None) -> None:
+        """The optimizer's step (through the scaler for fp16); loss None: the one the
+        micro-batches accumulated."""
         if self.scaler is None:
-            loss.backward()
             optimizer.step(loss=loss)
             return
-        self.scaler.scale(loss).backward()
         self.scaler.step(optimizer, loss=loss)
         self.scaler.update()
 
@@ -308,9 +310,13 @@ class SyncTrainer:
             x, y = devices.to_device((x, y), device)
             stop.start()                  # the stop agreement overlaps the step
             optimizer.zero_grad()
-            with precision.autocast():
-                loss = loss_fn(model(x), y)
-            precision.step(loss, optimizer)
+            if self.cfg.micro_batch:
+                loss = self.accumulate(optimizer, x, y)
+            else:
+                with precision.autocast():
+                    loss = loss_fn(model(x), y)
+                precision.backward(loss)
+            precision.step(optimizer, loss)
             self.last_lr = optimizer.param_groups[0]["lr"]
             if self.scheduler is not None:
                 self.scheduler.step()
@@ -318,6 +324,16 @@ class SyncTrainer:
             if signal:
                 return signal
         return 0
+
+    def accumulate(self, optimizer, x, y) -> None:
+        """A step's forwards and backwards in micro-batches of cfg.micro_batch samples
+        (accumulation.py); returns None: step() records the loss they accumulated."""
+        precision, loss_fn = self.precision, self.run.loss_fn
+        for xm, ym in optimizer.micro_batches((x, y), self.cfg.micro_batch):
+            with precision.autocast():
+                loss = loss_fn(self.forward(xm), ym)
+            optimizer.backward(loss, scaler=precision.scaler)
+        return None
 
     def end_epoch(self, stats) -> None:
         run, cfg = self.run, self.cfg

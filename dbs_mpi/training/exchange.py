@@ -147,6 +147,7 @@ class BucketSchedule:
         """A new step: no bucket started, no weight yet."""
         self.weight = None                       # set by zero_grad(weight) or arm: hooks may start buckets
         self.prescaled = False                   # backward(loss) seeded the gradients with the weight
+        self.holding = False                     # a micro-batch before the last: no bucket is complete yet
         self.left = list(self.sizes)             # gradients still to come, per bucket
         self.next = 0                            # next bucket to start
         self.requests = []                       # in flight: buckets 0 .. self.next - 1
@@ -159,6 +160,8 @@ class BucketSchedule:
         def hook(p):
             if p.grad is None or p.grad.data_ptr() != ptr:
                 buffer.adopt(index)
+            if self.holding:
+                return
             self.left[bucket] -= 1
             if bucket < self.next:
                 raise RuntimeError("a gradient changed after its bucket's allreduce had started: with overlap, "
@@ -299,20 +302,28 @@ class GradientExchange(GradientBuffer):
                                "after every backward")
         schedule.weight = float(weight)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def hold(self, holding: bool) -> None:
+        """Gradient accumulation (accumulation.py): while holding, backward's hooks start
+        no bucket (the gradients are a partial sum); the last micro-batch's backward does."""
+        self._schedule.holding = bool(holding)
+
+    def backward(self, loss: torch.Tensor, share: float = 1.0) -> None:
         """loss.backward(), seeded with this rank's weight (given to zero_grad): autograd
         then produces weight * gradient directly, so no bucket needs a scaling pass
         (the seed multiplies only the scalar at the root of the graph). Without a
-        weight it is plain loss.backward() and allreduce() scales."""
+        weight it is plain loss.backward() and allreduce() scales. share: a
+        micro-batch's part of the local batch, which multiplies the seed."""
         schedule = self._schedule
+        # (loss * seed).backward() rather than loss.backward(seed): the same gradients, bit
+        # for bit, without autograd's check of a given seed (its first call imports sympy, ~2 s)
         if schedule.weight is None or schedule.weight == 1.0:
-            loss.backward()
+            (loss if share == 1.0 else loss * share).backward()
             return
         if schedule.left != schedule.sizes and not schedule.prescaled:
             raise RuntimeError("backward(loss) after a plain backward in the same step: the gradients would "
                                "be weighted unevenly")
         schedule.prescaled = True
-        loss.backward(torch.full_like(loss, schedule.weight))
+        (loss * (schedule.weight * share)).backward()
 
     def allreduce(self, weight: float, loss_share: float, extra=None) -> float:
         """flat <- sum over ranks of weight_r * grad_r; returns sum_r loss_share_r.

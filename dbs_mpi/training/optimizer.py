@@ -53,6 +53,7 @@ import torch
 from ..mpi import comm as mpi, devices, startup, transport
 from ..options import user_stacklevel
 from . import sync_batchnorm
+from .accumulation import MicroBatches
 from .event_clock import LateSteps
 from .exchange import GradientExchange
 from .loss_scaling import skip_update
@@ -305,6 +306,16 @@ class StepClock:
             late.amend()
 
 
+def _trainable(model, optimizer) -> list:
+    """The model's trainable parameters; the optimizer may hold no other."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    mine = {id(p) for p in params}
+    if any(id(p) not in mine for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError("DistributedOptimizer: the optimizer holds a parameter that is not one of the model's "
+                         "trainable parameters")
+    return params
+
+
 def _reads_late(device: torch.device, exchange: str, balancer, synced_batchnorm: bool) -> bool:
     """Whether the step's clock reads CUDA events late instead of waiting for the device:
     on a GPU rank whose exchange stays on the device (local: one rank; nccl), unless the
@@ -474,11 +485,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         self.optimizer, self.model, self.balancer = optimizer, model, balancer
         self.comm, self.aggregation = balancer.comm, aggregation
         self.timeout = balancer.timeout if timeout is None else float(timeout)
-        params = [p for p in model.parameters() if p.requires_grad]
-        mine = {id(p) for p in params}
-        if any(id(p) not in mine for group in optimizer.param_groups for p in group["params"]):
-            raise ValueError("DistributedOptimizer: the optimizer holds a parameter that is not one of the model's "
-                             "trainable parameters")
+        params = _trainable(model, optimizer)
         self.device = params[0].device if params else torch.device("cpu")
         balancer.on_device(self.device)
         check_same_parameters(self.comm, params, self.timeout)
@@ -497,8 +504,9 @@ class DistributedOptimizer(_WrappedOptimizer):
         self._clock = StepClock(list(channels.values()), self.device,
                                 LateSteps(balancer, self.device) if late else None)
         self.checks = StepChecks(model, check_batch)
-        floating = [b for b in model.buffers() if b.is_floating_point()]
-        self._buffers = floating if broadcast_buffers and self.comm.Get_size() > 1 else []
+        self._micro = MicroBatches(self.exchange, bool(channels))
+        self._buffers = [b for b in model.buffers() if b.is_floating_point()] \
+            if broadcast_buffers and self.comm.Get_size() > 1 else []
         self._hook = model.register_forward_pre_hook(_ForwardHook(self), with_kwargs=True)
         self._new_step(time.perf_counter())
 
@@ -537,11 +545,21 @@ class DistributedOptimizer(_WrappedOptimizer):
         self.exchange.adopt_grads()
         self.exchange.zero_grad(self.exchange.armed_weight)
 
+    def micro_batches(self, tensors, size: int):
+        """Gradient accumulation (accumulation.py): `tensors` in micro-batches of at most
+        `size` samples, each with one backward(loss); then step() (docs/api.md)."""
+        return self._micro.split(tensors, size)
+
+    def backward(self, loss, scaler=None) -> None:
+        """loss.backward(), weighted (inside micro_batches: by the micro-batch's share)."""
+        self._micro.backward(loss, scaler)
+
     def synchronize(self, loss=None) -> float:
         """Exchange the gradients now (e.g. to clip the global gradient before step()).
         Returns the global mean loss if `loss` is given (else NaN), as step() does."""
         if self._synced:
             raise RuntimeError("synchronize() twice in one step")
+        loss = self._micro.step_loss(loss)
         start = self._clock.boundary()      # the step's compute ends when the device is done, not its launches
         rank = self.comm.Get_rank()
         try:
@@ -591,13 +609,8 @@ class DistributedOptimizer(_WrappedOptimizer):
 
     def resync(self, root: int = 0) -> float:
         """Collective: every rank's parameters, buffers and optimizer state become root's;
-        returns the largest difference any rank had (every rank gets the same number).
-
-        Ranks apply the same reduced gradient, so their replicas stay equal on the same
-        kind of device. A CPU and a GPU round some operations differently (fused
-        multiply-adds, foreach kernels): in a job that mixes them, the replicas drift
-        apart by rounding errors that training can amplify. `dbs-mpi train` calls this
-        at the end of every epoch of such a job."""
+        returns the largest difference any rank had (the same on every rank). For jobs
+        that mix CPUs and GPUs, whose roundings differ (docs/api.md)."""
         if self.exchange.busy:
             raise RuntimeError("resync() between backward() and step(): call it after step()")
         return broadcast_state(self.comm, self.model, self.optimizer.state, self.exchange.params, root, self.timeout)
