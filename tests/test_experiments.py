@@ -146,13 +146,13 @@ def test_dry_run_decides_skip_resume_rerun(tmp_path):
 
 def test_launch_stops_a_job_past_its_timeout(tmp_path):
     script = ("import signal, sys, time\n"
-              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))\n"
+              "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(3))\n"
               "time.sleep(60)\n")
     start = time.monotonic()
     code, timed_out = experiments.launch([sys.executable, "-c", script], tmp_path / "a.log", timeout=1.0, grace=30)
     assert timed_out and code == 3 and time.monotonic() - start < 20
     assert "stopped after the timeout of 1 s" in (tmp_path / "a.log").read_text()
-    stubborn = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)\n"
+    stubborn = "import signal, time\nsignal.signal(signal.SIGUSR1, signal.SIG_IGN)\ntime.sleep(60)\n"
     code, timed_out = experiments.launch([sys.executable, "-c", stubborn], tmp_path / "b.log", timeout=1.0, grace=1.0)
     assert timed_out and code == -9
     code, timed_out = experiments.launch([sys.executable, "-c", "print('hi')"], tmp_path / "c.log", timeout=30)

@@ -309,9 +309,9 @@ def test_slurm_failed_training_fails_the_job(cluster, tmp_path):
 
 
 def test_slurm_grid_task_fails_alone(cluster, tmp_path):
-    """In an array, the task whose training fails (3 speeds for 2 ranks) is FAILED, its
-    neighbour COMPLETED, and sbatch --wait reports the failure."""
-    grid = dict(GRID_STRATEGIES="ssgd", GRID_SEEDS="0", GRID_HETERO="ok:1,1 bad:1,0.5,0.25")
+    """In an array, the task whose training fails (a speed that is not a number) is
+    FAILED, its neighbour COMPLETED, and sbatch --wait reports the failure."""
+    grid = dict(GRID_STRATEGIES="ssgd", GRID_SEEDS="0", GRID_HETERO="ok:1,1 bad:1,fast")
     env = cluster.job_env(tmp_path, EXTRA_ARGS=TINY, **grid)
     rc, job, out = sbatch_wait(cluster, env, "--array=0-1", "-o", f"{tmp_path}/%x-%A_%a.out",
                                "jobs/slurm/grid.sbatch")
@@ -508,3 +508,132 @@ def test_slurm_stopped_job_resubmitted_with_another_ntasks_continues_the_run(clu
         assert run["epoch/train_loss"].shape == (2,) and run["step/loss"].shape == (2 * STOPPABLE_STEPS,)
     finally:
         run.close()
+
+
+# --- cluster semantics: cancel, run identity, grids, live files, paths ------------------
+
+def _wait_log(log, text, seconds=120):
+    deadline = time.monotonic() + seconds
+    while text not in _read(log):
+        assert time.monotonic() < deadline, f"no {text!r} in the job's log:\n{_read(log)}"
+        time.sleep(0.1)
+
+
+def _wait_state(env, job, states=("COMPLETED", "CANCELLED", "FAILED"), seconds=240):
+    deadline = time.monotonic() + seconds
+    while (state := _job_state(env, job))[0] not in states:
+        assert time.monotonic() < deadline, f"job {job} is {state[0]} after {seconds} s"
+        time.sleep(0.5)
+    return state
+
+
+def _submit(env, tmp_path, *args, script="jobs/slurm/train.sbatch", name="%x-%j.out"):
+    p = _run(["sbatch", "--parsable", "-t", str(JOB_MINUTES), "-o", f"{tmp_path}/{name}", *args, script], env)
+    job = p.stdout.strip().split(";")[0]
+    assert job.isdigit(), p.stdout + p.stderr
+    return job
+
+
+def test_slurm_scancel_checkpoints_and_ends_the_job_for_good(cluster, tmp_path):
+    """scancel while it trains: the ranks checkpoint, the file says cancelled, the job is
+    CANCELLED and not requeued (Restarts=0); the run can still be continued by hand."""
+    env = cluster.job_env(tmp_path, CONFIG="", EXTRA_ARGS=STOPPABLE)
+    job = _submit(env, tmp_path, "-n", "2")
+    log = tmp_path / f"dbs-mpi-train-{job}.out"
+    _wait_log(log, "epoch 1/2")
+    subprocess.run(["scancel", job], env=env, check=True, timeout=30)
+    _wait_log(log, "exited with status 3", 60)
+    time.sleep(3)                                    # (a requeue, if any, would show by now)
+    state, text = _job_state(env, job)
+    assert state in ("CANCELLED", None) and "Restarts=0" in (text or "Restarts=0"), text
+    assert "cancelled; checkpointing, not requeued" in _read(log) and "requeueing" not in _read(log)
+    result = tmp_path / f"train-{job}.h5"
+    assert _read_status(result) == "cancelled" and Path(f"{result}.ckpt").exists()
+
+
+def _read_status(path):
+    from dbs_mpi.training.results import read_run
+    return read_run(path, datasets=False)["attrs"]["status"]
+
+
+def test_slurm_a_reused_job_id_never_resumes_another_run(cluster, tmp_path):
+    """A fresh controller state numbers jobs from 1 again: a job whose result name is
+    taken by another run (complete, with its checkpoint) writes a new file beside it,
+    trains, and leaves the old one untouched."""
+    env = cluster.job_env(tmp_path, EXTRA_ARGS=f"{TINY} --speeds 1,0.5")
+    job = _submit(env, tmp_path, "-n", "2", "--hold")
+    old = tmp_path / f"train-{job}.h5"
+    proc = subprocess.run([sys.executable, "-m", "dbs_mpi", "train", *TINY.split(), "--out", str(old)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and Path(f"{old}.ckpt").exists(), proc.stderr
+    before = old.read_bytes()
+    subprocess.run(["scontrol", "release", job], env=env, check=True, timeout=30)
+    assert _wait_state(env, job)[0] == "COMPLETED"
+    log = _read(tmp_path / f"dbs-mpi-train-{job}.out")
+    new = tmp_path / f"train-{job}.2.h5"
+    assert f"{old} belongs to another run" in log and f"writing {new}" in log, log
+    assert old.read_bytes() == before
+    assert _read_status(new) == "complete"
+
+
+def test_slurm_grid_task_requeued_resumes_its_checkpoint_and_appends_its_log(cluster, tmp_path):
+    grid = dict(GRID_STRATEGIES="ssgd", GRID_SEEDS="0", GRID_HETERO="equal:1,1")
+    env = cluster.job_env(tmp_path, CONFIG="", EXTRA_ARGS=STOPPABLE.replace("--strategy ssgd ", ""), **grid)
+    array = _submit(env, tmp_path, "-n", "2", "--array=0-0", script="jobs/slurm/grid.sbatch", name="%x-%A_%a.out")
+    log = tmp_path / f"dbs-mpi-grid-{array}_0.out"
+    _wait_log(log, "epoch 1/2")
+    subprocess.run(["scontrol", "requeue", f"{array}_0"], env=env, check=True, timeout=30)
+    _wait_log(log, "exited with status 0", 240)
+    text = _read(log)
+    result = tmp_path / f"grid-{array}_0-ssgd-s0-equal.h5"
+    assert text.count("task ") >= 2 and f"resuming {result}" in text, text        # both attempts, appended
+    run = h5py.File(result, "r")
+    try:
+        assert run.attrs["status"] == "complete" and len(run.attrs["resumed"]) == 1
+        assert run["step/loss"].shape == (2 * STOPPABLE_STEPS,)
+    finally:
+        run.close()
+
+
+def test_a_live_result_file_is_read_while_the_job_writes_it(cluster, tmp_path):
+    """A reader in a loop beside a training job: every read works, its tables are
+    consistent (one row per epoch in every epoch column), and the last read is complete."""
+    from dbs_mpi.training.results import read_run
+    env = cluster.job_env(tmp_path, CONFIG="", EXTRA_ARGS=STOPPABLE.replace("--epochs 2", "--epochs 3"))
+    job = _submit(env, tmp_path, "-n", "2")
+    result = tmp_path / f"train-{job}.h5"
+    deadline, reads, statuses = time.monotonic() + 240, 0, set()
+    while not result.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    while True:
+        run = read_run(result)
+        reads += 1
+        statuses.add(run["attrs"]["status"])
+        epochs = {len(v) for k, v in run["data"].items() if k.startswith("epoch/") and len(v)}
+        assert len(epochs) <= 1, epochs
+        if run["attrs"]["status"] != "running" or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert run["attrs"]["status"] == "complete" and "running" in statuses and reads > 10, (reads, statuses)
+    assert len(run["data"]["epoch/train_loss"]) == 3
+
+
+def test_submitted_from_another_folder(cluster, tmp_path):
+    """From elsewhere the script says in its log (in the submit folder) how to point it at
+    the project, and fails; with DBS_MPI_HOME it runs."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = cluster.job_env(tmp_path, EXTRA_ARGS=f"{TINY} --speeds 1,0.5")
+    p = subprocess.run(["sbatch", "--wait", "--parsable", "-n", "2", "-t", str(JOB_MINUTES),
+                        str(ROOT / "jobs" / "slurm" / "train.sbatch")], cwd=elsewhere, env=env, capture_output=True,
+                       text=True, timeout=SUBMIT_TIMEOUT)
+    job = p.stdout.strip().split(";")[0]
+    log = _read(elsewhere / f"dbs-mpi-train-{job}.out")
+    assert p.returncode == 2 and f"error: no dbs-mpi project in {elsewhere}" in log and "DBS_MPI_HOME" in log, log
+    p = subprocess.run(["sbatch", "--wait", "--parsable", "-n", "2", "-t", str(JOB_MINUTES),
+                        str(ROOT / "jobs" / "slurm" / "train.sbatch")], cwd=elsewhere,
+                       env={**env, "DBS_MPI_HOME": str(ROOT)}, capture_output=True, text=True, timeout=SUBMIT_TIMEOUT)
+    job = p.stdout.strip().split(";")[0]
+    assert p.returncode == 0, _read(elsewhere / f"dbs-mpi-train-{job}.out")
+    assert _read_status(tmp_path / f"train-{job}.h5") == "complete"

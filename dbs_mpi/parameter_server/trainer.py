@@ -121,13 +121,15 @@ class AsyncTrainer:
             mpi.barrier(pcomm, cfg.comm_timeout)
             stray = float(pcomm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG))
             closed = server.records.closed if server is not None else 0
-            flags = mpi.allgather_array(comm, [end or 0, closed, stray, self.stop.requested], cfg.comm_timeout)
+            signum = max(self.stop.requested, server.signal if server is not None else 0)
+            flags = mpi.allgather_array(comm, [end or 0, closed, stray, signum], cfg.comm_timeout)
             if flags[:, 2].any():
                 raise RuntimeError(f"parameter server protocol: unmatched message(s) on rank(s) "
                                    f"{np.flatnonzero(flags[:, 2]).tolist()}")
             end = int(flags[0, 0])
             if end != END_DONE and flags[:, 3].any():     # a signal that came after a worker's last push
                 end = END_STOP
+            signum = int(flags[:, 3].max())
             self._write_epochs(server, worker, int(flags[0, 1]))
             if end == END_DONE:
                 self._finish(server)
@@ -136,7 +138,7 @@ class AsyncTrainer:
                 pcomm.Free()
                 self.log(f"stop requested: checkpoint after {self.written} epoch(s) written to {self.path}; "
                          f"continue with: dbs-mpi train --resume {self.summary.path or '<result file>'}")
-                raise checkpoint.Stopped()
+                raise checkpoint.Stopped(signum)
             if end == END_DONE:
                 break
         pcomm.Free()

@@ -49,6 +49,7 @@ import pandas as pd
 from ..planning import allocation
 from ..planning.heterogeneity import Emulator
 from .config import ASYNC_STRATEGIES, LEGACY
+from ..training.results import read_run
 
 # Columns copied from `runs` into every other table, for grouping without a join.
 KEY_COLUMNS = ("strategy", "variant", "aggregation", "seed", "world_size", "experiment", "case")
@@ -129,30 +130,12 @@ def _attr(value):
     return value
 
 
-def open_readonly(path):
-    """h5py.File(path, "r") without HDF5's file lock, so that a file a running job holds
-    open for writing can be read; with the lock where this process has the file open
-    already (HDF5 insists that the flags match)."""
-    import h5py
-    try:
-        return h5py.File(path, "r", locking=False)
-    except OSError as exc:
-        if "locking" not in str(exc):
-            raise
-        return h5py.File(path, "r")
-
-
 def read_file(path) -> dict:
-    """One result file: {'attrs': {...}, 'config': {...}, 'data': {name: ndarray}}.
-    Datasets are read even while the run is still being written (status running)."""
-    out = {"attrs": {}, "data": {}, "config": {}}
-    with open_readonly(path) as f:
-        for key, value in f.attrs.items():
-            out["attrs"][key] = _attr(value)
-        f.visititems(lambda name, obj: out["data"].__setitem__(name, obj[()]) if hasattr(obj, "shape") else None)
-    if "config" in out["attrs"]:
-        out["config"] = json.loads(out["attrs"]["config"])
-    return out
+    """One result file: {'attrs': {...}, 'config': {...}, 'data': {name: ndarray}}, also
+    while the run is still being written (results.read_run)."""
+    run = read_run(path)
+    return {"attrs": {key: _attr(value) for key, value in run["attrs"].items()}, "data": run["data"],
+            "config": run.get("config", {})}
 
 
 def _speeds(value, world: int) -> tuple:

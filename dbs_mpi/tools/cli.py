@@ -261,8 +261,15 @@ def _close_alone(comm, args):
     return close_crashed(args.result, args.exit_status)
 
 
+def cmd_job(comm, argv) -> int:
+    from .job import main as job_main
+    if comm.Get_size() != 1:
+        raise UserError(f"job: run it as one process, not on {comm.Get_size()} ranks")
+    return job_main(argv)
+
+
 COMMANDS = {"train": cmd_train, "info": cmd_info, "bench": cmd_bench, "data": cmd_data, "simulate": cmd_simulate,
-            "close": cmd_close}
+            "close": cmd_close, "job": cmd_job}
 # The commands that compute with torch, whose threads are shared out before they run (and
 # whose import of torch the start-up watchdog bounds). train starts torch itself once its
 # input is checked; simulate (but its machine calibration), data and close are planning
@@ -276,7 +283,7 @@ def main(argv=None) -> int:
         print(f"dbs-mpi {__version__}")
         return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        usage = ("usage: dbs-mpi {train,info,bench,data,simulate,close} [options]   (dbs-mpi COMMAND --help for details; "
+        usage = ("usage: dbs-mpi {train,info,bench,data,simulate,close,job} [options]   (dbs-mpi COMMAND --help for details; "
                  "dbs-mpi --version)")
         if argv and argv[0] not in ("-h", "--help"):
             print(f"dbs-mpi: error: unknown command {argv[0]!r}; {usage}", file=sys.stderr)

@@ -7,7 +7,7 @@ Each run is `MPIEXEC -n RANKS dbs-mpi train <options> --out OUT/<name>.h5` (one 
 no launcher), its output in OUT/logs/<name>.log. The grid resumes: a run whose result
 file is `complete` is skipped; an `interrupted` one (or a crashed `running` one whose
 checkpoint exists) is continued with `--resume`; any other leftover is removed and run
-again. Every launch is bounded by the run's `timeout`: past it the job gets SIGTERM (it
+again. Every launch is bounded by the run's `timeout`: past it the job gets SIGUSR1 (it
 checkpoints and stops, status `interrupted`: the next invocation continues it), and
 SIGKILL if still there `KILL_GRACE` seconds later. A complete run's checkpoint is
 deleted and its file gets the root attributes grid_experiment, grid_case, grid_scale,
@@ -40,7 +40,7 @@ DEFAULT_GRID = "jobs/experiments.toml"
 DEFAULT_OUT = "results/grid"
 SCALES = ("small", "paper")
 RUNNER_KEYS = ("name", "seeds", "ranks", "timeout", "figures", "description", "vary")
-KILL_GRACE = 120.0           # seconds between SIGTERM (checkpoint and stop) and SIGKILL
+KILL_GRACE = 120.0           # seconds between SIGUSR1 (checkpoint and stop) and SIGKILL
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,7 @@ def is_tagged(path: Path) -> bool:
 
 def launch(cmd: list[str], log_path: Path, timeout: float, grace: float = KILL_GRACE) -> tuple[int, bool]:
     """Run cmd in its own process group, output appended to log_path. Returns
-    (exit status, timed out). Past `timeout` the launcher gets SIGTERM (mpirun forwards it:
+    (exit status, timed out). Past `timeout` the launcher gets SIGUSR1 (mpirun forwards it:
     the ranks checkpoint and stop), past `timeout + grace` the whole group gets SIGKILL."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a") as log:
@@ -246,7 +246,7 @@ def launch(cmd: list[str], log_path: Path, timeout: float, grace: float = KILL_G
         except subprocess.TimeoutExpired:
             pass
         with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGTERM)      # mpirun forwards it to every rank (or it is the one rank)
+            os.kill(proc.pid, signal.SIGUSR1)      # mpirun forwards it to every rank (or it is the one rank)
         try:
             proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
@@ -292,7 +292,7 @@ def run_grid(runs: list[Run], out, scale: str, mpiexec: str | None = None, data_
                 outcomes[run.name] = "skipped"
                 log(f"{prefix}: complete, skipped")
                 continue
-            resume = status in ("interrupted", "running") and ckpt.exists()
+            resume = status in ("interrupted", "cancelled", "running") and ckpt.exists()
             cmd = resume_command(run, path, mpiexec, data_dir) if resume else train_command(run, path, mpiexec,
                                                                                              data_dir)
             if dry_run:

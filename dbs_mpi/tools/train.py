@@ -15,6 +15,7 @@ few epochs and on SIGTERM/SIGUSR1 (checkpoint.py), resume, and the printed summa
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from ..training.results import Recorder, default_path
 from . import plugins
 from .config import ASYNC_STRATEGIES, Config, check_world
 from .data import load_dataset
+from .job import scheduler_job
 from .models import num_parameters
 
 
@@ -180,7 +182,8 @@ def result_attrs(cfg: Config, run: Run, threads: int, oversubscribed: bool, plac
                 model_class=f"{type(model).__module__}.{type(model).__qualname__}", loss=cfg.loss or "cross-entropy",
                 optimizer=cfg.optimizer, num_parameters=num_parameters(model), torch_threads=threads,
                 oversubscribed=oversubscribed, sleep_while_waiting=run.sleep_wait, rank_devices=run.devices,
-                device_names=run.device_names, rank_threads=run.threads)
+                device_names=run.device_names, rank_threads=run.threads,
+                **{k: v for k, v in scheduler_job(os.environ).items() if v})
 
 
 def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state: dict | None = None) -> RunSummary:
@@ -188,7 +191,8 @@ def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state:
 
     checkpoint_state (from checkpoint.load, on every rank) continues a stopped run:
     the result file `out` is continued, not rewritten. Raises SystemExit(EXIT_STOPPED)
-    on every rank after a stop request (SIGTERM/SIGUSR1) was checkpointed, and
+    on every rank after a stop request (SIGUSR1: interrupted, SIGTERM: cancelled) was
+    checkpointed, and
     comm.AgreedError on every rank for a mistake in the configuration or the plug-ins."""
     rank = comm.Get_rank()
     log = log or (lambda msg: print(msg, flush=True) if rank == 0 else None)
@@ -208,25 +212,30 @@ def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state:
     # Stop requests are honoured from here on: before the result file exists on rank 0,
     # every rank has its handlers (the file is created inside a collective).
     startup.phase("results", backstop=True)
-    with StopRequest(comm, cfg.comm_timeout) as stop:
-        run.stop = stop
-        records = checkpoint_state["records"] if checkpoint_state else None
-        position = (checkpoint_state["epoch"], checkpoint_state["step"]) if checkpoint_state else None
-        with Recorder(comm, out, config=cfg, attrs=result_attrs(cfg, run, threads, oversubscribed, places),
-                      resume=records, position=position, timeout=cfg.comm_timeout) as recorder:
-            run.recorder = recorder
-            if checkpoint_state is not None:
-                run.summary.epochs.extend(mpi.bcast_object(comm, recorder.writer.read_epochs() if rank == 0 else None,
-                                                           timeout=cfg.comm_timeout))
-                if resized(checkpoint_state, comm) and cfg.strategy not in ASYNC_STRATEGIES:
-                    recorder.append_steps(steps_before_resume([part["balancer"] for part in checkpoint_state[
-                        "per_rank"]], recorder.records["epochs"]))
-            Trainer = AsyncTrainer if cfg.strategy in ASYNC_STRATEGIES else SyncTrainer
-            try:
-                Trainer(run).train()
-            except Stopped:
-                raise SystemExit(EXIT_STOPPED) from None
+    try:
+        with StopRequest(comm, cfg.comm_timeout) as stop:
+            run.stop = stop
+            _record(run, comm, cfg, checkpoint_state, result_attrs(cfg, run, threads, oversubscribed, places), out)
+    except Stopped:                 # (the Recorder has marked the file interrupted or cancelled)
+        raise SystemExit(EXIT_STOPPED) from None
     return run.summary
+
+
+def _record(run, comm, cfg: Config, checkpoint_state, attrs: dict, out: str) -> None:
+    """The training inside the result file's Recorder (which marks how it ended)."""
+    records = checkpoint_state["records"] if checkpoint_state else None
+    position = (checkpoint_state["epoch"], checkpoint_state["step"]) if checkpoint_state else None
+    with Recorder(comm, out, config=cfg, attrs=attrs, resume=records, position=position,
+                  timeout=cfg.comm_timeout) as recorder:
+        run.recorder = recorder
+        if checkpoint_state is not None:
+            run.summary.epochs.extend(mpi.bcast_object(comm, recorder.writer.read_epochs() if comm.Get_rank() == 0
+                                                       else None, timeout=cfg.comm_timeout))
+            if resized(checkpoint_state, comm) and cfg.strategy not in ASYNC_STRATEGIES:
+                recorder.append_steps(steps_before_resume([part["balancer"] for part in checkpoint_state[
+                    "per_rank"]], recorder.records["epochs"]))
+        Trainer = AsyncTrainer if cfg.strategy in ASYNC_STRATEGIES else SyncTrainer
+        Trainer(run).train()
 
 
 def resized(state: dict, comm) -> bool:
@@ -290,7 +299,7 @@ class SyncTrainer:
             stopped = self.train_epoch(loader, optimizer, epoch)
             if stopped and balancer.step_pending:                 # stopped in the middle of the epoch
                 self.save(f"epoch {epoch + 1}, step {balancer.step}", stopped)
-                raise Stopped()
+                raise Stopped(stopped)
             stats = balancer.end_epoch()
             if len(set(run.device_names)) > 1:       # CPUs and GPUs round differently: re-align the replicas
                 drift = optimizer.resync()
@@ -300,7 +309,7 @@ class SyncTrainer:
                     or epoch + 1 == cfg.epochs:
                 self.save(f"after epoch {epoch + 1}", stopped)
             if stopped and epoch + 1 < cfg.epochs:
-                raise Stopped()
+                raise Stopped(stopped)
 
     def train_epoch(self, loader, optimizer, epoch: int) -> int:
         """One epoch's steps; returns the stop signal if all ranks agreed to stop after a step."""

@@ -11,10 +11,13 @@ Only this module reads and writes checkpoint files.
 Writing is atomic: a temporary file in the same folder, fsync, then rename, so a crash
 while writing leaves the previous checkpoint intact.
 
-Stop requests: SIGTERM and SIGUSR1 (what schedulers send before a time limit or a
-preemption; Slurm with `--signal=USR1@120`) set a flag. The ranks agree on it at every
-step boundary with a one-integer non-blocking allreduce that overlaps the step, so all
-ranks stop after the same step, write the checkpoint and exit with EXIT_STOPPED.
+Stop requests: SIGUSR1 (what a job script asks the scheduler to send before a time
+limit: Slurm's `--signal=B:USR1@120`) and SIGTERM (what `scancel`, `qdel` and a
+preemption send) set a flag. The ranks agree on it at every step boundary with a
+one-integer non-blocking allreduce that overlaps the step, so all ranks stop after the
+same step, write the checkpoint and exit with EXIT_STOPPED. The result file then says
+`interrupted` (SIGUSR1: to be continued) or `cancelled` (SIGTERM from any rank: a
+user's cancel; resumable by hand, never requeued by the job scripts).
 """
 from __future__ import annotations
 
@@ -37,7 +40,16 @@ PLAIN = (str, int, float, bool, bytes, type(None), torch.Tensor)
 
 
 class Stopped(Exception):
-    """Raised on every rank after a stop request was checkpointed (train() exits with EXIT_STOPPED)."""
+    """Raised on every rank after a stop request was checkpointed (train() exits with
+    EXIT_STOPPED); `signum` is the agreed signal (SIGTERM: cancelled)."""
+
+    def __init__(self, signum: int = 0):
+        super().__init__(signum)
+        self.signum = int(signum)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.signum == signal.SIGTERM
 
 
 def default_path(out) -> Path:

@@ -23,8 +23,10 @@ from ..options import UserError
 # Root attributes: name -> meaning.
 SCHEMA_ATTRIBUTES = {
     "status": "`running` while training, then `complete`, `failed` (an exception or a timeout; written by rank 0 "
-              "if it is alive) or `interrupted` (stopped on SIGTERM/SIGUSR1 with a checkpoint: resume with "
-              "`dbs-mpi train --resume FILE`). A `running` file whose job is gone is a crashed run; the job scripts "
+              "if it is alive), `interrupted` (stopped on SIGUSR1, a scheduler's warning before a time limit, with "
+              "a checkpoint: resume with `dbs-mpi train --resume FILE`; the job scripts requeue it) or `cancelled` "
+              "(stopped on SIGTERM, a user's `scancel`/`qdel` or a preemption, with a checkpoint: resumable by hand "
+              "the same way, never requeued by the job scripts). A `running` file whose job is gone is a crashed run; the job scripts "
               "mark it `failed` (`dbs-mpi close`) when the launch ends with every rank killed",
     "crashed": "set by `dbs-mpi close`: when and how the launch of a `running` run ended with no rank left to "
                "mark it `failed` (a lost node, SIGKILL)",
@@ -48,6 +50,10 @@ SCHEMA_ATTRIBUTES = {
     "world_size": "ranks",
     "num_parameters": "trainable values of the model",
     "hostnames": "host of every rank, rank order",
+    "job_id": "the batch job (SLURM_JOB_ID or PBS_JOBID) of the run's latest launch, where there was one",
+    "array_index": "its array task (SLURM_ARRAY_TASK_ID or PBS_ARRAYID), where there was one",
+    "run_id": "the run's identity across requeues (DBS_MPI_RUN_ID, set by the job scripts): a job continues "
+              "only the file with its own run ID (`dbs-mpi job plan`)",
     "rank_cores": "the cores every rank could run on (its affinity set, comma-separated), rank order",
     "versions": "JSON: python, torch, mpi4py, numpy, h5py, dbs_mpi, MPI library",
     "git_revision": "commit of the code that ran (`-dirty` if modified; `unknown` outside git)",
@@ -165,6 +171,7 @@ def schema_markdown() -> str:
 
 STATUS_RUNNING, STATUS_COMPLETE, STATUS_FAILED = "running", "complete", "failed"
 STATUS_INTERRUPTED = "interrupted"   # stopped on request with a checkpoint: `dbs-mpi train --resume FILE`
+STATUS_CANCELLED = "cancelled"       # stopped by a cancel (SIGTERM) with a checkpoint: resumable by hand
 
 
 def versions(mpi_library: str = "") -> dict:
@@ -496,6 +503,8 @@ class Recorder:
         from .checkpoint import EXIT_STOPPED, Stopped
         if kind is None:
             self.close(STATUS_COMPLETE)
+        elif issubclass(kind, Stopped) and value.cancelled:
+            self.close(STATUS_CANCELLED)
         elif issubclass(kind, Stopped) or (issubclass(kind, SystemExit) and value.code == EXIT_STOPPED):
             self.close(STATUS_INTERRUPTED)
         else:
@@ -538,17 +547,65 @@ def close_crashed(path, exit_status: int | None = None, timeout: float = 10.0) -
     return before, STATUS_FAILED
 
 
-def read_run(path) -> dict:
-    """A run's attributes and datasets as plain Python/numpy objects (for tests and analysis)."""
+def open_readonly(path):
+    """h5py.File(path, "r") without HDF5's file lock, so that a file a running job holds
+    open for writing can be read; with the lock where this process has the file open
+    already (HDF5 insists that the flags match)."""
     import h5py
+    try:
+        return h5py.File(path, "r", locking=False)
+    except OSError as exc:
+        if "locking" not in str(exc):
+            raise
+        return h5py.File(path, "r")
+
+
+READ_TRIES = 5          # a read that met the writer in the middle of a flush is tried again ...
+READ_PAUSE = 0.2        # ... after this many seconds
+
+
+def read_run(path, datasets: bool = True) -> dict:
+    """A run's attributes and datasets as plain Python/numpy objects, also while its job
+    writes it: opened without HDF5's lock, read again if it met the writer in the middle
+    of a flush, and a `running` file's tables cut to the rows every column has (the
+    writer appends a row column by column). datasets=False: the attributes only."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"no result file {path}")
+    for attempt in range(READ_TRIES):
+        try:
+            return _read_once(path, datasets)
+        except (OSError, KeyError, ValueError):
+            if attempt + 1 == READ_TRIES:
+                raise
+            time.sleep(READ_PAUSE)
+
+
+def _read_once(path, datasets: bool) -> dict:
     out = {"attrs": {}, "data": {}}
-    with h5py.File(path, "r") as f:
+    with open_readonly(path) as f:
         for key, value in f.attrs.items():
             out["attrs"][key] = value.decode() if isinstance(value, bytes) else value
-        f.visititems(lambda name, obj: out["data"].__setitem__(name, obj[()]) if hasattr(obj, "shape") else None)
+        if datasets:
+            f.visititems(lambda name, obj: out["data"].__setitem__(name, obj[()]) if hasattr(obj, "shape") else None)
     if "config" in out["attrs"]:
         out["config"] = json.loads(out["attrs"]["config"])
+    if out["attrs"].get("status") == STATUS_RUNNING:
+        _complete_rows(out["data"])
     return out
+
+
+def _complete_rows(data: dict) -> None:
+    """Cut every table (epoch/, step/, update/, replan/) of a live file to its complete rows
+    (the columns a run writes; one it never writes stays empty and does not count)."""
+    tables: dict[str, list] = {}
+    for name, value in data.items():
+        group, _, _ = name.partition("/")
+        if group in ("epoch", "step", "update", "replan") and getattr(value, "ndim", 0) >= 1 and len(value):
+            tables.setdefault(group, []).append(name)
+    for names in tables.values():
+        rows = min(len(data[name]) for name in names)
+        for name in names:
+            data[name] = data[name][:rows]
 
 
 if __name__ == "__main__":
