@@ -79,7 +79,7 @@ job_lost_nodes() {  # the job's nodes that no longer run a step (Slurm), one per
     [[ $SCHED == slurm && -n ${SLURM_JOB_NODELIST:-} ]] || return 0
     local node
     for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null); do
-        timeout 20 srun --overlap -N1 -n1 -w "$node" true >/dev/null 2>&1 || echo "$node"
+        timeout 20 srun --overlap --mem=0 -N1 -n1 -w "$node" true >/dev/null 2>&1 || echo "$node"
     done
 }
 

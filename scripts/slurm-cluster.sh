@@ -427,6 +427,26 @@ status() {
     return 3
 }
 
+# After `heal`: the controller may have marked NODE down (a job it could not end there)
+# or not responding; bring it back to service (RESUME, a reconfigure to ping it) and wait
+# until it is usable, at most HEAL_TIMEOUT seconds.
+HEAL_TIMEOUT=${DBS_MPI_SLURM_HEAL_TIMEOUT:-20}
+back_in_service() {
+    local node=$1 state end=$((SECONDS + HEAL_TIMEOUT)) pinged=0
+    while ((SECONDS < end)); do
+        state=$(timeout 10 sinfo -h -n "$node" -o '%t' 2>/dev/null || true)
+        case $state in
+            idle|alloc|mix|comp) log "$node $state"; return 0 ;;
+            down*|drain*|fail*) timeout 10 scontrol update NodeName="$node" State=RESUME 2>/dev/null || true ;;
+        esac
+        if [[ $state == *'*' ]] && ((SECONDS >= pinged)); then
+            timeout 10 scontrol reconfigure 2>/dev/null || true; pinged=$((SECONDS + 5))
+        fi
+        sleep 0.5
+    done
+    log "$node still '$state' after ${HEAL_TIMEOUT} s"
+}
+
 # cut NODE / heal NODE: detach NODE's veth from the bridge and attach it again. The node
 # keeps its link and addresses, so nothing on either side sees an error: packets are just
 # lost, as when a switch or a cable fails silently. kill NODE: SIGKILL to every process
@@ -437,7 +457,7 @@ node_op() {
     node_index "$node" >/dev/null
     case $op in
         cut) ip link set "$(veth "$node")" nomaster; log "$node cut off the network" ;;
-        heal) ip link set "$(veth "$node")" master "$BRIDGE"; log "$node back on the network" ;;
+        heal) ip link set "$(veth "$node")" master "$BRIDGE"; log "$node back on the network"; back_in_service "$node" ;;
         kill)
             pids=$(ip netns pids "$(netns "$node")" 2>/dev/null || true)
             # shellcheck disable=SC2086  # one argument per PID

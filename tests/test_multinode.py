@@ -145,6 +145,20 @@ def test_slurm_job_across_two_nodes(nodes, tmp_path):
     check_placement(tmp_path / f"train-{job}.h5", per_node=2)
 
 
+def test_any_node_shape_one_task_per_node(nodes, tmp_path):
+    """`sbatch -N 2 --ntasks-per-node=1` with jobs/main.toml's 4 speeds: the allocation
+    decides (2 ranks), the speeds are cycled to them."""
+    env = nodes.job_env(tmp_path, EXTRA_ARGS=TINY)
+    rc, job, out = sbatch_wait(nodes, env, "-N", "2", "--ntasks-per-node=1", "-o", f"{tmp_path}/%x-%j.out",
+                               "jobs/slurm/train.sbatch")
+    log = _read(tmp_path / f"dbs-mpi-train-{job}.out")
+    assert rc == 0, f"sbatch --wait exited {rc}: {out}\njob log:\n{log}"
+    main = _main_toml()
+    check_result(tmp_path / f"train-{job}.h5", log, strategy=main["strategy"], seed=main["seed"],
+                 speeds=main["speeds"][:2], world_size=2)
+    check_placement(tmp_path / f"train-{job}.h5", per_node=1)
+
+
 def test_pbs_job_across_two_nodes(nodes, tmp_path):
     env = nodes.job_env(tmp_path, EXTRA_ARGS=f"{TINY} --speeds 1,0.5,1,0.5")
     out = tmp_path / "train.out"
@@ -269,8 +283,12 @@ def test_a_node_cut_off_the_network_ends_the_job_and_the_run_resumes_on_the_othe
         nodes.script("cut", "node2")
         took, status = _time_to_end(log, time.monotonic())
     finally:
+        healed = time.monotonic()
         nodes.script("heal", "node2")
     print(f"node2 cut off: the job ended {took:.1f} s later (comm_timeout {COMM_TIMEOUT} s)")
+    # heal brings it back to service at once (its job may still hold it while its script ends)
+    assert nodes.node_state("node2") in ("idle", "alloc", "mix") and time.monotonic() - healed < 30, \
+        nodes.node_state("node2")
     assert status != 0, _read(log)
     assert took < COMM_TIMEOUT + LOST_NODE_SLACK, _read(log)
     assert "rank(s) [2, 3] did not arrive" in _read(log), _read(log)
@@ -299,15 +317,16 @@ def test_a_node_killed_ends_the_job(nodes, tmp_path):
     try:
         nodes.script("kill", "node2")
         took, status = _time_to_end(log, time.monotonic())
+        deadline = time.monotonic() + 60             # the script's `dbs-mpi close` after the launcher,
+        while "dbs-mpi close:" not in _read(log):    # once it has asked which nodes still answer
+            assert time.monotonic() < deadline, _read(log)
+            time.sleep(0.2)
     finally:
         nodes.script("start", timeout=300)          # node2's slurmd again (idempotent for the rest)
     print(f"node2 killed: the job ended {took:.1f} s later (comm_timeout {COMM_TIMEOUT} s)")
     assert status != 0, _read(log)
     assert took < COMM_TIMEOUT + LOST_NODE_SLACK, _read(log)
-    deadline = time.monotonic() + 60                 # the script's `dbs-mpi close` after the launcher
-    while "dbs-mpi close:" not in _read(log):
-        assert time.monotonic() < deadline, _read(log)
-        time.sleep(0.2)
+    assert "node(s) node2 did not respond: lost rank(s) [2, 3] of 4" in _read(log), _read(log)
     _check_failed_with_epochs(result, log)
     nodes.wait_idle("node2")
 
