@@ -34,7 +34,10 @@
 #    exit code with `scontrol show job ID` (kept for MinJobAge seconds after the end)
 #    or from log/jobcomp.log (one line per finished job, kept);
 #  - installing slurm-wlm-torque makes /usr/bin/mpirun Slurm's wrapper: the job
-#    scripts call the project's .venv/bin/mpirun by path.
+#    scripts call the project's .venv/bin/mpirun by path;
+#  - slurm-wlm-torque's qrerun fails (it calls Slurm's Perl API with the wrong
+#    arguments): the TaskProlog puts a qrerun of its own ($DIR/pbs-bin: scontrol requeue)
+#    first on the batch script's PATH.
 #
 # Several nodes (DBS_MPI_SLURM_NODES=N): nodes node1..nodeN. Each is a network namespace
 # (ip netns dbs<PORT>-node<i>) joined by a veth pair to a bridge dbs<PORT>br in this
@@ -179,6 +182,15 @@ Epilog=$DIR/epilog.sh
 $nodes_line
 PartitionName=debug Nodes=$(node_names | paste -sd,) Default=YES MaxTime=INFINITE State=UP
 EOF
+    mkdir -p "$DIR/pbs-bin"
+    cat > "$DIR/pbs-bin/qrerun" <<'EOF'
+#!/bin/bash
+# qrerun JOBID of the test cluster: Torque's N.host or N[i].host as Slurm's N or N_i, requeued.
+id=${1%%.*}
+[[ $id =~ ^([0-9]+)\[([0-9]+)\]$ ]] && id=${BASH_REMATCH[1]}_${BASH_REMATCH[2]}
+exec scontrol requeue "$id"
+EOF
+    chmod +x "$DIR/pbs-bin/qrerun"
     # A TaskProlog's "export NAME=VALUE" lines on stdout enter the task's environment.
     cat > "$DIR/pbs-taskprolog.sh" <<'EOF'
 #!/bin/bash
@@ -214,6 +226,7 @@ for ((n = 0; n < ${#nodes[@]}; n++)); do
     for ((k = 0; k < ${counts[n]:-1}; k++)); do echo "${nodes[n]}" >> "$nodefile"; done
 done
 echo "export PBS_ENVIRONMENT=PBS_BATCH"
+echo "export PATH=$(dirname "$0")/pbs-bin:${PATH:-/usr/bin:/bin}"
 # Torque names an array task JOBID[INDEX]; the node file is per Slurm job.
 if [[ -n ${SLURM_ARRAY_TASK_ID:-} ]]; then
     echo "export PBS_JOBID=${SLURM_ARRAY_JOB_ID}[${SLURM_ARRAY_TASK_ID}].localhost"
