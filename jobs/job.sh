@@ -69,7 +69,7 @@ job_run() {         # launch; a trapped signal is passed on to the launcher, whi
         "${RESUME[@]}" &
     launcher=$!
     trap 'WARNED=1; echo "dbs-mpi job ${JOB_ID}: the time limit is near; checkpointing to continue"; kill -USR1 "$launcher" 2>/dev/null' USR1
-    trap 'CANCELLED=1; echo "dbs-mpi job ${JOB_ID}: cancelled; checkpointing, not requeued"; kill -TERM "$launcher" 2>/dev/null' TERM
+    trap 'CANCELLED=1; echo "dbs-mpi job ${JOB_ID}: TERM (a cancel, a preemption or the scheduler'"'"'s requeue): checkpointing; this script does not requeue it"; kill -TERM "$launcher" 2>/dev/null' TERM
     wait "$launcher"; rc=$?
     while kill -0 "$launcher" 2>/dev/null; do wait "$launcher"; rc=$?; done   # wait returns early on a trapped signal
     echo "dbs-mpi job ${JOB_ID}: dbs-mpi train exited with status ${rc}"

@@ -546,7 +546,8 @@ def test_slurm_scancel_checkpoints_and_ends_the_job_for_good(cluster, tmp_path):
     time.sleep(3)                                    # (a requeue, if any, would show by now)
     state, text = _job_state(env, job)
     assert state in ("CANCELLED", None) and "Restarts=0" in (text or "Restarts=0"), text
-    assert "cancelled; checkpointing, not requeued" in _read(log) and "requeueing" not in _read(log)
+    assert "TERM (a cancel, a preemption or the scheduler's requeue): checkpointing; this script does not " \
+           "requeue it" in _read(log) and "requeueing" not in _read(log)
     result = tmp_path / f"train-{job}.h5"
     assert _read_status(result) == "cancelled" and Path(f"{result}.ckpt").exists()
 
@@ -655,3 +656,47 @@ def test_pbs_warning_before_the_walltime_reruns_the_job_and_resumes(cluster, tmp
     result = tmp_path / f"train-{job}.h5"
     assert "requeueing to continue" in text and f"resuming {result}" in text, text
     assert _read_status(result) == "complete"
+
+
+# --- dbs-mpi job, without a cluster -------------------------------------------------------
+
+def _result(path, status, run_id=None, job_id="7", checkpoint=True, hosts=("n1", "n1", "n2", "n2")):
+    from dbs_mpi.training.results import RunWriter
+    attrs = dict(hostnames=list(hosts), job_id=job_id, **({"run_id": run_id} if run_id else {}))
+    RunWriter(path, attrs, len(hosts)).close(status)
+    if checkpoint:
+        Path(f"{path}.ckpt").write_bytes(b"")
+    return path
+
+
+def test_a_job_plans_a_new_file_or_continues_only_its_own_run(tmp_path):
+    from dbs_mpi.tools.job import plan
+    base = str(tmp_path / "train-7")
+    assert (plan(base, "r1", False).action, plan(base, "r1", False).out.name) == ("new", "train-7.h5")
+    _result(tmp_path / "train-7.h5", "complete", "old")               # another run (a reused job ID)
+    first = plan(base, "r1", False)
+    assert (first.action, first.out.name) == ("new", "train-7.2.h5") and "belongs to another run" in first.note
+    assert plan(base, "r1", True).action == "new"                      # requeued, but no file of r1: start
+    _result(tmp_path / "train-7.2.h5", "interrupted", "r1")
+    again = plan(base, "r1", True)
+    assert (again.action, again.out.name) == ("resume", "train-7.2.h5")
+    assert plan(base, "r1", False).out.name == "train-7.3.h5"          # a first start never resumes
+    _result(tmp_path / "train-7.3.h5", "complete", "r2")
+    assert plan(base, "r2", True).action == "done"
+    _result(tmp_path / "train-7.4.h5", "failed", "r3", checkpoint=False)   # its own, but nothing to resume
+    assert plan(base, "r3", True).out.name == "train-7.5.h5"
+    given = plan(base, "r9", False, out=str(tmp_path / "train-7.h5"))  # OUT= on purpose
+    assert given.action == "done"
+    assert plan(base, "r9", False, out=str(tmp_path / "train-7.2.h5")).action == "resume"
+
+
+def test_speeds_are_cycled_to_the_jobs_ranks_and_lost_nodes_named(tmp_path):
+    from dbs_mpi.tools.job import cycled_speeds, lost_ranks
+    main = str(ROOT / "jobs" / "main.toml")
+    assert cycled_speeds(main, 2, "") == "1.0,0.5"
+    assert cycled_speeds(main, 6, "--epochs 2") == "1.0,0.5,0.25,0.25,1.0,0.5"
+    assert cycled_speeds(main, 4, "") == "" and cycled_speeds(main, 2, "--speeds 1,1") == "" and \
+        cycled_speeds("", 2, "") == ""
+    path = _result(tmp_path / "lost.h5", "running")
+    assert lost_ranks(str(path), ["n2"]).endswith("lost rank(s) [2, 3] of 4 (" + str(path) + ")")
+    assert "no rank" in lost_ranks(str(path), ["n3"])

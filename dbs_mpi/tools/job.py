@@ -87,8 +87,8 @@ def plan(base: str, run_id: str, restart: bool, out: str = "") -> Plan:
             if plan_.action != "new":
                 return plan_
         if not taken:
-            taken = [path, f"job {attrs.get('job_id') or '?'}, run {attrs.get('run_id') or '?'}, "
-                           f"status {attrs.get('status', '?')}"]
+            who = f"job {attrs['job_id']}, run {attrs.get('run_id') or '?'}" if attrs.get("job_id") else "not a job's"
+            taken = [path, f"{who}, status {attrs.get('status', '?')}"]
     raise UserError(f"job: every result name {base}.h5 .. {base}.999.h5 is taken; set OUT or RESULTS_DIR")
 
 
