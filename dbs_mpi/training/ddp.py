@@ -204,7 +204,8 @@ class SampleWeightedState:
         if not module.require_backward_grad_sync:
             raise RuntimeError("sample_weighted: gradient accumulation under DDP's no_sync() is not supported (the "
                                "accumulated gradient is a sum of per-micro-batch means, which no sample weighting can "
-                               "undo): feed the whole local batch in one forward per backward")
+                               "undo): feed the whole local batch in one forward per backward, or accumulate with "
+                               "dbs_mpi.DistributedOptimizer.micro_batches (docs/api.md, \"Gradient accumulation\")")
         seen = batch_length(args, kwargs)
         if self.balancer is not None:
             self._arm_from_balancer(seen)
