@@ -24,13 +24,13 @@ FIGURES = [
     ("utilisation", "Per-rank utilisation", "strategies.ipynb", False),
     ("dbs-vectors", "The batch vectors of the strategy runs", "strategies.ipynb", False),
     ("aggregation", "Weighted against mean aggregation", "aggregation.ipynb", True),
-    ("speedup", "Measured against ideal speed-up", "speedup.ipynb", True),
+    ("speedup", "Measured against ideal speed-up", "speedup.ipynb", False),
     ("async-loss", "dbs-sgd against asgd and 1-softsync: loss over time", "async.ipynb", False),
-    ("async-staleness", "Staleness distributions", "async.ipynb", True),
+    ("async-staleness", "Staleness distributions", "async.ipynb", False),
     ("dbs-sgd-study", "dbs-sgd against asgd and 1-softsync: 7 workers, 3 learning rates, 3 seeds", "async.ipynb",
-     True),
+     False),
     ("simulation", "Projected speed-up and communication share, 8 to 4,096 ranks (simulated)", "simulation.ipynb",
-     True),
+     False),
 ]
 
 

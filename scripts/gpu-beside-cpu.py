@@ -1,4 +1,4 @@
-"""Why a GPU rank computes slower beside CPU ranks (README, "GPU figures"): its training
+"""Why a GPU rank computes slower beside CPU ranks (docs/performance.md, "GPU figures"): its training
 step alone and beside CPU processes that train as a mixed job's CPU ranks do.
 
 The GPU process runs a plain PyTorch loop (LeNet-5 or ResNet-20, CUDA events around each

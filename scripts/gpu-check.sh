@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of a GPU node in one bounded run: the CUDA tests at 1 and 2 ranks, then
-# the GPU figures (README, Benchmarks, "GPU figures"), every step under its own time limit, the whole run
+# the GPU figures (docs/performance.md, "GPU figures"), every step under its own time limit, the whole run
 # under BUDGET seconds (a step that would start with less than 20 s left is skipped).
 #
 #   scripts/gpu-check.sh [OUTDIR]          # default results/gpu; the log: OUTDIR/gpu-check.log

@@ -133,3 +133,13 @@ def test_every_dataset_and_attribute_a_run_writes_is_in_the_schema(tmp_path, str
         assert set(datasets) - set(SCHEMA_DATASETS) == set(), "datasets missing from the schema"
         for name in datasets:
             assert f[name].attrs["unit"] == SCHEMA_DATASETS[name][1] and f[name].attrs["description"], name
+
+
+def test_the_readme_stays_a_front_door():
+    """About 250 lines: what it is, the commands, your own script, the command line, a
+    cluster, results and figures, where each idea lives, tests; the rest lives in docs/."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 260, f"README.md has {len(lines)} lines; move detail to a page of docs/"
+    for page in ("docs/reliability.md", "docs/performance.md", "docs/testing.md"):
+        text = (ROOT / page).read_text()
+        assert "](../README.md)" in text.split("\n\n")[1], f"{page} does not say what it is for and link back"

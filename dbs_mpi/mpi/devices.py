@@ -22,7 +22,7 @@ CPU ranks of a node share the node's other cores:
     threads(CPU rank) = (cores of the node - GPU ranks on the node) // CPU ranks on the node
 
 A core of its own. Sharing cores with busy CPU ranks slows that host thread, and with it
-the GPU (measured on an H100 node, README "GPU figures"). On a node that mixes GPU and
+the GPU (measured on an H100 node, docs/performance.md, "GPU figures"). On a node that mixes GPU and
 CPU ranks which the launcher left unbound (every rank of the node may run on the same
 cores), `select` keeps the CPU ranks' threads off one core per GPU rank (with its SMT
 siblings; `core_plan`), so the GPU ranks' host threads find a core nobody computes on.

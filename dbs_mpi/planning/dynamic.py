@@ -551,7 +551,7 @@ class DBSController:
     """Dynamic batch size once per epoch: re-plans the vector after every epoch from that
     epoch's measured compute time.
 
-    Rule (documented in the README):
+    Rule (docs/method.md, section 11):
       1. For every rank, ratio = measured compute time / time the model predicted
          for the local batches the rank actually ran.
       2. If |ratio - 1| >= follow (default 25%), the speed really changed: the
