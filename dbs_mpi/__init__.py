@@ -54,8 +54,6 @@ checks that):
     analysis.py       result files -> pandas tables
     simulator.py, machine.py  the cluster simulator and its measured machine constants
 """
-import sys as _sys
-
 from .about import __version__  # noqa: F401 (first: it reads the cores before torch loads)
 
 # The public API, imported on first use (so that `import dbs_mpi.tools.config` stays light and
@@ -66,7 +64,7 @@ _API = {
     "HeteroSampler": "planning.sharding",
     "DistributedOptimizer": "training.optimizer", "clip_grad_norm_": "training.optimizer",
     "SyncBatchNorm": "training.sync_batchnorm", "convert_sync_batchnorm": "training.sync_batchnorm",
-    "Recorder": "training.results",
+    "Recorder": "training.results", "read_run": "training.results",
     "evaluate": "training.evaluation",
     "StopRequest": "training.checkpoint", "Stopped": "training.checkpoint", "EXIT_STOPPED": "training.checkpoint",
     "Emulator": "planning.heterogeneity",
@@ -89,42 +87,3 @@ def __getattr__(name):
         import importlib
         return getattr(importlib.import_module(f".{_API[name]}", __name__), name)
     raise AttributeError(f"module 'dbs_mpi' has no attribute {name!r}")
-
-
-# Where the modules were before the layers (0.2.0): `import dbs_mpi.comm` and
-# `from dbs_mpi.results import read_run` still work and give the module itself, not a
-# copy, so that scripts and notebooks written against the flat layout keep running.
-_MOVED = {old: f"{layer}.{old}" for layer, olds in {
-    "planning": ("allocation", "dynamic", "sharding", "heterogeneity"),
-    "mpi": ("startup", "comm", "devices", "transport", "process_group"),
-    "training": ("profiling", "balancer", "exchange", "optimizer", "sync_batchnorm", "ddp", "evaluation",
-                 "checkpoint", "results"),
-    "tools": ("config", "cli", "train", "plugins", "data", "models", "bench", "bench_tracking", "experiments",
-              "analysis", "simulator", "machine"),
-}.items() for old in olds}
-
-
-class _MovedModules:
-    """An import hook that answers `dbs_mpi.<old name>` with the module at its new place."""
-
-    @staticmethod
-    def find_spec(fullname, path=None, target=None):
-        package, _, old = fullname.rpartition(".")
-        if package != __name__ or old not in _MOVED:
-            return None
-        import importlib.util
-        return importlib.util.spec_from_loader(fullname, _MovedModules)
-
-    @staticmethod
-    def create_module(spec):
-        return None
-
-    @staticmethod
-    def exec_module(module):
-        import importlib
-        moved = _MOVED[module.__name__.rpartition(".")[2]]
-        # The import system hands back whatever sys.modules holds under the name.
-        _sys.modules[module.__name__] = importlib.import_module(f"{__name__}.{moved}")
-
-
-_sys.meta_path.insert(0, _MovedModules)         # before any finder that could find a stale file
