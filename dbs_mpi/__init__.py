@@ -24,7 +24,7 @@ checks that):
   options.py        UserError, and the choices the lower layers check themselves
   planning/         pure planning, no MPI: what a rank should do, from numbers
     allocation.py     batch-size vectors from measured speed
-    dynamic.py        dynamic batch size: step-time estimate, within-epoch planner, per-epoch rule
+    dynamic/          dynamic batch size: estimate.py, within_epoch.py (the planner), per_epoch.py
     sharding.py       uneven shards with equal step counts; HeteroSampler; allocation invariance
     heterogeneity.py  emulated speeds and disturbances
   mpi/              the ranks and the machine: nothing here knows about training

@@ -1,4 +1,4 @@
-"""The within-epoch DBS rule (dynamic.py): pure code, no MPI.
+"""The within-epoch DBS rule (planning/dynamic/): pure code, no MPI.
 
 The estimator on known sequences (an outlier step, a persistent 4x change and its end,
 steady noise, a fit over two local batches), and the planner in a closed loop that
@@ -8,7 +8,7 @@ s + 1, in force from step s + 2 (no prefetching).
 import numpy as np
 import pytest
 
-from dbs_mpi.options import parse_interval
+from dbs_mpi.options import UserError, parse_interval
 from dbs_mpi.planning import dynamic
 from dbs_mpi.planning.allocation import SpeedModel
 from dbs_mpi.planning.dynamic import RECENT, StepPlanner, StepTimeEstimator
@@ -107,7 +107,7 @@ def test_estimator_state_round_trips():
     est = StepTimeEstimator(model_of([1e-4, 2e-4], [1e-3, 0.0]), window=8)
     steps_at(est, [10, 20], [2e-3, 4e-3], 5)
     copy = StepTimeEstimator.from_state(est.state_dict())
-    assert np.array_equal(copy.batches, est.batches, equal_nan=True) and copy.next == est.next
+    assert np.array_equal(copy.batches, est.batches, equal_nan=True) and copy.next_row == est.next_row
     assert copy.moved() == est.moved()
     np.testing.assert_array_equal(copy.update(), est.update())
     np.testing.assert_allclose(copy.model.per_sample, est.model.per_sample)
@@ -260,7 +260,7 @@ def test_interval_parses(text, steps):
 
 @pytest.mark.parametrize("bad", ["0", "-3", "1.5", "every", 0, True, 2.0])
 def test_a_bad_interval_is_one_line(bad):
-    with pytest.raises(dynamic.UserError, match="dbs_interval"):
+    with pytest.raises(UserError, match="dbs_interval"):
         parse_interval(bad)
 
 

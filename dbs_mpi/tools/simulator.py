@@ -6,7 +6,7 @@
     mpirun -n 2 dbs-mpi simulate calibrate --out results/machine/NAME.json   # machine.py
 
 A discrete-event model of a run, step by step, built from the engine's own parts: the
-allocation and the DBS controller (allocation.py, dynamic.py), the epoch's table of
+allocation and the DBS controller (allocation.py, dynamic/), the epoch's table of
 local batches (sharding.step_batch_sizes), the calibration's batches and fit
 (allocation.py), the emulator's slow-downs and random sleeps (heterogeneity.Emulator),
 and for the parameter server its Cursor and group rule (sharding.py). None of them

@@ -7,7 +7,7 @@ for a policy:
   static  local batches from the start-up calibration, fixed for the run
           (performance-aware batch sizes, static load balancing)
   dbs     the same start, then re-planned from measured step times (dynamic batch
-          size, dynamic.py): every `interval` steps (default 1) from a robust estimate of
+          size, planning/dynamic/): every `interval` steps (default 1) from a robust estimate of
           every rank's step time, the new vector applying within the epoch; or, with
           interval="epoch", after every epoch from that epoch's compute time (the DBS
           paper's rule, dynamic.DBSController)
@@ -468,7 +468,7 @@ class Balancer(BatchPolicy):
     paper's rule) for the start-up fit and the per-epoch rule. interval: dbs re-plans
     every `interval` steps (default 1), or "epoch" (the DBS paper's rule); window: steps
     of history the within-epoch estimator keeps per rank. smoothing, follow, min_gain:
-    the controllers' damping (dynamic.py). speeds: emulated relative speeds, one per rank
+    the controllers' damping (planning/dynamic/). speeds: emulated relative speeds, one per rank
     (or an `emulator`, for disturbances too). timeout: seconds any collective may wait.
     The vector's half (calibration, re-planning, emulation) is BatchPolicy; this class
     keeps the epochs: their tables, their steps and times, and the run's position."""

@@ -574,7 +574,7 @@ def read_run(path, datasets: bool = True) -> dict:
     for attempt in range(READ_TRIES):
         try:
             return _read_once(path, datasets)
-        except (OSError, KeyError, ValueError):
+        except (OSError, KeyError, ValueError, RuntimeError):     # h5py's errors of a file read mid-flush
             if attempt + 1 == READ_TRIES:
                 raise
             time.sleep(READ_PAUSE)

@@ -1,0 +1,26 @@
+"""Dynamic batch size: re-planning the batch vector from measured step times.
+
+Pure code, no MPI: the balancer (balancer.py) feeds it every rank's measured step times
+and carries its decisions to all ranks; the simulator (simulator.py) drives the same
+classes with simulated times. Two rules:
+
+* `DBSController`, once per epoch (`interval = "epoch"`, the DBS paper's granularity):
+  the epoch's total compute time per rank against what the model predicted.
+* `StepPlanner`, every `interval` steps (the default): a robust estimate of every rank's
+  step time over a sliding window of the steps actually run (`StepTimeEstimator`), so
+  that a real change of speed is followed within a few steps, while noise, a single
+  slow step and a tiny local batch's fixed cost do not move the vector.
+
+Both model rank i's step time as t_i(b) = a_i + c_i b (allocation.SpeedModel) and
+allocate with allocation.allocate; docs/method.md, section 5, has the formulas.
+
+One idea per file: the step-time estimate (`estimate.py`), the within-epoch planner
+and the protocol that carries it to every rank (`within_epoch.py`), the per-epoch rule
+(`per_epoch.py`).
+"""
+from .estimate import (CHANGE_Z, FIXED_MAX, MAD_SIGMA, MEDIAN_SE, NOISE_FLOOR, OUTLIER, RECENT, REFIT,  # noqa: F401
+                       REFIT_STEADY, SIGMA_WEIGHT, SPREAD, TINY_SHARE, WINDOW, StepTimeEstimator,
+                       least_squares_line, robust_fit)
+from .per_epoch import DBSController  # noqa: F401
+from .within_epoch import (DEFAULT_INTERVAL, GAIN_Z, Proposal, Replanner, StepPlanner, Switch,  # noqa: F401
+                           best_step_time, switch_step)

@@ -1,0 +1,290 @@
+"""The within-epoch rule: every `interval` steps, a new vector when the estimate says it
+pays, announced with a step's exchange and applied from a step nobody has handed out.
+
+The planner proposes a new vector when a re-allocation from the updated models lowers
+the predicted step time max_i t_i(b_i) by at least `min_gain`, and, where no rank's speed
+changed, by GAIN_Z standard errors of the estimate too (a dead band: noise never walks
+the vector). A rank whose step time at its current local batch is mostly fixed cost
+(per-sample share below TINY_SHARE) may at most double its batch (or grow by B/2n) in
+one move: its measurement says little about its per-sample cost, so a large jump would
+be a guess (the overshoot of a rank cut to a few samples); the rest of the move follows
+once RECENT steps have run at the new batch. After any move the planner waits until
+RECENT steps have run with the new vector.
+
+
+How fast: a persistent change is in the level after ceil(RECENT / 2) = 3 steps, the
+planner proposes at the next planning step (every `interval` steps), the proposal
+reaches every rank with the next step's exchange, and the new vector applies from the
+first step whose samples no rank has handed out yet (`switch_step`). With interval 1
+and no prefetching the vector changes 4 steps after the change of speed began (the
+5th step is the first under the new vector); a DataLoader prefetching P batches per
+rank adds P.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..allocation import SpeedModel
+from .estimate import RECENT, REFIT, REFIT_STEADY, TINY_SHARE, WINDOW, StepTimeEstimator
+
+
+DEFAULT_INTERVAL = 1  # steps between re-plans (chosen by measurement: docs/method.md, section 5)
+
+
+GAIN_Z = 3.0          # a new vector must gain at least this many standard errors of the estimate
+
+
+def best_step_time(model: SpeedModel, global_batch: int) -> float:
+    """A lower bound of the step time any vector can reach: the continuous optimum with
+    no bounds, sum_i (t - a_i) / c_i = B."""
+    inverse = 1.0 / np.asarray(model.per_sample, float)
+    return float((global_batch + np.sum(np.asarray(model.overhead, float) * inverse)) / np.sum(inverse))
+
+
+def switch_step(next_step: int, horizons) -> int:
+    """The first step of the epoch from which a vector announced now may apply: not before
+    the next step, and not before any rank's sampler has finished handing out the steps it
+    already gave away (horizons: steps of the epoch handed out, per rank)."""
+    return max(int(next_step), int(np.max(horizons)) if len(horizons) else 0)
+
+
+@dataclass
+class Proposal:
+    """A new vector and the estimate that caused it."""
+    vector: np.ndarray              # (R,) int
+    per_sample: np.ndarray          # (R,) seconds per sample of the estimate
+    overhead: np.ndarray            # (R,) seconds per step of the estimate
+    predicted_before: float         # seconds: predicted step time (slowest rank) of the current vector
+    predicted_after: float          # ... of the new one
+    changed: np.ndarray             # (R,) bool: ranks whose speed changed (rather than drifted)
+
+
+class StepPlanner:
+    """The within-epoch DBS rule: observe() every step, plan() proposes a new vector (or
+    None) at most every `interval` steps, scheduled() says from which step a proposal
+    applies. Steps are counted over the whole run."""
+
+    def __init__(self, model: SpeedModel, global_batch: int, min_local: int = 1, max_local: int | None = None, *,
+                 interval: int = DEFAULT_INTERVAL, window: int = WINDOW, follow: float = 0.25,
+                 min_gain: float = 0.03):
+        self.estimator = StepTimeEstimator(model, window, RECENT, follow)
+        self.global_batch, self.min_local, self.max_local = int(global_batch), int(min_local), max_local
+        self.interval, self.min_gain = int(interval), float(min_gain)
+        self.step = 0                   # steps observed
+        self.capped = False             # the last move stopped short at a tiny batch's growth limit
+        self.since_plan = 0             # steps observed since the last planning
+        self.since_refit = 0            # steps observed since the window was last re-estimated
+        self.hold_until = 2 * RECENT    # no planning before this step (the first steps; a move under way)
+        self.settle_until = window      # re-estimate every REFIT steps before this step, then every REFIT_STEADY
+
+    @property
+    def model(self) -> SpeedModel:
+        return self.estimator.model
+
+    def observe(self, batches, seconds) -> None:
+        self.estimator.observe(batches, seconds)
+        self.step += 1
+        self.since_plan += 1
+        self.since_refit += 1
+
+    def plan(self, current) -> Proposal | None:
+        """A better vector than `current` (the vector of the steps to come), or None. Every
+        `interval` steps the ranks' recent levels are checked (cheap); the whole window is
+        re-estimated when one moved, or at least every REFIT steps (drift)."""
+        if self.step < self.hold_until or self.since_plan < self.interval:
+            return None
+        self.since_plan = 0
+        refit = REFIT if self.step < self.settle_until else REFIT_STEADY
+        if self.since_refit < refit and not self.estimator.moved() and not self.capped:
+            return None
+        self.since_refit = 0
+        changed = self.estimator.update()
+        model = self.estimator.model
+        current = np.asarray(current, dtype=np.int64)
+        before = float(model.predict(current).max())
+        gain = self.min_gain
+        if not changed.any() and not self.capped:    # drift: a move must also beat the estimate's own noise
+            gain = max(gain, -math.expm1(-GAIN_Z * float(self.estimator.uncertainty().max())))
+        self.capped = False
+        if best_step_time(model, self.global_batch) >= before * (1.0 - gain):
+            return None                                    # no vector can pass the dead band
+        limit = self._growth_limit(current, model)
+        candidate = model.allocate(self.global_batch, self.min_local, limit)
+        after = float(model.predict(candidate).max())
+        if after > before * (1.0 - gain) or np.array_equal(candidate, current):
+            return None
+        # a move that a tiny batch's limit held back goes on after the next RECENT steps
+        self.capped = limit is not self.max_local and not np.array_equal(
+            candidate, model.allocate(self.global_batch, self.min_local, self.max_local))
+        self.hold_until = self.step + 1                    # until the announcement says when it applies
+        return Proposal(candidate, model.per_sample.copy(), model.overhead.copy(), before, after, changed)
+
+    def _growth_limit(self, current: np.ndarray, model: SpeedModel):
+        """Per-rank upper bounds: a rank at a tiny batch (mostly fixed cost) at most doubles
+        (or grows by B/2n, if that is more); the others are bounded by max_local only."""
+        per_sample = model.per_sample * current
+        share = per_sample / np.maximum(model.overhead + per_sample, 1e-300)
+        bound = np.inf if not self.max_local else float(self.max_local)
+        lift = math.ceil(self.global_batch / (2 * len(current)))
+        limit = np.minimum(np.where(share < TINY_SHARE, np.maximum(2 * current, current + lift), np.inf), bound)
+        return limit if limit.sum() >= self.global_batch else self.max_local
+
+    def scheduled(self, run_step: int) -> None:
+        """A new vector applies from step `run_step` (counted over the run): plan again once RECENT
+        steps have run with it, re-estimating often while the window fills with them."""
+        self.hold_until = int(run_step) + RECENT
+        self.settle_until = int(run_step) + self.estimator.window
+
+    def state_dict(self) -> dict:
+        return {"estimator": self.estimator.state_dict(), "global_batch": self.global_batch,
+                "min_local": self.min_local, "max_local": self.max_local and int(self.max_local),
+                "interval": self.interval, "min_gain": self.min_gain, "step": self.step, "capped": self.capped,
+                "since_plan": self.since_plan, "since_refit": self.since_refit, "hold_until": self.hold_until,
+                "settle_until": self.settle_until}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "StepPlanner":
+        self = cls.__new__(cls)
+        self.estimator = StepTimeEstimator.from_state(state["estimator"])
+        self.global_batch, self.min_local = int(state["global_batch"]), int(state["min_local"])
+        self.max_local = state["max_local"] and int(state["max_local"])
+        self.interval, self.min_gain = int(state["interval"]), float(state["min_gain"])
+        self.step, self.since_plan, self.since_refit, self.hold_until, self.settle_until = (
+            int(state[k]) for k in ("step", "since_plan", "since_refit", "hold_until", "settle_until"))
+        self.capped = bool(state["capped"])
+        return self
+
+
+@dataclass
+class Switch:
+    """A new vector for the steps from `first_step` of the open epoch on, and what caused it."""
+    vector: np.ndarray              # (R,) int
+    first_step: int                 # step of the epoch from which it applies (may be past its end)
+    proposal: Proposal | None       # this rank's estimate behind it (None: forced, or planned elsewhere)
+
+
+class Replanner:
+    """The within-epoch rule as every rank runs it, without MPI: every step each rank sends
+    `outgoing()` (its slots, zeros elsewhere), the ranks' arrays are summed (the balancer
+    puts them into the gradient allreduce's buffer), and `incoming()` reads the sum:
+
+        [0, R)      every rank's pre-collective compute seconds of the step
+        [R, 2R)     every rank's steps of the epoch handed out by its sampler
+        [2R, 3R)    rank 0's proposal, announced (zeros: none)
+        3R          1 from every rank: the sum is R, or the array is not the sum over all ranks
+
+
+    Every rank then holds the same times and runs the same planner on them; the vector
+    that counts is rank 0's, so that floating-point differences between ranks (other CPUs,
+    other libraries) can never split them. A proposal made after step s is announced with
+    step s + 1 and applies from switch_step(): the first step whose samples no rank has
+    handed out yet, so a DataLoader that prefetched batches never mixes two vectors in
+    one step. Values are float32: exact for vectors and step counts below 2**24."""
+
+    def __init__(self, rank: int, world_size: int, global_batch: int, min_local: int = 1, max_local=None, *,
+                 model: SpeedModel | None = None, interval: int = DEFAULT_INTERVAL, window: int = WINDOW,
+                 follow: float = 0.25, min_gain: float = 0.03):
+        self.rank, self.world_size, self.global_batch = int(rank), int(world_size), int(global_batch)
+        self.settings = dict(min_local=int(min_local), max_local=max_local and int(max_local), interval=int(interval),
+                             window=int(window), follow=float(follow), min_gain=float(min_gain))
+        self.planner = None if model is None else self._planner(model)
+        self.announce: np.ndarray | None = None     # rank 0: the vector to announce with the next step
+        self.proposal: Proposal | None = None       # the last proposal of this rank's planner
+        self._out = np.zeros(self.size, dtype=np.float32)
+        self._out[-1] = 1.0                         # every rank's count: the sum is the world size
+        self._announced = False
+
+    def _planner(self, model: SpeedModel) -> StepPlanner:
+        s = self.settings
+        return StepPlanner(model, self.global_batch, s["min_local"], s["max_local"], interval=s["interval"],
+                           window=s["window"], follow=s["follow"], min_gain=s["min_gain"])
+
+    def start_from(self, model: SpeedModel) -> None:
+        """Begin from a calibrated model (else the first step's measurement is the start)."""
+        self.planner = self._planner(model)
+
+    @property
+    def size(self) -> int:
+        return 3 * self.world_size + 1
+
+    def propose(self, vector) -> None:
+        """Ask for `vector` (rank 0's request is the one all ranks follow)."""
+        vector = np.asarray(vector, dtype=np.int64)
+        if vector.shape != (self.world_size,) or vector.sum() != self.global_batch or vector.min() < 0:
+            raise ValueError(f"propose: {vector.tolist()} is not {self.world_size} local batches summing to the "
+                             f"global batch {self.global_batch}")
+        self.proposal = None
+        if self.rank == 0:
+            self.announce = vector.copy()
+
+    def outgoing(self, seconds: float, handed: int) -> np.ndarray:
+        """This rank's slots of the step's sum (one array, reused: the others stay zero)."""
+        out, n = self._out, self.world_size
+        out[self.rank] = seconds
+        out[n + self.rank] = handed
+        if self.announce is not None:
+            out[2 * n:3 * n] = self.announce
+            self.announce = None
+            self._announced = True
+        elif self._announced:                      # last step's proposal went out: zeros again
+            out[2 * n:3 * n] = 0.0
+            self._announced = False
+        return out
+
+    def incoming(self, summed, row, current, next_step: int, run_step: int) -> Switch | None:
+        """The step's sum arrived. row: the step's local batches; current: the vector of the
+        steps to come; next_step: the epoch's next step; run_step: steps of the run done.
+        Returns the switch announced with this step (None if none), then observes the step
+        and plans."""
+        summed = summed.tolist() if hasattr(summed, "tolist") else list(summed)   # plain numbers: cheap to read
+        n = self.world_size
+        seconds, handed, announced = summed[:n], summed[n:2 * n], summed[2 * n:3 * n]
+        if len(summed) != self.size or summed[-1] != n:
+            raise RuntimeError(
+                f"rank {self.rank}: the step's telemetry counts {summed[-1] if summed else 0:g} of the {n} ranks: "
+                f"record_step(telemetry=...) takes the sum over all ranks of balancer.telemetry() that the step's "
+                f"exchange carried, not this rank's own array")
+        switch = None
+        if any(announced):
+            vector = np.rint(announced).astype(np.int64)
+            if vector.sum() != self.global_batch or vector.min() < 0:
+                raise RuntimeError(f"the announced batch vector {vector.tolist()} does not sum to the global batch "
+                                   f"{self.global_batch}: the step's exchange was corrupted")
+            first = switch_step(next_step, handed)
+            switch = Switch(vector, first, self.proposal)
+            self.proposal = None
+            if self.planner is not None:
+                self.planner.scheduled(run_step + first - next_step)
+        if self.planner is None:                    # not calibrated: start from the first step's measurement
+            self.planner = self._planner(SpeedModel.measured(row, np.asarray(seconds)))
+        self.planner.observe(row, seconds)
+        proposal = self.planner.plan(switch.vector if switch is not None else current)
+        if proposal is not None:
+            self.proposal = proposal
+            if self.rank == 0:
+                self.announce = proposal.vector.copy()
+        return switch
+
+    def state_dict(self) -> dict:
+        proposal = None if self.proposal is None else {
+            "vector": self.proposal.vector.copy(), "per_sample": self.proposal.per_sample.copy(),
+            "overhead": self.proposal.overhead.copy(), "predicted_before": float(self.proposal.predicted_before),
+            "predicted_after": float(self.proposal.predicted_after), "changed": self.proposal.changed.copy()}
+        return {"rank": self.rank, "world_size": self.world_size, "global_batch": self.global_batch,
+                "settings": dict(self.settings), "planner": None if self.planner is None else self.planner.state_dict(),
+                "announce": None if self.announce is None else self.announce.copy(), "proposal": proposal}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Replanner":
+        self = cls(int(state["rank"]), int(state["world_size"]), int(state["global_batch"]), **state["settings"])
+        self.planner = None if state["planner"] is None else StepPlanner.from_state(state["planner"])
+        self.announce = None if state["announce"] is None else np.asarray(state["announce"], np.int64).copy()
+        p = state["proposal"]
+        self.proposal = None if p is None else Proposal(
+            np.asarray(p["vector"], np.int64).copy(), np.asarray(p["per_sample"], float).copy(),
+            np.asarray(p["overhead"], float).copy(), float(p["predicted_before"]), float(p["predicted_after"]),
+            np.asarray(p["changed"], bool).copy())
+        return self
