@@ -641,22 +641,42 @@ def test_submitted_from_another_folder(cluster, tmp_path):
 
 
 def test_pbs_warning_before_the_walltime_reruns_the_job_and_resumes(cluster, tmp_path):
-    """train.pbs's own timer (PBS sends no warning): USR1 WARN_BEFORE seconds before the
-    walltime (here 8 s after the start), checkpoint, qrerun, and the rerun continues its
-    own file to `complete` (a rerun stopped again by its timer continues once more); the
-    log is appended across reruns."""
-    env = cluster.job_env(tmp_path, CONFIG="", EXTRA_ARGS=STOPPABLE, WALLTIME="128", WARN_BEFORE="120")
+    """USR1 to train.pbs (what its timer sends before the walltime, or `qsig -s USR1`):
+    checkpoint, qrerun, and the rerun continues its own file to `complete`; its log is
+    appended across reruns."""
+    env = cluster.job_env(tmp_path, CONFIG="", EXTRA_ARGS=STOPPABLE)
     p = _run(["qsub", "-l", f"nodes=1:ppn=2,walltime=00:{JOB_MINUTES:02d}:00", "-j", "oe", "-o",
               str(tmp_path / "pbs.out"), "jobs/pbs/train.pbs"], env)
     job = p.stdout.strip().splitlines()[-1]
     assert job.isdigit(), p.stdout + p.stderr
     log = tmp_path / f"dbs-mpi-train-{job}.log"       # beside the results, appended across reruns
-    _wait_log(log, "exited with status 0", 280)
+    _wait_log(log, "epoch 1/2")
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
+    _wait_log(log, "exited with status 0", 240)
     text = _read(log)
     result = tmp_path / f"train-{job}.h5"
     assert "the time limit is near" in text and "requeueing to continue" in text and f"resuming {result}" in text, \
         text
     assert _read_status(result) == "complete"
+
+
+def test_the_pbs_scripts_own_timer_warns_before_the_walltime(tmp_path):
+    """No cluster: train.pbs by hand with WALLTIME=3 and WARN_BEFORE=1, and a launcher
+    that only waits: the timer sends the script USR1 after 2 s, the script passes it on
+    (the launcher exits 3, as checkpointed ranks do) and, with no PBS job to rerun, says
+    how to continue."""
+    launcher = tmp_path / "launcher.sh"
+    launcher.write_text("#!/bin/bash\nsleep 30 & pid=$!\ntrap 'echo launcher got USR1; kill $pid; exit 3' USR1\nwait\n")
+    launcher.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PBS_"))}
+    env.update(MPIEXEC=str(launcher), RESULTS_DIR=str(tmp_path), CONFIG="", EXTRA_ARGS="--epochs 1", WALLTIME="3",
+               WARN_BEFORE="1", NP="2")
+    started = time.monotonic()
+    p = subprocess.run(["bash", "jobs/pbs/train.pbs"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    out = p.stdout + p.stderr
+    assert p.returncode == 3 and time.monotonic() - started < 20, out
+    assert "the time limit is near; checkpointing to continue" in out and "launcher got USR1" in out, out
+    assert "the requeue failed; continue by hand with OUT=" in out, out
 
 
 # --- dbs-mpi job, without a cluster -------------------------------------------------------

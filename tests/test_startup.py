@@ -1,5 +1,7 @@
 """The start-up watchdog (startup.py) without MPI: its limit from the command line, and a
 process that stalls past it is killed with one line naming the phase; done() lets it go."""
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -55,3 +57,20 @@ def test_done_lets_the_process_run_past_the_limit():
                           text=True, timeout=60)
     assert proc.returncode == 0 and "finished" in proc.stdout, proc.stderr
     assert "stalled" not in proc.stderr
+
+
+def test_a_warning_during_the_start_up_is_kept_for_the_first_step():
+    """SIGUSR1 (a scheduler's warning before a time limit) that comes while a rank starts
+    does not kill it: the stop request takes it over and the run stops at its first step."""
+    from mpi4py import MPI
+
+    from dbs_mpi.training.checkpoint import StopRequest
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        startup.keep_stop_requests()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        with StopRequest(MPI.COMM_SELF) as stop:
+            assert stop.agreed() == signal.SIGUSR1
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+        startup.EARLY_STOP[0] = 0

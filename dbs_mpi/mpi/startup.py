@@ -179,6 +179,18 @@ def _send(line: str) -> None:
         pass
 
 
+EARLY_STOP = [0]        # SIGUSR1 received during the start-up (keep_stop_requests): a stop at the first step
+
+
+def keep_stop_requests() -> None:
+    """From now on, SIGUSR1 (a scheduler's warning before a time limit) is kept instead of
+    killing the rank (its default action): checkpoint.StopRequest takes it over when the
+    training begins and stops at the first step. SIGTERM still ends a rank in start-up."""
+    def keep(signum, frame):
+        EARLY_STOP[0] = signum
+    signal.signal(signal.SIGUSR1, keep)
+
+
 def _stall_if_asked(key: str) -> None:
     spec = os.environ.get("DBS_MPI_STALL_AT", "")
     if spec and spec == f"{launch_rank()}:{key}":

@@ -135,6 +135,7 @@ def check_before_torch(argv, world_size: int) -> None:
 def cmd_train(comm, argv) -> int:
     from ..mpi import comm as mpi, startup
 
+    startup.keep_stop_requests()             # a warning before the time limit during the start-up is kept
     startup.phase("config", backstop=True)
     limit = startup.limit()                  # before the configuration is known: the command line's
     mpi.agree(comm, check_before_torch, argv, comm.Get_size(), timeout=limit)

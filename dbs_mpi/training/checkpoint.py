@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..mpi import comm as mpi
+from ..mpi import comm as mpi, startup
 from ..options import UserError
 
 EXIT_STOPPED = 3          # exit status after a stop request: checkpoint written, resume with --resume
@@ -175,6 +175,7 @@ class StopRequest:
         for name in self.SIGNALS:
             sig = getattr(signal, name)
             self._previous[sig] = signal.signal(sig, self._handle)
+        self.requested = self.requested or startup.EARLY_STOP[0]     # one that came during the start-up
         _ACTIVE[0] += 1
         return self
 
