@@ -12,8 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import dbs_mpi
-from dbs_mpi.planning import allocation
-from test_api_mpi import Pairs, UserNet, flat_params, speeds_for
+from test_api_mpi import Pairs, UserNet, flat_params, uneven_balancer
 
 TIMEOUT = 60.0
 TINY = 1e-4           # MiB: one parameter per bucket, so buckets start during backward (overlap)
@@ -37,8 +36,7 @@ def train(comm, micro=None, model_class=UserNet, buckets_mb=25.0, scaled=False, 
     data, global_batch = Pairs(96, seed=5), 24
     torch.manual_seed(0)
     model = model_class()
-    balancer = dbs_mpi.Balancer(comm, global_batch, "ssgd", timeout=TIMEOUT)
-    balancer.batch_sizes = allocation.proportional(global_batch, speeds_for(comm.Get_size()))
+    balancer = uneven_balancer(comm, global_batch, timeout=TIMEOUT)
     sampler = dbs_mpi.HeteroSampler(data, balancer, seed=1)
     optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
                                              balancer, bucket_mb=buckets_mb, first_bucket_mb=buckets_mb)

@@ -12,8 +12,7 @@ from mpi4py import MPI
 from torch.utils.data import DataLoader
 
 import dbs_mpi
-from dbs_mpi.planning import allocation
-from test_api_mpi import Pairs, UserNet, flat_params, speeds_for
+from test_api_mpi import Pairs, UserNet, flat_params, uneven_balancer
 
 TIMEOUT = 60.0
 
@@ -22,8 +21,7 @@ def loop(comm, epochs=2, set_epoch=True, clip=None):
     data, global_batch = Pairs(96, seed=7), 24
     torch.manual_seed(0)
     model = UserNet()
-    balancer = dbs_mpi.Balancer(comm, global_batch, "ssgd", timeout=TIMEOUT)
-    balancer.batch_sizes = allocation.proportional(global_batch, speeds_for(comm.Get_size()))
+    balancer = uneven_balancer(comm, global_batch, timeout=TIMEOUT)
     sampler = dbs_mpi.HeteroSampler(data, balancer, seed=3)
     optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model, balancer)
     norms = []
