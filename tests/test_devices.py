@@ -166,6 +166,14 @@ def test_a_missing_gpu_fails_on_every_rank_together(comm):
 
 
 @pytest.mark.mpi(min_size=1)
+def test_a_bad_binding_setting_fails_on_every_rank_together(comm, monkeypatch):
+    from dbs_mpi.mpi.comm import AgreedError
+    monkeypatch.setenv("DBS_MPI_BIND", "core")
+    with pytest.raises(AgreedError, match="DBS_MPI_BIND: must be one of cpu, gpu, none"):
+        devices.select(comm, "cpu")
+
+
+@pytest.mark.mpi(min_size=1)
 def test_the_exchange_is_agreed_and_refused_together(comm):
     from dbs_mpi.mpi.comm import AgreedError
     cpu = torch.device("cpu")

@@ -145,16 +145,19 @@ def select(comm, device: str = "auto", devices=None, timeout: float = 600.0,
                                           "gathering every rank's GPUs")
         return assign(specs, inventory)
 
-    # The specs are checked on every rank together before anybody gathers (a rank failing
+    # The specs (and DBS_MPI_BIND) are checked on every rank together before anybody gathers (a rank failing
     # inside choose() before its allgather would leave the others waiting); the assignment
     # is then computed identically everywhere, so every rank raises the same error.
-    mpi.collective(comm, per_rank_specs, device, devices, comm.Get_size(), timeout=timeout)
+    def check():
+        per_rank_specs(device, devices, comm.Get_size())
+        return bind_mode()
+    mode = mpi.collective(comm, check, timeout=timeout)
     chosen = mpi.collective(comm, choose, timeout=timeout)
     mine = torch.device(chosen[comm.Get_rank()])
     if mine.type == "cuda":
         torch.cuda.set_device(mine)
     places = mpi.placement(comm, timeout)          # collective on every rank, whatever each decides below
-    cores = core_plan(places, chosen, siblings, bind_mode())[comm.Get_rank()]
+    cores = core_plan(places, chosen, siblings, mode)[comm.Get_rank()]
     if cores is not None:
         bind_process(cores)
     if threads or (threads is None and not mpi.THREADS_GIVEN):
