@@ -286,15 +286,16 @@ def test_simulate_data_and_close_run_without_torch(tmp_path):
 
 def test_a_launcher_that_is_not_mpi_is_named_in_one_line(tmp_path):
     """torchrun starts two processes that MPI does not connect: each would train alone.
-    Both end within seconds, each with one line naming mpirun, and write no result file;
-    a fake WORLD_SIZE on one process says the same."""
+    They end within seconds with one line naming mpirun (torchrun sends SIGTERM to the
+    other worker as soon as one fails, so the second may be stopped before its own line)
+    and write no result file; a fake WORLD_SIZE on one process says the same."""
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            "-m", "dbs_mpi", "train", *TINY, "--out", str(tmp_path / "torchrun.h5")],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode != 0 and time.monotonic() - start < 90
     lines = [line for line in proc.stderr.splitlines() if line.startswith("dbs-mpi: error:")]
-    assert len(lines) == 2 and all("torchrun" in line and "mpirun -n 2" in line for line in lines), proc.stderr
+    assert 1 <= len(lines) <= 2 and all("torchrun" in line and "mpirun -n 2" in line for line in lines), proc.stderr
     assert not (tmp_path / "torchrun.h5").exists()
     proc = run_cli(["train", *TINY, "--out", str(tmp_path / "env.h5")], env={"WORLD_SIZE": "3"})
     assert proc.returncode == 2 and error_lines(proc) and "mpirun -n 3" in error_lines(proc)[0]
