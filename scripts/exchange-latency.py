@@ -84,7 +84,7 @@ def dbs_step(exchange, replanner, weight, step):
     vector[0] += 512 - vector.sum()
     seconds = 1e-3 + 1e-4 * vector[replanner.rank] * (1.0 + 0.02 * np.sin(step))     # steady, a little noise
     loss = exchange.allreduce(weight, 0.5, replanner.outgoing(seconds, step + 1))
-    replanner.incoming(exchange.extra, vector, vector, step + 1, step + 1)
+    replanner.incoming(exchange.extra, vector, vector, step + 1)
     return loss
 
 

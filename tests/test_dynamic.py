@@ -149,10 +149,10 @@ def closed_loop(machine, steps, start=None, **kw):
             vector = announced[1]
         vectors.append(vector.copy())
         times = machine.times(s, vector)
+        planner.observe(vector, times)
         if pending is not None:                              # it travels with this step's exchange
             announced, pending = (dynamic.switch_step(s + 1, [s + 1]), pending), None
-            planner.scheduled(announced[0])
-        planner.observe(vector, times)
+            planner.scheduled(announced[0] - (s + 1))
         proposal = planner.plan(announced[1] if announced is not None and announced[0] > s else vector)
         if proposal is not None:
             pending = proposal.vector
@@ -278,8 +278,8 @@ def test_a_ranks_own_telemetry_handed_over_as_the_sum_fails_on_every_rank():
     own = [r.outgoing(1e-2, 1).copy() for r in ranks]
     for r in ranks:
         with pytest.raises(RuntimeError, match=r"counts 1 of the 2 ranks: record_step\(telemetry=...\) takes the sum"):
-            r.incoming(own[r.rank], vector, vector, 1, 1)
-    assert ranks[0].incoming(own[0] + own[1], vector, vector, 1, 1) is None
+            r.incoming(own[r.rank], vector, vector, 1)
+    assert ranks[0].incoming(own[0] + own[1], vector, vector, 1) is None
 
 
 def test_ranks_that_sum_their_outgoing_slots_switch_together_and_announce_once():
@@ -295,7 +295,7 @@ def test_ranks_that_sum_their_outgoing_slots_switch_together_and_announce_once()
             ranks[2].propose([10, 10, 280])                                # only rank 0's request counts
         seconds = truth.predict(vector)
         summed = sum(r.outgoing(float(seconds[r.rank]), s + handed[r.rank]).copy() for r in ranks)
-        got = [r.incoming(summed, vector, vector, s + 1, s + 1) for r in ranks]
+        got = [r.incoming(summed, vector, vector, s + 1) for r in ranks]
         assert all((g is None) == (got[0] is None) for g in got)
         if got[0] is not None:
             assert all(np.array_equal(g.vector, got[0].vector) and g.first_step == got[0].first_step for g in got)
@@ -303,3 +303,30 @@ def test_ranks_that_sum_their_outgoing_slots_switch_together_and_announce_once()
             vector = got[0].vector
     assert switched[0] == (12, 12 + 7, [150, 100, 50])
     assert [v for _, _, v in switched[1:]] == [[100, 100, 100]]           # then the planner's own: speeds are equal
+
+
+def test_a_second_calibration_mid_run_still_follows_a_slow_down_and_its_end():
+    """A library user who calls calibrate() again 500 steps into the run gets a new planner
+    (Replanner.start_from): it holds and plans on its own clock, so a 4x slow-down after it
+    is followed and given back within the usual bound (with a planner that compared the
+    run's step with its own count it switched once and then never proposed again)."""
+    machine = Machine([1e-4, 1e-4], [5e-4, 5e-4], noise=0.03)
+    machine.slow(rank=1, start=600, stop=700, factor=4.0)
+    truth = model_of(machine.per_sample, machine.overhead)
+    ranks = [dynamic.Replanner(r, 2, B, model=truth) for r in range(2)]
+    vector, vectors = truth.allocate(B), []
+    for s in range(800):
+        if s == 500:
+            for r in ranks:
+                r.start_from(truth)
+        vectors.append(vector.copy())
+        seconds = machine.times(s, vector)
+        summed = sum(r.outgoing(float(seconds[r.rank]), s + 1).copy() for r in ranks)
+        switch = [r.incoming(summed, vector, vector, s + 1) for r in ranks][0]
+        if switch is not None:
+            vector = switch.vector
+    vectors = np.array(vectors)
+    follow = first_step(vectors, 600, lambda v: v[1] < 128)
+    back = first_step(vectors, 700, lambda v: v[1] > 0.85 * 256)
+    assert follow is not None and follow <= 5, follow
+    assert back is not None and back <= 5, back

@@ -229,7 +229,7 @@ def test_the_simulated_replanner_fed_a_run_s_step_times_makes_the_engine_s_decis
             announced = replanner.announce if replanner.announce is not None else np.zeros(c.size)
             replanner.announce = None
             summed = np.concatenate([pre[s], np.full(c.size, next_step), announced, [c.size]]).astype(np.float32)
-            switch = replanner.incoming(summed, rows[s], current, next_step, s + 1)
+            switch = replanner.incoming(summed, rows[s], current, next_step)
             if switch is not None:
                 current = switch.vector
                 switches.append((s + 1 - next_step + switch.first_step, switch.vector.tolist()))

@@ -7,8 +7,8 @@ it computed a step in c seconds it sleeps c * (1/s - 1) more, so its compute tim
 c / s. Sleeping, not spinning, leaves the core to other ranks. Disturbances:
 
 * slow-down: rank `slow_rank` is `slow_factor` times slower in epochs [start, stop),
-  in the run's steps [start, stop) (counted over all epochs), and from start to stop
-  seconds of training (`slow_epochs`, `slow_steps`, `slow_seconds`; any of the three);
+  in the run's steps [start, stop) (counted over all epochs and across resumes), and
+  from start to stop seconds of training (`slow_epochs`, `slow_steps`, `slow_seconds`; any of the three);
 * random sleeps (the DBS paper's "irrelevant tasks"): at every epoch, each rank that
   is not disturbed yet starts, with probability `sleep_prob`, a disturbance lasting
   `sleep_epochs` (uniform) epochs, during which it sleeps `sleep_seconds` (uniform)
@@ -90,6 +90,14 @@ class Emulator:
                                                           ("factor", "epoch_sleep", "step_sleep"))
         self.run_step, self.trained = int(state.get("run_step", 0)), float(state.get("trained", 0.0))
         self.epoch_slowed = bool(state.get("epoch_slowed", self.factor != 1.0 / self.speed))
+
+    def resume_at(self, run_step: int, trained_seconds: float) -> None:
+        """Continue a run that another number of ranks began, `run_step` steps and
+        `trained_seconds` of training in: the step and time windows count over the whole
+        run, so a resumed run slows the same steps as one never stopped (the random sleeps
+        start afresh: their draws are per rank)."""
+        self.run_step, self.trained = int(run_step), float(trained_seconds)
+        self._set_factor()
 
     @property
     def active(self) -> bool:

@@ -374,7 +374,7 @@ class _SyncClock:
         r.announce = None
         summed = np.concatenate([seconds, np.full(n, s + 1.0), announced, [n]])     # nobody prefetches
         current = self.vector if self.vector is not None else table[0]
-        switch = r.incoming(summed, table[s], current, s + 1, self.run_steps)
+        switch = r.incoming(summed, table[s], current, s + 1)
         if switch is None:
             return
         self.vector = switch.vector

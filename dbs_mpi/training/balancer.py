@@ -207,6 +207,7 @@ class _Epoch:
                                f"there must be loaded first (load_state_dict)")
         if first_step != 0 and restored.get("other_world"):
             measured_from = first_step      # another world ran the steps before: this one records its own
+            elapsed = float(restored.get("elapsed", 0.0))
         elif first_step != 0:
             times.restore(restored["times"])
             elapsed = float(restored["elapsed"])
@@ -287,6 +288,14 @@ def _emulator(speeds, emulator: Emulator | None, rank: int, world_size: int) -> 
         speed = speeds[rank] / max(speeds) if speeds is not None and len(speeds) else 1.0
         emulator = Emulator(rank, speed)
     return emulator
+
+
+def _resume_emulation(emulator: Emulator, state: dict) -> None:
+    """Another world's balancer state: the emulated disturbances' step and time windows go
+    on counting over the run (the steps and seconds trained before, the open epoch's too)."""
+    opened = state["open"]
+    emulator.resume_at(int(state.get("run_steps", 0)),
+                       float(state.get("trained_before", 0.0)) + (opened["elapsed"] if opened else 0.0))
 
 
 class BatchPolicy:
@@ -446,6 +455,7 @@ class BatchPolicy:
         if state["world_size"] != self.world_size:
             self.batch_sizes = allocation.equal(self.global_batch, self.world_size, self.min_local, self.max_local)
             self.speed_model = self.controller = self.startup = None
+            _resume_emulation(self.emulator, state)
             return False
         self.batch_sizes = np.asarray(state["batch_sizes"], dtype=np.int64).copy()
         self.speed_model = None if state["speed_model"] is None else \
@@ -505,7 +515,7 @@ class Balancer(BatchPolicy):
                                f"epoch, before the next one begins")
         table = self._new_table(epoch, num_samples, drop_last, first_step, seed)
         restored, self._restored = self._restored, None
-        if first_step == 0:
+        if first_step == 0 or (restored or {}).get("other_world"):     # (this world's emulator is saved in it)
             self.emulator.start_epoch(epoch, len(table))
         self._open = _Epoch.opened(epoch, table, num_samples, drop_last, first_step, restored)
         self._heard = False
@@ -567,7 +577,7 @@ class Balancer(BatchPolicy):
         self.run_steps += 1
         if telemetry is not None and self.replanner is not None:
             self._heard = True
-            switch = self.replanner.incoming(telemetry, e.table[e.step - 1], self.batch_sizes, e.step, self.run_steps)
+            switch = self.replanner.incoming(telemetry, e.table[e.step - 1], self.batch_sizes, e.step)
             if switch is not None:      # a new vector from the switch's step on (this epoch and later ones)
                 e.switch(switch, self.global_batch, self.run_steps)
                 self.batch_sizes = switch.vector.copy()
@@ -617,9 +627,9 @@ class Balancer(BatchPolicy):
     def load_state_dict(self, state: dict) -> None:
         """Continue from state_dict(). A state saved by another number of ranks (a run
         resumed on another allocation) gives the position only: the epoch, the step in it
-        and the run's counters; the vector starts even and the models, the step-time
-        estimates and the emulation start afresh (call calibrate() or calibrate_model()
-        again for static and dbs). The epoch in progress is recorded from the step this
+        and the run's counters; the vector starts even and the models and the step-time
+        estimates start afresh (call calibrate() or calibrate_model() again for static and
+        dbs); the emulated disturbances' step and time windows go on counting over the run. The epoch in progress is recorded from the step this
         world began at (EpochStats covers its steps; the earlier ones were another world's)."""
         this_world = self._load_policy(state)
         self.next_epoch = int(state["next_epoch"])
@@ -627,4 +637,4 @@ class Balancer(BatchPolicy):
         self.trained_before = float(state.get("trained_before", 0.0))
         opened, self._open = state["open"], None
         self._restored = opened if this_world or opened is None else \
-            {"epoch": opened["epoch"], "step": opened["step"], "other_world": True}
+            {"epoch": opened["epoch"], "step": opened["step"], "elapsed": opened["elapsed"], "other_world": True}

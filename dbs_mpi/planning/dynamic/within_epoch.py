@@ -132,11 +132,15 @@ class StepPlanner:
         limit = np.minimum(np.where(share < TINY_SHARE, np.maximum(2 * current, current + lift), np.inf), bound)
         return limit if limit.sum() >= self.global_batch else self.max_local
 
-    def scheduled(self, run_step: int) -> None:
-        """A new vector applies from step `run_step` (counted over the run): plan again once RECENT
-        steps have run with it, re-estimating often while the window fills with them."""
-        self.hold_until = int(run_step) + RECENT
-        self.settle_until = int(run_step) + self.estimator.window
+    def scheduled(self, ahead: int) -> None:
+        """A new vector applies `ahead` steps after the last step observed (0: from the next
+        one): plan again once RECENT steps have run with it, re-estimating often while the
+        window fills with them. Counted on the planner's own clock (steps observed), so a
+        planner built in the middle of a run (a resume on another number of ranks, a second
+        calibration) holds for as long as one built at the run's first step."""
+        first = self.step + int(ahead)
+        self.hold_until = first + RECENT
+        self.settle_until = first + self.estimator.window
 
     def state_dict(self) -> dict:
         return {"estimator": self.estimator.state_dict(), "global_batch": self.global_batch,
@@ -234,11 +238,10 @@ class Replanner:
             self._announced = False
         return out
 
-    def incoming(self, summed, row, current, next_step: int, run_step: int) -> Switch | None:
+    def incoming(self, summed, row, current, next_step: int) -> Switch | None:
         """The step's sum arrived. row: the step's local batches; current: the vector of the
-        steps to come; next_step: the epoch's next step; run_step: steps of the run done.
-        Returns the switch announced with this step (None if none), then observes the step
-        and plans."""
+        steps to come; next_step: the epoch's next step. Returns the switch announced with
+        this step (None if none), then observes the step and plans."""
         summed = summed.tolist() if hasattr(summed, "tolist") else list(summed)   # plain numbers: cheap to read
         n = self.world_size
         seconds, handed, announced = summed[:n], summed[n:2 * n], summed[2 * n:3 * n]
@@ -253,14 +256,13 @@ class Replanner:
             if vector.sum() != self.global_batch or vector.min() < 0:
                 raise RuntimeError(f"the announced batch vector {vector.tolist()} does not sum to the global batch "
                                    f"{self.global_batch}: the step's exchange was corrupted")
-            first = switch_step(next_step, handed)
-            switch = Switch(vector, first, self.proposal)
+            switch = Switch(vector, switch_step(next_step, handed), self.proposal)
             self.proposal = None
-            if self.planner is not None:
-                self.planner.scheduled(run_step + first - next_step)
         if self.planner is None:                    # not calibrated: start from the first step's measurement
             self.planner = self._planner(SpeedModel.measured(row, np.asarray(seconds)))
         self.planner.observe(row, seconds)
+        if switch is not None:
+            self.planner.scheduled(switch.first_step - next_step)
         proposal = self.planner.plan(switch.vector if switch is not None else current)
         if proposal is not None:
             self.proposal = proposal

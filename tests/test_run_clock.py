@@ -1,0 +1,50 @@
+"""One clock over the whole run: a run resumed on another number of ranks (which calibrates
+again and so builds a new within-epoch planner) follows a slow-down as fast as one never
+stopped, and the emulated disturbance slows the run's steps it names, not the resumed
+launch's."""
+import numpy as np
+from mpi4py import MPI
+
+import dbs_mpi
+from conftest import run_cli
+from dbs_mpi.planning.heterogeneity import Emulator
+
+SLOWED = ["--dataset", "synthetic", "--synthetic-samples", "2560", "--test-subset", "100", "--global-batch", "64",
+          "--strategy", "dbs", "--benchmark-steps", "2", "--benchmark-warmup", "1", "--slow-rank", "1",
+          "--slow-factor", "4", "--slow-steps", "60,100", "--progress", "false"]
+
+
+def test_a_run_resumed_on_another_number_of_ranks_follows_a_slow_down_and_its_end(tmp_path):
+    """40 steps on 3 ranks, then resumed on 2 for 3 more epochs of 40: rank 1 is 4x slower
+    in the run's steps [60, 100). The vector follows within the usual bound (the planner
+    counts on its own clock: it was built at run step 40) and gives the work back as soon
+    as the slow-down ends (the emulator counts the run's steps, not the launch's: slowed
+    from launch step 60, it would follow at about run step 100)."""
+    out = tmp_path / "run.h5"
+    proc = run_cli(["train", *SLOWED, "--epochs", "1", "--out", str(out)], ranks=3)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli(["train", "--resume", str(out), "--epochs", "4"], ranks=2)
+    assert proc.returncode == 0, proc.stderr
+    d = dbs_mpi.read_run(out)["data"]
+    steps, vectors = d["replan/run_step"], d["replan/batch_sizes"]
+    later = steps >= 40
+    follow = [s for s, v in zip(steps[later], vectors[later]) if v[1] < 0.6 * 32]
+    back = [s for s, v in zip(steps[later], vectors[later]) if s > follow[0] and v[1] > 0.6 * 32] if follow else []
+    assert follow and 60 < follow[0] <= 68, (steps.tolist(), vectors.tolist())
+    assert back and 100 < back[0] <= 112, (steps.tolist(), vectors.tolist())
+    assert d["step/batch_sizes"][-1, 1] > 0.6 * 32, "the work is given back for good"
+
+
+def test_a_balancer_resumed_on_another_number_of_ranks_emulates_the_run_s_steps():
+    """The 1-rank path (no mpirun): the state of a 2-rank run 70 steps and 12 s in, in an
+    epoch of rank 0 slowed in steps [60, 100) and seconds [20, 30): this launch's first
+    step is run step 70, slowed; the window's end is the run's step 100."""
+    balancer = dbs_mpi.Balancer(MPI.COMM_SELF, 16, "ssgd", emulator=Emulator(0, 1.0, slow_rank=0, slow_factor=4.0,
+                                                                              slow_steps=(60, 100)))
+    state = balancer.state_dict()
+    state.update(world_size=2, run_steps=70, trained_before=12.0, batch_sizes=np.array([8, 8]))
+    balancer.load_state_dict(state)
+    assert (balancer.emulator.run_step, balancer.emulator.factor) == (70, 4.0)
+    for _ in range(30):
+        balancer.emulator.step_done(20.0)
+    assert (balancer.emulator.run_step, balancer.emulator.factor) == (100, 1.0)
