@@ -136,12 +136,12 @@ class Machine:
         return t * self.rng.lognormal(0.0, self.noise, len(t)) if self.noise else t
 
 
-def closed_loop(machine, steps, start=None, **kw):
+def closed_loop(machine, steps, start=None, global_batch=B, **kw):
     """Every step's vector, as the balancer runs the planner: a proposal made after step s
     is announced with step s + 1 and applies from step s + 2."""
     truth = model_of(machine.per_sample, machine.overhead)
-    planner = StepPlanner(truth, B, **kw)
-    vector = truth.allocate(B) if start is None else np.asarray(start)
+    planner = StepPlanner(truth, global_batch, **kw)
+    vector = truth.allocate(global_batch) if start is None else np.asarray(start)
     pending, announced = None, None
     vectors = []
     for s in range(steps):
@@ -227,7 +227,8 @@ def test_a_rank_cut_to_one_sample_by_a_real_fixed_cost_gets_its_work_back_within
     machine = Machine([1e-4, 1e-4, 1e-4, 1e-4], [2e-3, 2e-3, 2e-3, 2e-3], noise=0.05, seed=1)
     machine.slow(rank=2, start=50, stop=150, extra=0.05)
     vectors = closed_loop(machine, 260)
-    assert vectors[100:150, 2].max() == 1
+    # at one sample, with a probe at two now and then (probe.py): 0.1 ms on a 52 ms step
+    assert vectors[100:150, 2].max() <= 2 and np.median(vectors[100:150, 2]) == 1
     back = first_step(vectors, 150, lambda v: abs(v[2] - 128) <= 13)
     assert back is not None and back <= 12, back
     assert vectors[150:, 2].max() <= 140                      # in steps of at most B/2n, no overshoot
@@ -330,3 +331,39 @@ def test_a_second_calibration_mid_run_still_follows_a_slow_down_and_its_end():
     back = first_step(vectors, 700, lambda v: v[1] > 0.85 * 256)
     assert follow is not None and follow <= 5, follow
     assert back is not None and back <= 5, back
+
+
+@pytest.mark.parametrize("slow, fixed, least", [(1e-3, 5e-3, 5), (2e-3, 1e-2, 1)])
+def test_a_burst_of_slow_steps_never_pins_a_small_rank_below_its_best_batch(slow, fixed, least):
+    """Speeds 1:0.1 and 1:0.05 (fixed costs 0.5 and 5 or 10 ms a step, B = 128, 3% noise),
+    a burst of 4 to 10 steps 2 to 5x slower on the slow rank: the line through the window
+    read the burst as a steep slope and, once the burst left the window, nothing measured
+    the slope again; 13 of 24 runs held the rank at 1-2 samples for good (best: 8). Now a
+    small rank whose window does not spread is probed at a larger batch now and then:
+    over the 1,300 steps after the burst, every run stays within 1% of the best vector's
+    step time and keeps the rank near its best batch."""
+    truth = model_of([1e-4, slow], [5e-4, fixed])
+    best = truth.predict(truth.allocate(128)).max()
+    for seed in range(24):
+        rng = np.random.default_rng(seed)
+        machine = Machine(truth.per_sample, truth.overhead, noise=0.03, seed=seed)
+        machine.slow(rank=1, start=200, stop=200 + int(rng.integers(4, 11)), factor=float(rng.choice([2, 3, 5])))
+        after = closed_loop(machine, 1700, global_batch=128)[400:]
+        assert np.mean([truth.predict(v).max() for v in after]) <= 1.01 * best, seed
+        assert np.median(after[:, 1]) >= least, (seed, np.median(after[:, 1]))
+
+
+def test_a_probe_finds_a_recovered_rank_within_its_bound():
+    """Rank 1 cut to one sample by a 60 ms fixed cost for 800 steps (its probes find
+    nothing, so their wait grows to PROBE_MAX), then back: it has its share again within
+    PROBE_MAX + REFIT_STEADY + 2 RECENT steps (here the level's change finds it first),
+    and its probes cost the steps of the slow-down at most 1% over one sample throughout."""
+    machine = Machine([1e-4, 1e-4], [2e-3, 2e-3], noise=0.03, seed=2)
+    machine.slow(rank=1, start=100, stop=900, extra=0.06)
+    vectors = closed_loop(machine, 1400)
+    bound = dynamic.PROBE_MAX + dynamic.REFIT_STEADY + 2 * RECENT
+    back = first_step(vectors, 900, lambda v: v[1] > 0.8 * 256)
+    assert back is not None and back <= bound, (back, bound)
+    slowed = [machine.times(s, v).max() for s, v in enumerate(vectors[150:900], start=150)]
+    held = [machine.times(s, [511, 1]).max() for s in range(150, 900)]
+    assert np.mean(slowed) <= 1.01 * np.mean(held)

@@ -15,12 +15,14 @@ Both model rank i's step time as t_i(b) = a_i + c_i b (allocation.SpeedModel) an
 allocate with allocation.allocate; docs/method.md, section 5, has the formulas.
 
 One idea per file: the step-time estimate (`estimate.py`), the within-epoch planner
-and the protocol that carries it to every rank (`within_epoch.py`), the per-epoch rule
+and the protocol that carries it to every rank (`within_epoch.py`), the probes that
+measure a rank held at a small batch again (`probe.py`), the per-epoch rule
 (`per_epoch.py`).
 """
 from .estimate import (CHANGE_Z, FIXED_MAX, MAD_SIGMA, MEDIAN_SE, NOISE_FLOOR, OUTLIER, RECENT, REFIT,  # noqa: F401
                        REFIT_STEADY, SIGMA_WEIGHT, SPREAD, TINY_SHARE, WINDOW, StepTimeEstimator,
                        least_squares_line, robust_fit)
 from .per_epoch import DBSController  # noqa: F401
+from .probe import PROBE_BELOW, PROBE_FIRST, PROBE_MAX, Probes  # noqa: F401
 from .within_epoch import (DEFAULT_INTERVAL, GAIN_Z, Proposal, Replanner, StepPlanner, Switch,  # noqa: F401
                            best_step_time, switch_step)

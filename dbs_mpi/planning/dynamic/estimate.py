@@ -254,6 +254,13 @@ class StepTimeEstimator:
         or CHANGE_Z standard errors of a median of RECENT steps where the steps are noisier."""
         return np.maximum(math.log1p(self.follow), CHANGE_Z * MEDIAN_SE * self.sigma / math.sqrt(self.recent))
 
+    def flat(self) -> np.ndarray:
+        """Per rank, whether the steps in its window lack local batches SPREAD apart (or it
+        has none): its per-sample cost is not being measured, only its level."""
+        _, b, t = self._ordered()
+        valid = np.isfinite(t)
+        return ~(np.where(valid, b, -np.inf).max(axis=0) >= SPREAD * np.where(valid, b, np.inf).min(axis=0))
+
     def uncertainty(self) -> np.ndarray:
         """Per rank, the standard error of the model's level (log) from the window's noise."""
         return self.sigma / np.sqrt(np.maximum(self.count, 1))

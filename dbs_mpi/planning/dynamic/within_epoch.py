@@ -29,6 +29,7 @@ import numpy as np
 
 from ..allocation import SpeedModel
 from .estimate import RECENT, REFIT, REFIT_STEADY, TINY_SHARE, WINDOW, StepTimeEstimator
+from .probe import Probes
 
 
 DEFAULT_INTERVAL = 1  # steps between re-plans (chosen by measurement: docs/method.md, section 5)
@@ -75,6 +76,8 @@ class StepPlanner:
         self.interval, self.min_gain = int(interval), float(min_gain)
         self.step = 0                   # steps observed
         self.capped = False             # the last move stopped short at a tiny batch's growth limit
+        self.probes = Probes(len(self.estimator.model.per_sample))
+        self.probed = False             # the vector of the steps to come is a probe (probe.py)
         self.since_plan = 0             # steps observed since the last planning
         self.since_refit = 0            # steps observed since the window was last re-estimated
         self.hold_until = 2 * RECENT    # no planning before this step (the first steps; a move under way)
@@ -98,7 +101,7 @@ class StepPlanner:
             return None
         self.since_plan = 0
         refit = REFIT if self.step < self.settle_until else REFIT_STEADY
-        if self.since_refit < refit and not self.estimator.moved() and not self.capped:
+        if self.since_refit < refit and not self.estimator.moved() and not self.capped and not self.probed:
             return None
         self.since_refit = 0
         changed = self.estimator.update()
@@ -106,9 +109,15 @@ class StepPlanner:
         current = np.asarray(current, dtype=np.int64)
         before = float(model.predict(current).max())
         gain = self.min_gain
-        if not changed.any() and not self.capped:    # drift: a move must also beat the estimate's own noise
+        if not changed.any() and not self.capped and not self.probed:    # drift: a move must also beat the noise
             gain = max(gain, -math.expm1(-GAIN_Z * float(self.estimator.uncertainty().max())))
-        self.capped = False
+        self.capped = self.probed = False
+        probe = None if changed.any() else self.probes.vector(self.step, current, self.estimator.flat(), self.min_local,
+                                                               self.max_local)
+        if probe is not None:
+            self.probed, self.hold_until = True, self.step + 1
+            return Proposal(probe, model.per_sample.copy(), model.overhead.copy(), before,
+                            float(model.predict(probe).max()), changed)
         if best_step_time(model, self.global_batch) >= before * (1.0 - gain):
             return None                                    # no vector can pass the dead band
         limit = self._growth_limit(current, model)
@@ -147,7 +156,7 @@ class StepPlanner:
                 "min_local": self.min_local, "max_local": self.max_local and int(self.max_local),
                 "interval": self.interval, "min_gain": self.min_gain, "step": self.step, "capped": self.capped,
                 "since_plan": self.since_plan, "since_refit": self.since_refit, "hold_until": self.hold_until,
-                "settle_until": self.settle_until}
+                "settle_until": self.settle_until, "probes": self.probes.state_dict(), "probed": self.probed}
 
     @classmethod
     def from_state(cls, state: dict) -> "StepPlanner":
@@ -158,7 +167,8 @@ class StepPlanner:
         self.interval, self.min_gain = int(state["interval"]), float(state["min_gain"])
         self.step, self.since_plan, self.since_refit, self.hold_until, self.settle_until = (
             int(state[k]) for k in ("step", "since_plan", "since_refit", "hold_until", "settle_until"))
-        self.capped = bool(state["capped"])
+        self.capped, self.probed = bool(state["capped"]), bool(state.get("probed", False))
+        self.probes = Probes.from_state(state.get("probes"), len(self.estimator.model.per_sample))
         return self
 
 
