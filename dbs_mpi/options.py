@@ -20,6 +20,7 @@ class ConfigError(UserError):
     """A bad value of a configuration field: the message starts with the field's name."""
 
 
+PARTICIPATION = ("auto", "all")     # auto: the planners choose which ranks take part | all: every rank does
 EXCHANGES = ("auto", "host", "cuda-aware", "nccl", "gloo")   # mpi/transport.py
 DEVICE_SPEC = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")       # mpi/devices.py
 

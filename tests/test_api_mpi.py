@@ -178,9 +178,11 @@ def test_allocation_invariance_through_a_dataloader_with_workers(comm, shared_tm
     torch.testing.assert_close(many, single, rtol=1e-4, atol=2e-5)
 
 
-def train_with_forced_changes(comm, dataset, epochs, workers, proposals):
+def train_with_forced_changes(comm, dataset, epochs, workers, proposals, skip=None):
     """dbs with a step interval and vectors forced mid-epoch (proposals: (epoch, step) ->
-    vector, asked for before that step); the final parameters and every epoch's stats."""
+    vector, asked for before that step); the final parameters and every epoch's stats.
+    skip: a list; a rank that sits out (no samples in the step) skips its forward and
+    backward, and appends the step."""
     torch.manual_seed(0)
     model = UserNet(classes=len(dataset.classes))
     dbs_mpi.broadcast_parameters(model, comm)
@@ -197,10 +199,38 @@ def train_with_forced_changes(comm, dataset, epochs, workers, proposals):
             if (epoch, s) in proposals:
                 balancer.propose(proposals[epoch, s])
             optimizer.zero_grad()
-            F.cross_entropy(model(x), y).backward()
+            if skip is not None and optimizer.sits_out:
+                skip.append((epoch, s))
+            else:
+                F.cross_entropy(model(x), y).backward()
             optimizer.step()
         stats.append(balancer.end_epoch())
     return flat_params(model), stats
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_rank_that_sits_out_mid_epoch_and_comes_back_keeps_allocation_invariance(comm, shared_tmp, workers):
+    """The last rank leaves from step 4 of epoch 1 (local batch 0: its loop skips forward
+    and backward) and returns in epoch 2; rank 0 sits out for a stretch too (its duties,
+    the records, go on): the parameters are those of 1 rank, and the tables show the 0s."""
+    root = shared_tmp / "folder"
+    if comm.Get_rank() == 0:
+        write_folder(root)
+    comm.Barrier()
+    dataset, n = LazyFolder(root), comm.Get_size()
+    out = allocation.equal(8, n - 1).tolist() + [0] if n > 1 else [8]
+    first_out = [0] + allocation.equal(8, n - 1).tolist() if n > 1 else [8]
+    proposals = {(0, 3): np.array(out), (1, 5): np.array(first_out), (1, 10): allocation.equal(8, n)}
+    skipped = []
+    many, stats = train_with_forced_changes(comm, dataset, 3, workers, proposals, skip=skipped)
+    single, _ = train_with_forced_changes(MPI.COMM_SELF, dataset, 3, workers, {})
+    torch.testing.assert_close(many, single, rtol=1e-4, atol=2e-5)
+    if n > 1:
+        assert stats[0].table[-2, -1] == 0                  # (the live planner may move the others)
+        assert (stats[1].table[:, 0] == 0).any() and (stats[2].table[0] > 0).all()
+        sat_out = [(e, s) for e, st in enumerate(stats) for s, row in enumerate(st.table) if row[comm.Get_rank()] == 0]
+        assert skipped == sat_out and (comm.Get_rank() not in (0, n - 1) or skipped)
 
 
 @pytest.mark.mpi(min_size=1)

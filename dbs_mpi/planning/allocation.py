@@ -158,8 +158,10 @@ def split_partial(count: int, batch_sizes) -> np.ndarray:
 
 
 def step_time(batch_sizes, per_sample, overhead) -> np.ndarray:
-    """Predicted per-rank step time of a vector under the affine model."""
-    return np.asarray(overhead, float) + np.asarray(per_sample, float) * np.asarray(batch_sizes, float)
+    """Predicted per-rank step time of a vector under the affine model; a rank with no
+    samples computes nothing (0: it sits out, participation.py)."""
+    b = np.asarray(batch_sizes, float)
+    return np.where(b > 0, np.asarray(overhead, float) + np.asarray(per_sample, float) * b, 0.0)
 
 
 def calibration_batches(global_batch: int, world_size: int, min_local: int = 1,

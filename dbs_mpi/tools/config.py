@@ -18,7 +18,7 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # pragma: no cover - older Pythons on clusters
     import tomli as tomllib
 
-from ..options import DEVICE_SPEC, EXCHANGES, ConfigError, UserError, parse_interval  # noqa: F401 (UserError)
+from ..options import DEVICE_SPEC, EXCHANGES, PARTICIPATION, ConfigError, UserError, parse_interval  # noqa: F401 (UserError)
 from ..planning import schedule
 
 
@@ -82,6 +82,7 @@ class Config:
     # --- allocation of the global batch ---------------------------------------
     min_local_batch: int = 1         # smallest local batch any rank gets (full steps)
     max_local_batch: int = 0         # largest local batch of any rank (memory bound); 0 = no bound
+    participation: str = "auto"      # auto: static and dbs leave out a rank whose least share would slow every step (local batch 0, no forward or backward; dbs probes it and takes it back when it pays) | all: every rank takes part
     benchmark_steps: int = 5         # start-up benchmark: timed steps at each of two local batch sizes
     benchmark_warmup: int = 2        # start-up benchmark: untimed steps first
     dbs_model: str = "affine"        # affine: step time a_i + b/v_i | proportional: b/v_i (the DBS paper's rule)
@@ -101,7 +102,7 @@ class Config:
     slow_rank: int = -1              # disturbance: this rank is slowed ... (-1 = none)
     slow_factor: float = 1.0         # ... by this factor (compute time x factor) ...
     slow_epochs: tuple = (0, 0)      # ... in epochs [start, stop)
-    slow_steps: tuple = (0, 0)       # ... and in the run's steps [start, stop), counted from 0 over all epochs
+    slow_steps: tuple = (0, 0)       # ... and in the run's steps [start, stop), counted from 0 over all epochs (and across resumes)
     slow_seconds: tuple = (0.0, 0.0)  # ... and from start to stop seconds of training (from the first step; evaluation and checkpoints not counted)
     sleep_prob: float = 0.0          # DBS paper's disturbance: per epoch and rank, chance that sleeps start
     sleep_seconds: tuple = (5.0, 10.0)  # ... extra sleep per epoch, seconds, uniform in [lo, hi]
@@ -295,6 +296,7 @@ def _check_choices(c: Config) -> None:
         _fail("amp", f"mixed precision runs with the synchronous strategies {', '.join(SYNC_STRATEGIES)} only "
                      f"(got {c.strategy})")
     choice("dbs_model", DBS_MODELS)
+    choice("participation", PARTICIPATION)
     choice("wait_policy", WAIT_POLICIES)
     choice("exchange", EXCHANGES)
     for name, specs in (("device", [c.device]), ("devices", c.devices)):

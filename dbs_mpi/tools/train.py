@@ -319,7 +319,9 @@ class SyncTrainer:
             x, y = devices.to_device((x, y), device)
             stop.start()                  # the stop agreement overlaps the step
             optimizer.zero_grad()
-            if self.cfg.micro_batch:
+            if optimizer.sits_out and precision.scaler is None:
+                loss = 0.0                    # no samples: only the step's exchange, weight 0 (and 0 of the loss)
+            elif self.cfg.micro_batch:
                 loss = self.accumulate(optimizer, x, y)
             else:
                 with precision.autocast():

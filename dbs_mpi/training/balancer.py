@@ -48,7 +48,7 @@ import torch
 from ..mpi import comm as mpi
 from ..mpi.devices import model_device
 from ..options import UserError, parse_interval
-from ..planning import allocation, dynamic, sharding
+from ..planning import allocation, dynamic, participation, sharding
 from ..planning.heterogeneity import Emulator
 from .batches import first_samples
 from .profiling import StepTimes, model_step, split_wait, time_step
@@ -275,6 +275,7 @@ def _check_settings(comm, timeout: float, **settings) -> None:
     mpi.agree_settings(comm, settings, timeout, "Balancer")
     if settings["policy"] not in POLICIES:
         raise UserError(f"policy: must be one of {', '.join(POLICIES)}; got {settings['policy']!r}")
+    participation.check_participation(settings["participation"])
     if settings["dbs_model"] not in ("affine", "proportional"):
         raise UserError(f"dbs_model: must be affine or proportional; got {settings['dbs_model']!r}")
 
@@ -298,6 +299,16 @@ def _resume_emulation(emulator: Emulator, state: dict) -> None:
                        float(state.get("trained_before", 0.0)) + (opened["elapsed"] if opened else 0.0))
 
 
+def _within_epoch(comm, policy: str, interval, global_batch: int, min_local: int, max_local, window: int,
+                  rule: dict) -> dynamic.Replanner | None:
+    """dbs with a step interval, on more than one rank: the within-epoch rule."""
+    if policy != "dbs" or interval is None or comm.Get_size() == 1:
+        return None
+    return dynamic.Replanner(comm.Get_rank(), comm.Get_size(), global_batch, min_local, max_local, interval=interval,
+                             window=window, follow=rule["follow"], min_gain=rule["min_gain"],
+                             participation=rule["participation"])
+
+
 class BatchPolicy:
     """The batch vector of a policy on one rank and what sets it: the start-up calibration
     (static and dbs allocate from its fit), dbs's re-planning (dynamic.DBSController once
@@ -307,22 +318,20 @@ class BatchPolicy:
     the balancer's own attributes, at no extra cost."""
 
     def __init__(self, comm, global_batch: int, policy: str, min_local_batch: int, max_local_batch: int,
-                 dbs_model: str, damping: dict, interval, window: int, speeds, emulator: Emulator | None,
+                 dbs_model: str, rule: dict, interval, window: int, speeds, emulator: Emulator | None,
                  timeout: float):
         _check_settings(comm, timeout, policy=policy, global_batch=global_batch, min_local_batch=min_local_batch,
-                        max_local_batch=max_local_batch, dbs_model=dbs_model, interval=interval, window=window)
+                        max_local_batch=max_local_batch, dbs_model=dbs_model, interval=interval, window=window, **rule)
         self.comm, self.rank, self.world_size = comm, comm.Get_rank(), comm.Get_size()
         allocation.check_feasible(global_batch, self.world_size, min_local_batch, max_local_batch or None)
         self.policy, self.global_batch = policy, int(global_batch)
         self.min_local, self.max_local = int(min_local_batch), int(max_local_batch) or None
         self.affine, self.timeout = dbs_model == "affine", float(timeout)
-        self.damping = damping                                    # smoothing, follow, min_gain
+        self.participation = rule["participation"]
+        self.damping = {k: v for k, v in rule.items() if k != "participation"}     # smoothing, follow, min_gain
         self.interval = parse_interval(interval)                  # None: once per epoch
-        self.replanner: dynamic.Replanner | None = None
-        if policy == "dbs" and self.interval is not None and self.world_size > 1:
-            self.replanner = dynamic.Replanner(self.rank, self.world_size, self.global_batch, self.min_local,
-                                               self.max_local, interval=self.interval, window=window,
-                                               follow=damping["follow"], min_gain=damping["min_gain"])
+        self.replanner = _within_epoch(comm, policy, self.interval, self.global_batch, self.min_local, self.max_local,
+                                       window, rule)
         self.emulator = _emulator(speeds, emulator, self.rank, self.world_size)
         self.batch_sizes = allocation.equal(self.global_batch, self.world_size, self.min_local, self.max_local)
         self.speed_model: allocation.SpeedModel | None = None
@@ -352,7 +361,8 @@ class BatchPolicy:
                                stretch=self.emulator.stretch, affine=self.affine, timeout=self.timeout)
         self.speed_model = fit
         if self.policy != "ssgd":
-            self.batch_sizes = fit.allocate(self.global_batch, self.min_local, self.max_local)
+            self.batch_sizes = participation.allocate_for(fit, self.global_batch, self.min_local, self.max_local,
+                                                          self.participation)
         if self.policy == "dbs":
             self.controller = self._controller(fit)
         if self.replanner is not None:
@@ -478,18 +488,18 @@ class Balancer(BatchPolicy):
     paper's rule) for the start-up fit and the per-epoch rule. interval: dbs re-plans
     every `interval` steps (default 1), or "epoch" (the DBS paper's rule); window: steps
     of history the within-epoch estimator keeps per rank. smoothing, follow, min_gain:
-    the controllers' damping (planning/dynamic/). speeds: emulated relative speeds, one per rank
-    (or an `emulator`, for disturbances too). timeout: seconds any collective may wait.
-    The vector's half (calibration, re-planning, emulation) is BatchPolicy; this class
-    keeps the epochs: their tables, their steps and times, and the run's position."""
+    the controllers' damping (planning/dynamic/). participation: "auto" (a rank that would
+    slow every step sits out) or "all". speeds: emulated relative speeds, one per rank (or
+    an `emulator`, for disturbances too). timeout: seconds any collective may wait.
+    The vector's half is BatchPolicy; this class keeps the epochs and the run's position."""
 
     def __init__(self, comm, global_batch: int, policy: str = "dbs", *, min_local_batch: int = 1,
                  max_local_batch: int = 0, dbs_model: str = "affine", smoothing: float = 0.5, follow: float = 0.25,
                  min_gain: float = 0.03, interval=dynamic.DEFAULT_INTERVAL, window: int = dynamic.WINDOW,
-                 speeds=None, emulator: Emulator | None = None, timeout: float = 600.0):
+                 participation: str = "auto", speeds=None, emulator: Emulator | None = None, timeout: float = 600.0):
         super().__init__(comm, global_batch, policy, min_local_batch, max_local_batch, dbs_model,
-                         dict(smoothing=smoothing, follow=follow, min_gain=min_gain), interval, window, speeds,
-                         emulator, timeout)
+                         dict(smoothing=smoothing, follow=follow, min_gain=min_gain, participation=participation),
+                         interval, window, speeds, emulator, timeout)
         self.next_epoch = 0                   # epochs ended so far
         self.run_steps = 0                    # steps taken so far, all epochs
         self.trained_before = 0.0             # seconds of training in the epochs ended so far
@@ -502,8 +512,8 @@ class Balancer(BatchPolicy):
         return cls(comm, cfg.global_batch, cfg.strategy, min_local_batch=cfg.min_local_batch,
                    max_local_batch=cfg.max_local_batch, dbs_model=cfg.dbs_model, smoothing=cfg.dbs_smoothing,
                    follow=cfg.dbs_follow, min_gain=cfg.dbs_min_gain, interval=cfg.dbs_interval,
-                   window=cfg.dbs_window, emulator=emulator or Emulator.from_config(cfg, comm.Get_rank()),
-                   timeout=cfg.comm_timeout)
+                   window=cfg.dbs_window, participation=cfg.participation, timeout=cfg.comm_timeout,
+                   emulator=emulator or Emulator.from_config(cfg, comm.Get_rank()))
 
     # --- an epoch -----------------------------------------------------------------
     def begin_epoch(self, epoch: int, num_samples: int, drop_last: bool = False, first_step: int = 0,

@@ -221,6 +221,13 @@ class _WrappedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         self.optimizer.load_state_dict(state_dict)
 
+    def add_param_group(self, param_group: dict) -> None:
+        raise RuntimeError("DistributedOptimizer: the gradient buckets are fixed at construction; add parameter "
+                           "groups to the wrapped optimizer before wrapping it")
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r}, aggregation={self.aggregation!r})"
+
 
 class StepClock:
     """A step's phase clocks (profiling.py): data from the end of the last step to the
@@ -261,7 +268,7 @@ class StepClock:
     def compute(self) -> tuple[float, float | None, float]:
         """At the end of the step's compute: when it began, its CPU seconds (None: no
         forward was seen), and the seconds SyncBatchNorm's collectives took of it."""
-        began = self.compute_start if self.compute_start is not None else self.last_end
+        began = self.compute_start if self.compute_start is not None else time.perf_counter()   # none: nothing ran
         cpu = time.process_time() - self.compute_cpu if self.compute_cpu is not None else None
         in_sync = self.sync_seconds() - self.sync_start if self.compute_start is not None else 0.0
         return began, cpu, in_sync
@@ -470,9 +477,8 @@ class DistributedOptimizer(_WrappedOptimizer):
     model may live on any one device (devices.py): gradients and optimizer state stay there.
     broadcast_buffers: after every step, the model's floating-point buffers (BatchNorm's
     running statistics, EMA copies, ...) become rank 0's, as DDP's broadcast_buffers does
-    before every forward, so that no replica drifts (default True; one small broadcast
-    a step, nothing where the model has no such buffer). The model's SyncBatchNorm layers
-    (sync_batchnorm.py) learn each step's local batch and weight from here."""
+    before every forward, so that no replica drifts (default True; one small broadcast a
+    step). The model's SyncBatchNorm layers learn each step's local batch and weight here."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, balancer, *,
                  aggregation: str = "weighted", wait_policy: str = "auto", bucket_mb: float = 25.0,
@@ -510,13 +516,6 @@ class DistributedOptimizer(_WrappedOptimizer):
         self._hook = model.register_forward_pre_hook(_ForwardHook(self), with_kwargs=True)
         self._new_step(time.perf_counter())
 
-    def add_param_group(self, param_group: dict) -> None:
-        raise RuntimeError("DistributedOptimizer: the gradient buckets are fixed at construction; add parameter "
-                           "groups to the wrapped optimizer before wrapping it")
-
-    def __repr__(self) -> str:
-        return f"DistributedOptimizer({self.optimizer!r}, aggregation={self.aggregation!r})"
-
     # --- a step ---------------------------------------------------------------------
     def _new_step(self, now: float) -> None:
         self._clock.restart(now)
@@ -544,6 +543,13 @@ class DistributedOptimizer(_WrappedOptimizer):
                                "reduced; call it before the forward pass (or after step())")
         self.exchange.adopt_grads()
         self.exchange.zero_grad(self.exchange.armed_weight)
+
+    @property
+    def sits_out(self) -> bool:
+        """No samples for this rank in the coming step and no SyncBatchNorm layer needs its forward: the
+        loop may skip forward and backward and call step() alone (docs/api.md)."""
+        balancer = self.balancer
+        return not self._clock.channels and balancer.step_pending and balancer.step_batch_sizes()[balancer.rank] == 0
 
     def micro_batches(self, tensors, size: int):
         """Gradient accumulation (accumulation.py): `tensors` in micro-batches of at most

@@ -10,19 +10,26 @@ good, a few percent slower every step than the best vector.
 So a rank held at a small local batch (below PROBE_BELOW of an equal share) whose window
 has no spread of local batches (the estimator's flat()) for PROBE_FIRST steps gets a
 probe: SPREAD times its local batch (at least one sample more), taken from the rank with
-the largest one, for the RECENT steps a new vector runs before the planner plans again;
-the line through the window then has two batches to fit the slope from. A probe that
-changes nothing doubles the rank's wait, up to PROBE_MAX steps. The cost: a rank whose
-batch is rightly small finishes its probe steps at most (SPREAD - 1) of its work later,
-RECENT steps in PROBE_MAX (2% of the steps), a few percent of those steps' time; a rank
-that recovered is given its work back within PROBE_MAX + REFIT_STEADY + 2 RECENT steps
-(the planner re-estimates every REFIT_STEADY steps when nothing moves).
+the largest one, for PROBE_STEPS steps (the first at a new batch is no measurement, then
+RECENT); the line through the window then has two batches to fit the slope from. A
+rank that sits out (participation.py: local batch 0) is not measured at all, so it is
+probed the same way at min_local samples: if it became fast, the plan takes it back.
+
+A probe that changes nothing doubles the rank's wait, up to PROBE_MAX steps; a probe
+that the model predicts to be costly (a rank that sits out because its least share
+takes longer than the others' whole step) waits longer still, until its predicted cost
+is at most PROBE_BUDGET of the steps (PROBE_STEPS x the relative extra time / the
+wait). A rank whose batch is rightly small spends PROBE_STEPS steps in 256 at most half
+its work longer; a rank that recovered has its work back within its wait (at most
+PROBE_MAX, or the budget's wait for a costly probe) + REFIT_STEADY + PROBE_STEPS + RECENT
+steps (the planner re-estimates every REFIT_STEADY steps when nothing moves).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .estimate import SPREAD
+from ..allocation import SpeedModel
+from .estimate import RECENT, SPREAD
 
 
 PROBE_BELOW = 0.125   # a local batch below this share of an equal one (B / n) is small
@@ -31,44 +38,64 @@ PROBE_BELOW = 0.125   # a local batch below this share of an equal one (B / n) i
 PROBE_FIRST = 32      # steps a rank is held tiny and unmeasured before its first probe
 
 
-PROBE_MAX = 256       # the longest wait between two probes of a rank
+PROBE_MAX = 256       # the longest wait between two probes of a rank that costs little ...
+
+
+PROBE_BUDGET = 0.02   # ... for a costly probe, the wait that keeps its predicted cost at this share of the steps
+
+
+PROBE_STEPS = RECENT + 1   # steps a probe runs: its first is not a measurement (estimate.py), then RECENT
 
 
 class Probes:
-    """When each rank may be probed next (on the planner's clock) and how long the wait
-    after that one is."""
+    """Since when each rank has been held (or was last probed), on the planner's clock,
+    and how long its wait for the next probe is."""
 
     def __init__(self, ranks: int):
-        self.due_at = np.full(ranks, PROBE_FIRST, dtype=np.int64)
+        self.since = np.zeros(ranks, dtype=np.int64)
         self.wait = np.full(ranks, PROBE_FIRST, dtype=np.int64)
 
-    def vector(self, step: int, current: np.ndarray, flat: np.ndarray, min_local: int, max_local) -> np.ndarray | None:
+    def vector(self, step: int, current: np.ndarray, flat: np.ndarray, model: SpeedModel, min_local: int,
+               max_local) -> np.ndarray | None:
         """The probe vector for the first rank due at `step` (None: none due or none
-        possible), and that rank's next wait; ranks no longer tiny or flat start afresh."""
-        held = (current > 0) & (current < PROBE_BELOW * current.sum() / len(current)) & flat
-        self.due_at = np.where(held, self.due_at, step + PROBE_FIRST)
+        possible); ranks no longer held start afresh."""
+        small = (current > 0) & (current < PROBE_BELOW * current.sum() / len(current)) & flat
+        held = small | (current == 0)
+        self.since = np.where(held, self.since, step)
         self.wait = np.where(held, self.wait, PROBE_FIRST)
-        for rank in np.flatnonzero(held & (step >= self.due_at)):
-            grow = max(1, int(np.ceil((SPREAD - 1) * current[rank])))
-            grow = grow if not max_local else min(grow, int(max_local) - int(current[rank]))
-            donor = int(np.argmax(np.where(np.arange(len(current)) == rank, -1, current)))
-            if grow < 1 or current[donor] - grow < min_local:
+        before = float(model.predict(current).max())
+        for rank in np.flatnonzero(held & (step - self.since >= self.wait)):
+            vector = _probe(current, rank, min_local, max_local)
+            if vector is None:
                 continue
-            vector = current.copy()
-            vector[rank] += grow
-            vector[donor] -= grow
-            self.due_at[rank] = step + self.wait[rank]
-            self.wait[rank] = min(2 * self.wait[rank], PROBE_MAX)
+            cost = max(0.0, float(model.predict(vector).max()) / max(before, 1e-300) - 1.0)
+            if step - self.since[rank] < PROBE_STEPS * cost / PROBE_BUDGET:
+                continue                                  # a costly probe waits for its budget
+            self.since[rank], self.wait[rank] = step, min(2 * self.wait[rank], PROBE_MAX)
             return vector
         return None
 
     def state_dict(self) -> dict:
-        return {"due_at": self.due_at.copy(), "wait": self.wait.copy()}
+        return {"since": self.since.copy(), "wait": self.wait.copy()}
 
     @classmethod
     def from_state(cls, state: dict | None, ranks: int) -> "Probes":
         self = cls(ranks)
         if state is not None:
-            self.due_at = np.asarray(state["due_at"], dtype=np.int64).copy()
+            self.since = np.asarray(state["since"], dtype=np.int64).copy()
             self.wait = np.asarray(state["wait"], dtype=np.int64).copy()
         return self
+
+
+def _probe(current: np.ndarray, rank: int, min_local: int, max_local) -> np.ndarray | None:
+    """`current` with `rank` at SPREAD times its batch (at least one sample more; a rank
+    that sits out: min_local), the samples taken from the rank with the largest batch."""
+    grow = max(1, int(np.ceil((SPREAD - 1) * current[rank]))) if current[rank] else max(1, min_local)
+    grow = grow if not max_local else min(grow, int(max_local) - int(current[rank]))
+    donor = int(np.argmax(np.where(np.arange(len(current)) == rank, -1, current)))
+    if grow < 1 or current[donor] - grow < min_local:
+        return None
+    vector = current.copy()
+    vector[rank] += grow
+    vector[donor] -= grow
+    return vector

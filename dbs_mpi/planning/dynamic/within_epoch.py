@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..allocation import SpeedModel
+from ..participation import allocate_for, best_step_time as best_with_participation
 from .estimate import RECENT, REFIT, REFIT_STEADY, TINY_SHARE, WINDOW, StepTimeEstimator
-from .probe import Probes
+from .probe import PROBE_STEPS, Probes
 
 
 DEFAULT_INTERVAL = 1  # steps between re-plans (chosen by measurement: docs/method.md, section 5)
@@ -70,9 +71,10 @@ class StepPlanner:
 
     def __init__(self, model: SpeedModel, global_batch: int, min_local: int = 1, max_local: int | None = None, *,
                  interval: int = DEFAULT_INTERVAL, window: int = WINDOW, follow: float = 0.25,
-                 min_gain: float = 0.03):
+                 min_gain: float = 0.03, participation: str = "auto"):
         self.estimator = StepTimeEstimator(model, window, RECENT, follow)
         self.global_batch, self.min_local, self.max_local = int(global_batch), int(min_local), max_local
+        self.participation = participation
         self.interval, self.min_gain = int(interval), float(min_gain)
         self.step = 0                   # steps observed
         self.capped = False             # the last move stopped short at a tiny batch's growth limit
@@ -96,7 +98,8 @@ class StepPlanner:
     def plan(self, current) -> Proposal | None:
         """A better vector than `current` (the vector of the steps to come), or None. Every
         `interval` steps the ranks' recent levels are checked (cheap); the whole window is
-        re-estimated when one moved, or at least every REFIT steps (drift)."""
+        re-estimated when one moved, or at least every REFIT steps (drift). A rank held at a
+        small batch or sitting out is probed now and then (probe.py)."""
         if self.step < self.hold_until or self.since_plan < self.interval:
             return None
         self.since_plan = 0
@@ -112,24 +115,33 @@ class StepPlanner:
         if not changed.any() and not self.capped and not self.probed:    # drift: a move must also beat the noise
             gain = max(gain, -math.expm1(-GAIN_Z * float(self.estimator.uncertainty().max())))
         self.capped = self.probed = False
-        probe = None if changed.any() else self.probes.vector(self.step, current, self.estimator.flat(), self.min_local,
-                                                               self.max_local)
-        if probe is not None:
-            self.probed, self.hold_until = True, self.step + 1
-            return Proposal(probe, model.per_sample.copy(), model.overhead.copy(), before,
-                            float(model.predict(probe).max()), changed)
-        if best_step_time(model, self.global_batch) >= before * (1.0 - gain):
+        candidate = None if changed.any() else self.probes.vector(self.step, current, self.estimator.flat(), model,
+                                                                   self.min_local, self.max_local)
+        self.probed = candidate is not None
+        if candidate is None:
+            candidate = self._better(current, model, before * (1.0 - gain))
+        if candidate is None:
+            return None
+        self.hold_until = self.step + 1                    # until the announcement says when it applies
+        return Proposal(candidate, model.per_sample.copy(), model.overhead.copy(), before,
+                        float(model.predict(candidate).max()), changed)
+
+    def _better(self, current: np.ndarray, model: SpeedModel, target: float) -> np.ndarray | None:
+        """The model's vector if its predicted step time is at most `target` (None if not,
+        or if no vector can be: the continuous optimum is the bound)."""
+        auto = self.participation == "auto"
+        bound = best_with_participation(model.per_sample, model.overhead, self.global_batch) if auto else \
+            best_step_time(model, self.global_batch)
+        if bound >= target:
             return None                                    # no vector can pass the dead band
         limit = self._growth_limit(current, model)
-        candidate = model.allocate(self.global_batch, self.min_local, limit)
-        after = float(model.predict(candidate).max())
-        if after > before * (1.0 - gain) or np.array_equal(candidate, current):
+        candidate = allocate_for(model, self.global_batch, self.min_local, limit, self.participation)
+        if float(model.predict(candidate).max()) > target or np.array_equal(candidate, current):
             return None
         # a move that a tiny batch's limit held back goes on after the next RECENT steps
         self.capped = limit is not self.max_local and not np.array_equal(
-            candidate, model.allocate(self.global_batch, self.min_local, self.max_local))
-        self.hold_until = self.step + 1                    # until the announcement says when it applies
-        return Proposal(candidate, model.per_sample.copy(), model.overhead.copy(), before, after, changed)
+            candidate, allocate_for(model, self.global_batch, self.min_local, self.max_local, self.participation))
+        return candidate
 
     def _growth_limit(self, current: np.ndarray, model: SpeedModel):
         """Per-rank upper bounds: a rank at a tiny batch (mostly fixed cost) at most doubles
@@ -148,7 +160,7 @@ class StepPlanner:
         planner built in the middle of a run (a resume on another number of ranks, a second
         calibration) holds for as long as one built at the run's first step."""
         first = self.step + int(ahead)
-        self.hold_until = first + RECENT
+        self.hold_until = first + (PROBE_STEPS if self.probed else RECENT)
         self.settle_until = first + self.estimator.window
 
     def state_dict(self) -> dict:
@@ -156,7 +168,8 @@ class StepPlanner:
                 "min_local": self.min_local, "max_local": self.max_local and int(self.max_local),
                 "interval": self.interval, "min_gain": self.min_gain, "step": self.step, "capped": self.capped,
                 "since_plan": self.since_plan, "since_refit": self.since_refit, "hold_until": self.hold_until,
-                "settle_until": self.settle_until, "probes": self.probes.state_dict(), "probed": self.probed}
+                "settle_until": self.settle_until, "probes": self.probes.state_dict(), "probed": self.probed,
+                "participation": self.participation}
 
     @classmethod
     def from_state(cls, state: dict) -> "StepPlanner":
@@ -165,6 +178,7 @@ class StepPlanner:
         self.global_batch, self.min_local = int(state["global_batch"]), int(state["min_local"])
         self.max_local = state["max_local"] and int(state["max_local"])
         self.interval, self.min_gain = int(state["interval"]), float(state["min_gain"])
+        self.participation = str(state.get("participation", "all"))     # saved before planners chose the set
         self.step, self.since_plan, self.since_refit, self.hold_until, self.settle_until = (
             int(state[k]) for k in ("step", "since_plan", "since_refit", "hold_until", "settle_until"))
         self.capped, self.probed = bool(state["capped"]), bool(state.get("probed", False))
@@ -200,10 +214,11 @@ class Replanner:
 
     def __init__(self, rank: int, world_size: int, global_batch: int, min_local: int = 1, max_local=None, *,
                  model: SpeedModel | None = None, interval: int = DEFAULT_INTERVAL, window: int = WINDOW,
-                 follow: float = 0.25, min_gain: float = 0.03):
+                 follow: float = 0.25, min_gain: float = 0.03, participation: str = "auto"):
         self.rank, self.world_size, self.global_batch = int(rank), int(world_size), int(global_batch)
         self.settings = dict(min_local=int(min_local), max_local=max_local and int(max_local), interval=int(interval),
-                             window=int(window), follow=float(follow), min_gain=float(min_gain))
+                             window=int(window), follow=float(follow), min_gain=float(min_gain),
+                             participation=str(participation))
         self.planner = None if model is None else self._planner(model)
         self.announce: np.ndarray | None = None     # rank 0: the vector to announce with the next step
         self.proposal: Proposal | None = None       # the last proposal of this rank's planner
@@ -214,7 +229,8 @@ class Replanner:
     def _planner(self, model: SpeedModel) -> StepPlanner:
         s = self.settings
         return StepPlanner(model, self.global_batch, s["min_local"], s["max_local"], interval=s["interval"],
-                           window=s["window"], follow=s["follow"], min_gain=s["min_gain"])
+                           window=s["window"], follow=s["follow"], min_gain=s["min_gain"],
+                           participation=s["participation"])
 
     def start_from(self, model: SpeedModel) -> None:
         """Begin from a calibrated model (else the first step's measurement is the start)."""
