@@ -11,12 +11,13 @@ from dbs_mpi.planning.heterogeneity import Emulator
 
 SLOWED = ["--dataset", "synthetic", "--synthetic-samples", "2560", "--test-subset", "100", "--global-batch", "64",
           "--strategy", "dbs", "--benchmark-steps", "2", "--benchmark-warmup", "1", "--slow-rank", "1",
-          "--slow-factor", "4", "--slow-steps", "60,100", "--progress", "false"]
+          "--slow-factor", "8", "--slow-steps", "60,100", "--progress", "false",
+          "--participation", "all"]      # (8x makes rank 1 sit out under auto; here the clock is what counts)
 
 
 def test_a_run_resumed_on_another_number_of_ranks_follows_a_slow_down_and_its_end(tmp_path):
-    """40 steps on 3 ranks, then resumed on 2 for 3 more epochs of 40: rank 1 is 4x slower
-    in the run's steps [60, 100). The vector follows within the usual bound (the planner
+    """40 steps on 3 ranks, then resumed on 2 for 3 more epochs of 40: rank 1 is 8x slower
+    in the run's steps [60, 100) (8x: clear of a busy machine's noise). The vector follows within the usual bound (the planner
     counts on its own clock: it was built at run step 40) and gives the work back as soon
     as the slow-down ends (the emulator counts the run's steps, not the launch's: slowed
     from launch step 60, it would follow at about run step 100)."""
@@ -30,8 +31,10 @@ def test_a_run_resumed_on_another_number_of_ranks_follows_a_slow_down_and_its_en
     later = steps >= 40
     follow = [s for s, v in zip(steps[later], vectors[later]) if v[1] < 0.6 * 32]
     back = [s for s, v in zip(steps[later], vectors[later]) if s > follow[0] and v[1] > 0.6 * 32] if follow else []
-    assert follow and 60 < follow[0] <= 68, (steps.tolist(), vectors.tolist())
-    assert back and 100 < back[0] <= 112, (steps.tolist(), vectors.tolist())
+    # (4 steps is the norm; the bounds leave room for a busy machine, CI's three suites on
+    # 2 cores, and still fail a planner or an emulator counting from the resumed launch)
+    assert follow and 60 < follow[0] <= 80, (steps.tolist(), vectors.tolist())
+    assert back and 100 < back[0] <= 120, (steps.tolist(), vectors.tolist())
     assert d["step/batch_sizes"][-1, 1] > 0.6 * 32, "the work is given back for good"
 
 

@@ -383,8 +383,9 @@ def check_world(c: Config, world_size: int) -> None:
                             f"n = workers is ASGD)")
 
 
-# What a run configured before these options existed did: dbs re-planned once per epoch.
-LEGACY = {"dbs_interval": "epoch"}
+# What a run configured before these options existed did: dbs re-planned once per epoch,
+# and every rank took part.
+LEGACY = {"dbs_interval": "epoch", "participation": "all"}
 
 
 def from_dict(values: dict) -> Config:

@@ -44,7 +44,7 @@ import numpy as np
 
 from ..mpi import comm as mpi
 from ..options import UserError, parse_interval
-from ..planning import allocation, dynamic, sharding
+from ..planning import allocation, dynamic, participation, sharding
 from ..planning.heterogeneity import Emulator
 from . import config as config_mod
 from .config import ArgumentParser, Config, tomllib
@@ -172,6 +172,7 @@ class Job:
     dbs_min_gain: float = 0.03
     dbs_interval: str = "1"          # dbs: re-plan every N steps, or "epoch"
     dbs_window: int = 32
+    participation: str = "auto"      # auto: static and dbs leave out a rank that would slow every step | all
     benchmark_steps: int = 5
     softsync_n: int = 1
     softsync_wait: bool = False
@@ -278,7 +279,7 @@ def first_vector(job: Job, n: int, fit: allocation.SpeedModel) -> np.ndarray:
     bounds = (job.min_local_batch, job.max_local_batch or None)
     if job.strategy == "ssgd":
         return allocation.equal(job.global_batch, n, *bounds)
-    return fit.allocate(job.global_batch, *bounds)
+    return participation.allocate_for(fit, job.global_batch, *bounds, job.participation)
 
 
 def dbs_controller(job: Job, fit: allocation.SpeedModel) -> dynamic.DBSController:
@@ -343,7 +344,7 @@ def step_replanner(job: Job, fit: allocation.SpeedModel, ranks: int) -> dynamic.
         return None
     return dynamic.Replanner(0, ranks, job.global_batch, job.min_local_batch, job.max_local_batch or None,
                              model=fit, interval=interval, window=job.dbs_window, follow=job.dbs_follow,
-                             min_gain=job.dbs_min_gain)
+                             min_gain=job.dbs_min_gain, participation=job.participation)
 
 
 class _SyncClock:
@@ -570,7 +571,7 @@ def job_from_config(cfg: dict, model: ModelCost, data_per_sample: float) -> Job:
                min_local_batch=cfg["min_local_batch"], max_local_batch=cfg["max_local_batch"],
                dbs_model=cfg["dbs_model"], dbs_smoothing=cfg["dbs_smoothing"], dbs_follow=cfg["dbs_follow"],
                dbs_min_gain=cfg["dbs_min_gain"], dbs_interval=str(cfg["dbs_interval"]), dbs_window=cfg["dbs_window"],
-               benchmark_steps=cfg["benchmark_steps"],
+               participation=cfg["participation"], benchmark_steps=cfg["benchmark_steps"],
                softsync_n=cfg["softsync_n"], softsync_wait=cfg["softsync_wait"], seed=cfg["seed"],
                disturbances=disturbances, data_per_sample=data_per_sample, bucket_mb=cfg["bucket_mb"],
                first_bucket_mb=cfg["first_bucket_mb"])
@@ -702,7 +703,7 @@ def _speeds_file(path: Path) -> np.ndarray:
 def projection(machine: Machine, speeds, strategy: str = "dbs", model: str = "resnet20", epochs: int = 3,
                samples: int = 50000, global_batch: int = 0, local_batch: int = 32, network=NETWORKS["ib-100g"],
                algorithm: str = "auto", ranks_per_node: int = 1, compute_scale: float = 1.0, noise: float = 0.03,
-               seed: int = 0, dbs_interval: str = "1") -> dict:
+               seed: int = 0, dbs_interval: str = "1", participation: str = "auto") -> dict:
     """A run at scale: one rank per device of relative speed `speeds[i]` (1 = the fastest,
     which computes `compute_scale` times as fast as the machine's core), `ranks_per_node`
     ranks per node, each with its own cores; network = (alpha, beta)."""
@@ -710,7 +711,8 @@ def projection(machine: Machine, speeds, strategy: str = "dbs", model: str = "re
     ranks = len(speeds)
     global_batch = global_batch or local_batch * ranks
     job = Job(strategy=strategy, model=machine.models[model], samples=samples, global_batch=global_batch,
-              epochs=epochs, seed=seed, dbs_interval=str(dbs_interval))   # no residual: that is this machine's
+              epochs=epochs, seed=seed, dbs_interval=str(dbs_interval),    # no residual: that is this machine's
+              participation=participation)
     alpha, beta = network
     cluster = Cluster(nodes=np.arange(ranks) // ranks_per_node, cores=ranks_per_node, device=speeds * compute_scale)
     start = time.perf_counter()
@@ -729,7 +731,7 @@ def project(args, machine: Machine) -> dict:
     return projection(machine, speeds_from(args, args.ranks), args.strategy, args.model, args.epochs, args.samples,
                       args.global_batch, args.local_batch, network, args.algorithm, args.ranks_per_node,
                       args.compute_scale, DEFAULT_NOISE if args.noise is None else args.noise, args.seed,
-                      args.dbs_interval)
+                      args.dbs_interval, args.participation)
 
 
 # --- the command ---------------------------------------------------------------------------
@@ -761,6 +763,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dbs-interval", default="1", metavar="N|epoch", help="projection: dbs re-plans every N steps, "
                    "or once per epoch (as `dbs-mpi train`)")
+    p.add_argument("--participation", default="auto", choices=["auto", "all"], help="projection: static and dbs "
+                   "leave out a rank that would slow every step (auto), or keep every rank (all)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 

@@ -354,7 +354,7 @@ class SyncTrainer:
         run.summary.epochs.append(record)
         run.log(f"epoch {stats.epoch + 1}/{cfg.epochs}  train loss {record['train_loss']:.4f}  test loss "
                 f"{test_loss:.4f}  accuracy {100 * test_accuracy:.2f}%  time {stats.duration:.2f} s  "
-                f"batch sizes {stats.batch_sizes.tolist()}")
+                f"batch sizes {stats.batch_sizes.tolist()}{_sat_out(stats.table, cfg.global_batch)}")
 
     def save(self, where: str, stopped: int = 0) -> None:
         """Collective: a checkpoint of the model, the optimizer and the position; every rank's
@@ -396,6 +396,13 @@ class SyncTrainer:
             checkpoint.restore_rng(parts[rank]["rng"])
         else:
             torch.manual_seed(self.cfg.seed * 100_003 + rank)
+
+
+def _sat_out(table, global_batch: int) -> str:
+    """The epoch log line's note of the ranks that sat out some of its full steps."""
+    full = table[table.sum(axis=1) == global_batch]
+    out = (full == 0).sum(axis=0)
+    return "".join(f"  rank {rank} sat out {count} of {len(full)} steps" for rank, count in enumerate(out) if count)
 
 
 def _progress(loader, cfg: Config, epoch: int, rank: int):

@@ -120,7 +120,8 @@ SCHEMA_DATASETS = {
     "epoch/staleness_p99": ("(E,)", "updates", "asynchronous: 99th percentile of staleness"),
     "step/loss": ("(S,)", "loss", "global mean loss of every step"),
     "step/epoch": ("(S,) int", "epoch", "epoch (from 0) of every step"),
-    "step/batch_sizes": ("(S, R) int", "samples", "local batch of every rank in every step"),
+    "step/batch_sizes": ("(S, R) int", "samples", "local batch of every rank in every step (0: the rank sat out, "
+                                                 "or had no share of the epoch's last, partial step)"),
     "step/compute_time": ("(S, R)", "s", "compute seconds per step and rank"),
     "step/comm_time": ("(S, R)", "s", "communication seconds per step and rank"),
     "step/wait_time": ("(S, R)", "s", "waiting seconds per step and rank"),
@@ -135,7 +136,8 @@ SCHEMA_DATASETS = {
     "replan/run_step": ("(V,) int", "step", "the same step counted over the run (an index into step/*)"),
     "replan/decided": ("(V,) int", "step", "the run's step whose measured times led to it (its proposal was "
                                            "announced with the step after)"),
-    "replan/batch_sizes": ("(V, R) int", "samples", "the new vector"),
+    "replan/batch_sizes": ("(V, R) int", "samples", "the new vector (0: the rank sits out from that step; a change "
+                                                   "of who takes part is a row like any other)"),
     "replan/per_sample": ("(V, R)", "s", "the estimate that caused it: seconds per sample of every rank (NaN: a "
                                          "vector given by hand, `Balancer.propose`)"),
     "replan/overhead": ("(V, R)", "s", "... and seconds of fixed cost per step"),

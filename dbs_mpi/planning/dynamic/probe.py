@@ -15,8 +15,9 @@ RECENT); the line through the window then has two batches to fit the slope from.
 rank that sits out (participation.py: local batch 0) is not measured at all, so it is
 probed the same way at min_local samples: if it became fast, the plan takes it back.
 
-A probe that changes nothing doubles the rank's wait, up to PROBE_MAX steps; a probe
-that the model predicts to be costly (a rank that sits out because its least share
+A probe that changes nothing doubles the rank's wait, up to PROBE_MAX steps; after the
+first (a slow-down is often short: PROBE_FIRST steps after it the first probe looks), a
+probe that the model predicts to be costly (a rank that sits out because its least share
 takes longer than the others' whole step) waits longer still, until its predicted cost
 is at most PROBE_BUDGET of the steps (PROBE_STEPS x the relative extra time / the
 wait). A rank whose batch is rightly small spends PROBE_STEPS steps in 256 at most half
@@ -69,8 +70,8 @@ class Probes:
             if vector is None:
                 continue
             cost = max(0.0, float(model.predict(vector).max()) / max(before, 1e-300) - 1.0)
-            if step - self.since[rank] < PROBE_STEPS * cost / PROBE_BUDGET:
-                continue                                  # a costly probe waits for its budget
+            if self.wait[rank] > PROBE_FIRST and step - self.since[rank] < PROBE_STEPS * cost / PROBE_BUDGET:
+                continue                                  # a costly probe after the first waits for its budget
             self.since[rank], self.wait[rank] = step, min(2 * self.wait[rank], PROBE_MAX)
             return vector
         return None
