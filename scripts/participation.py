@@ -1,0 +1,126 @@
+"""Participation measured: `dbs-mpi train` runs side by side, medians over repeats.
+
+    .venv/bin/python scripts/participation.py --repeats 3 [--cases slow,third,stretch,crossover]
+
+LeNet-5 on Fashion-MNIST (`--subset`, default 30,720 samples: 60 steps of B = 512), the
+steps timed on rank 0 (data, compute, wait, collective and update of every step, from
+the result file), each case against its baseline in the same repeat:
+
+* slow: 2 ranks at emulated speeds 1:0.02, dbs with `--participation auto` and `all`,
+  against 1 rank: the second epoch's time over the 1-rank run's;
+* third: 3 ranks at 1,1,0.02 against 2 ranks at 1,1 (3 ranks on 2 cores are
+  oversubscribed while all compute: the calibration; the rank that sits out sleeps);
+* stretch: 2 equal ranks, rank 1 50x slower in the run's steps [20, 60): the stretch's
+  time over 1 rank's same steps, and the steps after 60 until rank 1 has 80% of its
+  share again (auto and all);
+* crossover: 2 ranks at 1:x for x in 0.5, 0.2, 0.1, 0.05, 0.02: dbs (auto) against the
+  faster of its subsets (1 rank alone, or both at speeds 1:x with every rank taking part).
+
+Nothing else should compute beside it (2 cores: two ranks fill them).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from dbs_mpi import read_run  # noqa: E402
+
+BASE = ["--model", "lenet5", "--dataset", "fashion-mnist", "--global-batch", "512", "--strategy", "dbs",
+        "--test-subset", "500", "--progress", "false", "--checkpoint-every", "0"]
+
+
+def run(ranks: int, args: list, out: Path) -> dict:
+    """One `dbs-mpi train` job; returns its result file's data."""
+    launcher = [str(ROOT / ".venv/bin/mpirun"), "-n", str(ranks)] if ranks > 1 else []
+    cmd = launcher + [str(ROOT / ".venv/bin/dbs-mpi"), "train", *BASE, *args, "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    if proc.returncode:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
+    return read_run(out)["data"]
+
+
+def step_seconds(d: dict) -> np.ndarray:
+    """Every step's time on rank 0 (its phases, the wait included)."""
+    parts = ("data_time", "pre_time", "wait_time", "comm_time")
+    return sum(np.asarray(d[f"step/{k}"])[:, 0] for k in parts)
+
+
+def epoch_seconds(d: dict, epoch: int) -> float:
+    return float(step_seconds(d)[np.asarray(d["step/epoch"]) == epoch].sum())
+
+
+def case_slow(tmp: Path, subset: list) -> dict:
+    alone = epoch_seconds(run(1, subset + ["--epochs", "2"], tmp / "alone.h5"), 1)
+    out = {}
+    for mode in ("auto", "all"):
+        d = run(2, subset + ["--epochs", "2", "--speeds", "1,0.02", "--participation", mode], tmp / f"{mode}.h5")
+        out[f"1:0.02 {mode} / 1 rank"] = epoch_seconds(d, 1) / alone
+    return out
+
+
+def case_third(tmp: Path, subset: list) -> dict:
+    two = epoch_seconds(run(2, subset + ["--epochs", "2", "--speeds", "1,1"], tmp / "two.h5"), 1)
+    three = run(3, subset + ["--epochs", "2", "--speeds", "1,1,0.02"], tmp / "three.h5")
+    return {"1,1,0.02 / 1,1": epoch_seconds(three, 1) / two}
+
+
+def case_stretch(tmp: Path, subset: list) -> dict:
+    alone = step_seconds(run(1, subset + ["--epochs", "2"], tmp / "alone.h5"))[20:60].sum()
+    out = {}
+    for mode in ("auto", "all"):
+        d = run(2, subset + ["--epochs", "2", "--slow-rank", "1", "--slow-factor", "50", "--slow-steps", "20,60",
+                             "--participation", mode], tmp / f"stretch-{mode}.h5")
+        rows = np.asarray(d["step/batch_sizes"])
+        share = np.median(rows[:20, 1])
+        back = next((s - 60 for s in range(60, len(rows)) if rows[s, 1] >= 0.8 * share), len(rows) - 60)
+        out[f"50x stretch {mode} / 1 rank"] = step_seconds(d)[20:60].sum() / alone
+        out[f"50x stretch {mode}: steps to come back"] = back
+    return out
+
+
+def case_crossover(tmp: Path, subset: list) -> dict:
+    alone = epoch_seconds(run(1, subset + ["--epochs", "2"], tmp / "alone.h5"), 1)
+    out = {}
+    for x in (0.5, 0.2, 0.1, 0.05, 0.02):
+        speeds = ["--epochs", "2", "--speeds", f"1,{x}"]
+        auto = epoch_seconds(run(2, subset + speeds, tmp / f"x{x}.h5"), 1)
+        both = epoch_seconds(run(2, subset + speeds + ["--participation", "all"], tmp / f"x{x}-all.h5"), 1)
+        out[f"1:{x} auto / best subset"] = auto / min(alone, both)
+        out[f"1:{x} all / 1 rank"] = both / alone
+    return out
+
+
+CASES = {"slow": case_slow, "third": case_third, "stretch": case_stretch, "crossover": case_crossover}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--subset", type=int, default=30720)
+    args = p.parse_args()
+    subset = ["--subset", str(args.subset), "--data-dir", str(ROOT / "data")]
+    figures: dict[str, list] = {}
+    for repeat in range(args.repeats):
+        for name in args.cases.split(","):
+            with tempfile.TemporaryDirectory() as tmp:
+                for key, value in CASES[name](Path(tmp), subset).items():
+                    figures.setdefault(key, []).append(value)
+        print(f"repeat {repeat + 1} of {args.repeats} done", file=sys.stderr, flush=True)
+    for key, values in figures.items():
+        print(f"{key:42s} median {statistics.median(values):7.3f}   "
+              f"({', '.join(f'{v:.3f}' for v in values)})")
+
+
+if __name__ == "__main__":
+    main()
