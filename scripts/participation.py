@@ -60,11 +60,12 @@ def epoch_seconds(d: dict, epoch: int) -> float:
 
 
 def case_slow(tmp: Path, subset: list) -> dict:
-    alone = epoch_seconds(run(1, subset + ["--epochs", "2"], tmp / "alone.h5"), 1)
+    alone = epoch_seconds(run(1, subset + ["--epochs", "2", "--threads", "1"], tmp / "alone.h5"), 1)
     out = {}
     for mode in ("auto", "all"):
         d = run(2, subset + ["--epochs", "2", "--speeds", "1,0.02", "--participation", mode], tmp / f"{mode}.h5")
         out[f"1:0.02 {mode} / 1 rank"] = epoch_seconds(d, 1) / alone
+    out["1:0.02 auto / all"] = out["1:0.02 auto / 1 rank"] / out["1:0.02 all / 1 rank"]
     return out
 
 
@@ -75,7 +76,7 @@ def case_third(tmp: Path, subset: list) -> dict:
 
 
 def case_stretch(tmp: Path, subset: list) -> dict:
-    alone = step_seconds(run(1, subset + ["--epochs", "2"], tmp / "alone.h5"))[20:60].sum()
+    alone = step_seconds(run(1, subset + ["--epochs", "2", "--threads", "1"], tmp / "alone.h5"))[20:60].sum()
     out = {}
     for mode in ("auto", "all"):
         d = run(2, subset + ["--epochs", "2", "--slow-rank", "1", "--slow-factor", "50", "--slow-steps", "20,60",
@@ -89,7 +90,7 @@ def case_stretch(tmp: Path, subset: list) -> dict:
 
 
 def case_crossover(tmp: Path, subset: list) -> dict:
-    alone = epoch_seconds(run(1, subset + ["--epochs", "2"], tmp / "alone.h5"), 1)
+    alone = epoch_seconds(run(1, subset + ["--epochs", "2", "--threads", "1"], tmp / "alone.h5"), 1)
     out = {}
     for x in (0.5, 0.2, 0.1, 0.05, 0.02):
         speeds = ["--epochs", "2", "--speeds", f"1,{x}"]
