@@ -1,13 +1,19 @@
 """One clock over the whole run: a run resumed on another number of ranks (which calibrates
 again and so builds a new within-epoch planner) follows a slow-down as fast as one never
 stopped, and the emulated disturbance slows the run's steps it names, not the resumed
-launch's."""
+launch's. And a run whose slow rank sits out stops and resumes like any other."""
+import subprocess
+import sys
+
 import numpy as np
+import pytest
 from mpi4py import MPI
 
 import dbs_mpi
-from conftest import run_cli
+from conftest import ROOT, mpiexec, run_cli
 from dbs_mpi.planning.heterogeneity import Emulator
+from dbs_mpi.training import checkpoint
+from test_checkpoint import STOP_AT_STEP
 
 SLOWED = ["--dataset", "synthetic", "--synthetic-samples", "2560", "--test-subset", "100", "--global-batch", "64",
           "--strategy", "dbs", "--benchmark-steps", "2", "--benchmark-warmup", "1", "--slow-rank", "1",
@@ -51,3 +57,36 @@ def test_a_balancer_resumed_on_another_number_of_ranks_emulates_the_run_s_steps(
     for _ in range(30):
         balancer.emulator.step_done(20.0)
     assert (balancer.emulator.run_step, balancer.emulator.factor) == (100, 1.0)
+
+
+SITTING_OUT = ["--dataset", "synthetic", "--synthetic-samples", "3200", "--test-subset", "100", "--global-batch", "64",
+               "--strategy", "dbs", "--benchmark-steps", "2", "--benchmark-warmup", "1", "--speeds", "1,0.02",
+               "--progress", "false"]
+
+
+@pytest.mark.parametrize("resume_ranks", [2, 1])
+def test_a_run_stopped_while_a_rank_sits_out_resumes_on_the_same_or_another_number_of_ranks(tmp_path, resume_ranks):
+    """Speeds 1:0.02: rank 1's least share outlasts rank 0's whole step, so it sits out
+    (local batch 0, no forward or backward) from the calibration on. A SIGTERM on rank 1
+    alone, in the first of two 50-step epochs, reaches the job through the step it does not
+    compute: a checkpoint, `cancelled`, exit 3; resumed on 2 ranks or on 1, the run
+    completes with every step once, each of the global batch."""
+    out = tmp_path / "out.h5"
+    script = tmp_path / "stop.py"
+    script.write_text(STOP_AT_STEP)
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script), "30", "train", *SITTING_OUT,
+                           "--epochs", "2", "--out", str(out)], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == checkpoint.EXIT_STOPPED, proc.stderr
+    run = dbs_mpi.read_run(out)
+    assert run["attrs"]["status"] == "cancelled"
+    state = checkpoint.load(str(out) + ".ckpt")                # (the calibration's steps count too)
+    table = np.asarray(state["per_rank"][0]["balancer"]["open"]["table"])
+    assert state["epoch"] == 0 and 0 < state["step"] < 50, (state["epoch"], state["step"])
+    assert (table[:state["step"], 1] == 0).all(), table[:, 1].tolist()
+    speeds = ["--speeds", "1,0.02" if resume_ranks == 2 else "1"]          # (the new world's speeds)
+    proc = run_cli(["train", "--resume", str(out), *speeds], ranks=resume_ranks, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    d = dbs_mpi.read_run(out)
+    assert d["attrs"]["status"] == "complete" and d["data"]["epoch/train_loss"].shape == (2,)
+    assert d["data"]["step/epoch"].tolist() == [0] * 50 + [1] * 50
+    assert (np.nansum(np.where(d["data"]["step/batch_sizes"] < 0, 0, d["data"]["step/batch_sizes"]), axis=1) == 64).all()
