@@ -50,9 +50,9 @@ checks that):
   tools/            what is built on the library: the command and the research around it
     config.py         the job's options;  cli.py  the `dbs-mpi` command;  train.py  `dbs-mpi train`
     data.py, models.py  built-in datasets and models;  plugins.py  the user's model, data, loss
-    bench.py, bench_tracking.py  benchmarks;  experiments.py  the experiment grid
+    bench/, bench_tracking.py  benchmarks;  experiments.py  the experiment grid
     analysis.py       result files -> pandas tables
-    simulator.py, machine.py  the cluster simulator and its measured machine constants
+    simulator/, machine.py  the cluster simulator and its measured machine constants
 """
 from .about import __version__  # noqa: F401 (first: it reads the cores before torch loads)
 

@@ -206,7 +206,7 @@ LAZY = {
     "training.results": "readers of result files (the analysis, the notebooks) need neither MPI nor torch",
     "tools.machine": "the simulator's machine constants need neither torch nor MPI; measuring them does",
     "tools.data": "`dbs-mpi data` and the simulator (the datasets' sizes) need no torch; loading a dataset does",
-    "tools.simulator": "a simulation needs no torch; `simulate calibrate` runs the engine (tools.train)",
+    "tools.simulator.calibration": "a simulation needs no torch; `simulate calibrate` runs the engine (tools.train)",
 }
 
 

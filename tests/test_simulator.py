@@ -1,4 +1,4 @@
-"""The simulator (dbs_mpi/tools/simulator.py): the event engine on cases with known answers, the
+"""The simulator (dbs_mpi/tools/simulator/): the event engine on cases with known answers, the
 replay of committed runs against their measured times, and the DBS controller's decisions
 against a recorded run. All in one process, no MPI; `dbs-mpi simulate` through the CLI."""
 import json

@@ -17,7 +17,7 @@ measures once, on a quiet machine:
   scheduled);
 * the node's cores.
 
-The simulator (simulator.py) replays and projects runs from these numbers and a run's
+The simulator (simulator/) replays and projects runs from these numbers and a run's
 configuration; they are kept in a JSON file (results/machine/dev-2core.json: the
 development machine).
 """

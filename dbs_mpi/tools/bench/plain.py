@@ -1,0 +1,43 @@
+"""The plain PyTorch training loop that the ddp and overhead cases measure the framework
+against: the same model, shards, optimizer and device, no dbs-mpi.
+"""
+from __future__ import annotations
+
+import time
+
+from ...mpi import comm as mpi, devices
+from ...planning import allocation, sharding
+from ..models import build_model
+
+
+def _plain_epoch(comm, cfg, train_set, wrap=None, warmup: int = 5) -> float:
+    """Seconds of one epoch of a plain PyTorch loop over this rank's batches (the same
+    shards as `train` with equal local batches); `wrap` turns the model into e.g. DDP."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(cfg.seed)
+    device = devices.select(comm, cfg.device, cfg.devices or None, threads=False)
+    model = build_model(cfg.model, train_set.sample_shape, train_set.num_classes).to(device)
+    if wrap is not None:
+        model = wrap(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    vector = allocation.equal(cfg.global_batch, comm.Get_size())
+    shard = sharding.epoch_shard(len(train_set), 0, cfg.seed, cfg.global_batch, vector, comm.Get_rank())
+
+    def step(idx):
+        x, y = devices.to_device((train_set.x[idx], train_set.y[idx]), device)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        loss.item()                     # (on a GPU: waits for the step, as dbs-mpi's loop does)
+        optimizer.step()
+
+    for idx in shard[:warmup]:
+        step(idx)
+    mpi.barrier(comm)
+    start = time.perf_counter()
+    for idx in shard:
+        step(idx)
+    devices.synchronize(device)
+    return time.perf_counter() - start

@@ -1,0 +1,108 @@
+"""The machine constants' calibration (`mpirun -n 2 dbs-mpi simulate calibrate`): the
+network and compute constants (tools/machine.py), then the residuals: seconds real runs
+of the engine take beyond the model, and the spread of a step's compute time.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ...mpi import comm as mpi
+from ...options import UserError
+from ...planning import sharding
+from ..config import ArgumentParser, Config
+from ..machine import Machine, calibrate
+from .job import SYNC
+from .replaying import replay, replay_job
+
+
+def mpi_bcast_tmp(comm) -> str:
+    """A temporary folder that every rank of comm agrees on (rank 0 makes it)."""
+    import tempfile
+
+    return mpi.bcast_object(comm, tempfile.mkdtemp(prefix="dbs-mpi-calibrate-") if comm.Get_rank() == 0 else None)
+
+
+def residual_runs(cores: int, world: int) -> dict:
+    """The real runs whose time beyond the model is the machine's residual: name ->
+    (ranks, strategy). Equal speeds, LeNet-5 on synthetic data."""
+    runs = {"sync": (min(max(cores, 2), world), "ssgd"), "async": (min(cores + 1, world), "asgd")}
+    if world > cores:
+        runs["sync_crowded"] = (world, "ssgd")
+    return runs
+
+
+def measure_residuals(comm, machine: Machine, folder: Path) -> dict:
+    """Collective. Seconds real runs of this machine take beyond the model, per synchronous
+    step ("sync": ranks on their own cores; "sync_crowded": more ranks than cores) and per
+    gradient of a parameter-server worker ("async"): each is one short run of the engine
+    (train.train on a sub-communicator; the other ranks sleep), replayed without residual;
+    the median over its epochs after the first of (measured - predicted) / steps."""
+    from .train import train             # the engine (torch): only calibrating runs it
+    runs, residual = residual_runs(machine.cores, comm.Get_size()), {}
+    for name, (ranks, strategy) in runs.items():
+        member = comm.Get_rank() < ranks
+        sub = comm.Split(0 if member else 1)
+        if member and ranks >= 2:
+            cfg = Config(dataset="synthetic", synthetic_samples=6000, test_subset=100, model="lenet5", epochs=3,
+                         global_batch=64 * (ranks - (strategy == "asgd")), strategy=strategy, benchmark_steps=3,
+                         checkpoint_every=0, progress=False, threads=1)
+            train(sub, cfg, out=str(folder / f"{name}.h5"), log=lambda msg: None)
+        sub.Free()
+        mpi.barrier(comm, timeout=3600)
+    if comm.Get_rank() == 0:
+        machine.residual = {}
+        machine.noise = {"alone": _spread(folder / "sync.h5")}
+        machine.noise["crowded"] = _spread(folder / "sync_crowded.h5") if "sync_crowded" in runs else \
+            machine.noise["alone"]
+        for name in runs:
+            residual[name] = _residual(folder / f"{name}.h5", machine)
+    return residual
+
+
+def _spread(path: Path) -> float:
+    """Lognormal sigma of a step's compute time in a run of equal ranks: the standard
+    deviation of log(compute time) over the steps after the first epoch, median over ranks."""
+    import h5py
+    with h5py.File(path, "r") as f:
+        times, epoch = f["step/compute_time"][()], f["step/epoch"][()]
+    logs = np.log(np.maximum(times[epoch > 0], 1e-9))
+    return float(np.median(logs.std(axis=0)))
+
+
+def _residual(path: Path, machine: Machine) -> float:
+    """Seconds per step (synchronous) or per gradient (a parameter-server worker) that a
+    residual run took beyond its replay (machine.residual is empty while it is measured)."""
+    out = replay(path, machine, seed=0)
+    job = replay_job(path, machine)[0]
+    if job.strategy in SYNC:
+        per = sharding.steps_per_epoch(job.samples, job.global_batch, job.drop_last)
+    else:
+        per = job.samples / job.global_batch           # gradients per worker and epoch (equal local batches)
+    pairs = list(zip(out["epoch_time_measured"], out["epoch_time_predicted"]))[1:]
+    return max(0.0, float(np.median([(m - p) / per for m, p in pairs])))
+
+
+def _calibrate(comm, argv) -> int:
+    p = ArgumentParser(prog="dbs-mpi simulate calibrate", description="Measure the machine constants (run under "
+                "mpirun -n 2 on one node, nothing else running).")
+    p.add_argument("--out", required=True, metavar="FILE.json")
+    p.add_argument("--name", default="this machine")
+    args = p.parse_args(argv)
+    if comm.Get_size() < 2:
+        raise UserError("simulate calibrate: run it under mpirun -n 2 or more, on one node (mpirun -n 4 on a "
+                        "2-core machine also measures crowded collectives)")
+    machine = calibrate(comm, args.name)
+    folder = Path(mpi_bcast_tmp(comm))
+    machine.residual = measure_residuals(comm, machine, folder)
+    if comm.Get_rank() == 0:
+        import shutil
+        shutil.rmtree(folder, ignore_errors=True)
+        machine.save(args.out)
+        print(f"machine constants: {args.out} (alpha {machine.alpha * 1e6:.2f} us, beta "
+              f"{1 / machine.beta / 1e9:.2f} GB/s, sleeping wait {machine.sleep_wait * 1e6:.0f} us, crowded "
+              f"message {machine.oversubscribed_message * 1e6:.0f} us, {machine.cores} cores; step-time spread "
+              + ", ".join(f"{k} {v:.3f}" for k, v in machine.noise.items()) + "; residuals "
+              + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in machine.residual.items()) + ")")
+    return 0

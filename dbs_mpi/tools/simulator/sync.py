@@ -1,0 +1,151 @@
+"""The synchronous strategies (ssgd, static, dbs), epoch by epoch and step by step: every
+rank reads its batch and computes; the allreduce starts when the last rank is done; then
+every rank updates. wait_i = max_j pre_j - pre_i. The start-up calibration is the
+engine's (its batches and fit), simulated or read from a recorded run; dbs re-plans with
+the engine's DBSController every epoch, or with its Replanner within the epoch.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...options import parse_interval
+from ...planning import allocation, dynamic, participation, sharding
+from .cluster import Cluster, Compute, emulators, free_running_rate
+from .job import Job, Result
+from .network import Network, buckets
+
+
+def calibration_step(compute: Compute, cluster: Cluster, factor: np.ndarray, local_batch: int) -> np.ndarray:
+    """Every rank's calibration step at `local_batch`, the ranks' loops unsynchronised
+    (free_running_rate), the emulated slow-down included (seconds, per rank)."""
+    rate = free_running_rate(cluster.nodes, factor, cluster.node_cores())
+    work = compute.work(np.full(cluster.size, local_batch))
+    return work / rate + work * (factor - 1.0)
+
+
+def calibration_times(job: Job, cluster: Cluster, compute: Compute, emus) -> tuple[tuple, np.ndarray]:
+    """The start-up calibration as the engine runs it (balancer.calibrate): the medians of
+    benchmark_steps steps at two local batches. Returns ((small, large), (ranks x 2) seconds)."""
+    batches = allocation.calibration_batches(job.global_batch, cluster.size, job.min_local_batch,
+                                             job.max_local_batch or None)
+    factor = np.array([e.factor for e in emus])
+    times = [np.median([calibration_step(compute, cluster, factor, b) for _ in range(job.benchmark_steps)], axis=0)
+             for b in batches]
+    return batches, np.stack(times, axis=1)
+
+
+def simulated_calibration(job: Job, cluster: Cluster, compute: Compute, emus) -> allocation.SpeedModel:
+    """The engine's fit of the simulated calibration."""
+    (small, large), times = calibration_times(job, cluster, compute, emus)
+    n = cluster.size
+    return allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1],
+                                     affine=job.dbs_model == "affine")
+
+
+def first_vector(job: Job, n: int, fit: allocation.SpeedModel) -> np.ndarray:
+    bounds = (job.min_local_batch, job.max_local_batch or None)
+    if job.strategy == "ssgd":
+        return allocation.equal(job.global_batch, n, *bounds)
+    return participation.allocate_for(fit, job.global_batch, *bounds, job.participation)
+
+
+def dbs_controller(job: Job, fit: allocation.SpeedModel) -> dynamic.DBSController:
+    """The engine's DBS controller with the job's damping, starting from the calibration's fit."""
+    return dynamic.DBSController(model=fit, global_batch=job.global_batch, min_local=job.min_local_batch,
+                                    max_local=job.max_local_batch or None, smoothing=job.dbs_smoothing,
+                                    follow=job.dbs_follow, min_gain=job.dbs_min_gain)
+
+
+def startup_fit(job: Job, startup: dict, ranks: int) -> allocation.SpeedModel | None:
+    """The engine's fit of a recorded start-up calibration (None if the run has none)."""
+    if "step_time" not in startup:
+        return None
+    small, large = startup["local_batch"]
+    times = startup["step_time"]
+    return allocation.SpeedModel.fit(np.full(ranks, small), times[:, 0], np.full(ranks, large), times[:, 1],
+                                     affine=job.dbs_model == "affine")
+
+
+def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0.03, seed: int = 0,
+                  load: float = 1.0, vector=None, fit=None) -> Result:
+    """ssgd, static or dbs, epoch by epoch and step by step. vector / fit: the start-up
+    calibration's outcome if known (a replay), else the calibration is simulated. dbs
+    re-plans with the engine's controller: every epoch, or with the engine's Replanner at
+    its step interval, the vector applying from the step after its announcement (the
+    simulated ranks prefetch nothing)."""
+    rng = np.random.default_rng(seed)
+    n = cluster.size
+    compute, emus, result = Compute(job, cluster, noise, rng, load), emulators(job, n), Result()
+    if fit is None:
+        fit = simulated_calibration(job, cluster, compute, emus)
+    vector = np.asarray(vector if vector is not None else first_vector(job, n, fit), dtype=np.int64)
+    replanner = step_replanner(job, fit, n)
+    controller = dbs_controller(job, fit) if job.strategy == "dbs" and replanner is None else None
+    extra = 0 if replanner is None else replanner.size
+    comm = network.exchange(n, buckets(job.model.numel, job.bucket_mb, job.first_bucket_mb, extra), cluster.sleeping,
+                            cluster.crowded)
+    if n > 1:          # what real steps take beyond the model (machine.py: measured once per machine)
+        comm += job.residual.get("sync_crowded" if cluster.crowded else "sync", 0.0)
+    clock = _SyncClock(compute, emus, comm, compute.update(), replanner)
+    for epoch in range(job.epochs):
+        table = sharding.step_batch_sizes(job.samples, job.global_batch, vector, job.drop_last)
+        for e in emus:
+            e.start_epoch(epoch, len(table))
+        result.batch_sizes.append(vector.tolist())
+        pre = clock.epoch(table, job)                                       # (steps, ranks)
+        vector = clock.vector if clock.vector is not None else vector
+        slowest = pre.max(axis=1)
+        result.epoch_time.append(float((slowest + comm + clock.update).sum()))
+        result.compute += float(pre.sum() + clock.update * pre.size)
+        result.wait += float((slowest[:, None] - pre).sum())
+        result.comm += float(comm * pre.size)
+        if controller is not None:
+            vector, _ = controller.update(vector, table, pre.sum(axis=0))
+    return result
+
+
+def step_replanner(job: Job, fit: allocation.SpeedModel, ranks: int) -> dynamic.Replanner | None:
+    """The engine's within-epoch Replanner (rank 0's: the one whose proposals count), or None."""
+    interval = parse_interval(job.dbs_interval)
+    if job.strategy != "dbs" or interval is None or ranks == 1:
+        return None
+    return dynamic.Replanner(0, ranks, job.global_batch, job.min_local_batch, job.max_local_batch or None,
+                             model=fit, interval=interval, window=job.dbs_window, follow=job.dbs_follow,
+                             min_gain=job.dbs_min_gain, participation=job.participation)
+
+
+class _SyncClock:
+    """The steps of an epoch in simulated time: every rank's pre-collective seconds, the
+    emulator's per-step windows, and (dbs within the epoch) the Replanner fed with what
+    the engine's allreduce carries, its switches applied to the epoch's table."""
+
+    def __init__(self, compute: Compute, emus, comm: float, update: float, replanner):
+        self.compute, self.emus, self.comm, self.update, self.replanner = compute, emus, comm, update, replanner
+        self.trained, self.run_steps, self.vector = 0.0, 0, None
+
+    def epoch(self, table: np.ndarray, job: Job) -> np.ndarray:
+        pre = np.zeros(table.shape)
+        for s in range(len(table)):
+            factor = np.array([e.factor for e in self.emus])
+            pre[s] = self.compute.pre(table[s], factor, np.array([e.step_sleep for e in self.emus]))
+            self.trained += float(pre[s].max() + self.comm + self.update)
+            self.run_steps += 1
+            for e in self.emus:
+                e.step_done(self.trained)
+            if self.replanner is not None:
+                self._replan(table, s, pre[s], job)
+        return pre
+
+    def _replan(self, table: np.ndarray, s: int, seconds: np.ndarray, job: Job) -> None:
+        r, n = self.replanner, table.shape[1]
+        announced = np.zeros(n) if r.announce is None else r.announce.astype(float)
+        r.announce = None
+        summed = np.concatenate([seconds, np.full(n, s + 1.0), announced, [n]])     # nobody prefetches
+        current = self.vector if self.vector is not None else table[0]
+        switch = r.incoming(summed, table[s], current, s + 1)
+        if switch is None:
+            return
+        self.vector = switch.vector
+        if switch.first_step < len(table):
+            rows = sharding.step_batch_sizes(job.samples, job.global_batch, switch.vector, job.drop_last)
+            table[switch.first_step:] = rows[switch.first_step:]
