@@ -55,15 +55,18 @@ def ordered(values) -> list:
     return sorted(values, key=lambda v: ORDER.index(v) if v in ORDER else len(ORDER))
 
 
-def save(fig, name: str, caption: str):
-    """Write <name>.png, <name>.pdf and <name>.md (the caption); return the caption as
-    Markdown for the notebook to display."""
+def save(fig, name: str, caption: str, short: str | None = None):
+    """Write <name>.png, <name>.pdf, <name>.md (the caption) and, for a figure the README
+    shows, <name>.short.md (`short`: its claim, its key number, held or not, in about 60
+    words); return the caption as Markdown for the notebook to display."""
     FIGURES.mkdir(parents=True, exist_ok=True)
     # No creation date or software version in the files: the same figure gives the same
     # bytes, so re-drawing unchanged figures leaves the tree clean.
     fig.savefig(FIGURES / f"{name}.png", metadata={"Software": None})
     fig.savefig(FIGURES / f"{name}.pdf", metadata={"CreationDate": None, "Producer": None, "Creator": None})
     (FIGURES / f"{name}.md").write_text(caption.strip() + "\n")
+    if short is not None:
+        (FIGURES / f"{name}.short.md").write_text(short.strip() + "\n")
     try:
         from IPython.display import Markdown
         return Markdown(f"**Figure `{name}`.** " + caption)

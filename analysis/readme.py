@@ -3,8 +3,9 @@
     python analysis/readme.py                 # analysis/figures/README.md + README.md's "Figures" section
     python analysis/readme.py --check DIR     # every figure of FIGURES has its PNG, PDF and caption in DIR
 
-The captions (<figures>/<name>.md) are computed in the notebooks from the result files;
-this script only places them. In README.md it replaces what lies between the markers
+The captions (<figures>/<name>.md, and <name>.short.md for the figures README.md shows)
+are computed in the notebooks from the result files; this script only places them: the
+short ones in README.md, the full ones in analysis/figures/README.md. In README.md it replaces what lies between the markers
 `<!-- figures:start -->` and `<!-- figures:end -->`.
 """
 from __future__ import annotations
@@ -34,8 +35,12 @@ FIGURES = [
 ]
 
 
-def caption(folder: Path, name: str) -> str | None:
-    path = folder / f"{name}.md"
+def caption(folder: Path, name: str, short: bool = False) -> str | None:
+    """A figure's caption: the full one (<name>.md), or with short=True its short one
+    (<name>.short.md: the claim, the key number, held or not), else the full one."""
+    path = folder / f"{name}.short.md"
+    if not (short and path.exists()):
+        path = folder / f"{name}.md"
     return path.read_text().strip() if path.exists() else None
 
 
@@ -61,10 +66,11 @@ def section(folder: Path) -> str:
              "From the committed small grid (`results/grid/`, 2-core machine, emulated heterogeneity; "
              "`make experiments` re-runs it, `make figures` re-draws these and rewrites this section). "
              "Numbers in the captions are computed from the result files by the notebooks in `analysis/`. "
-             f"All figures with captions: [`{rel}/README.md`]({rel}/README.md).", ""]
+             f"All figures with their full captions (what was run, every number, the criteria): "
+             f"[`{rel}/README.md`]({rel}/README.md).", ""]
     rest = []
     for name, title, notebook, main in FIGURES:
-        text = caption(folder, name)
+        text = caption(folder, name, short=main)
         if text is None:
             continue
         if main:
@@ -91,8 +97,8 @@ def update_readme(readme: Path, folder: Path) -> bool:
 
 def check(folder: Path) -> list[str]:
     problems = []
-    for name, *_ in FIGURES:
-        for ext in ("png", "pdf", "md"):
+    for name, _, _, main in FIGURES:
+        for ext in ("png", "pdf", "md") + (("short.md",) if main else ()):
             path = folder / f"{name}.{ext}"
             if not path.exists() or path.stat().st_size == 0:
                 problems.append(f"missing {path}")

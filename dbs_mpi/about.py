@@ -8,7 +8,7 @@ when torch loads, and a script that imports torch first sees only that core
 """
 import os
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 try:
     AFFINITY_AT_IMPORT = frozenset(os.sched_getaffinity(0))

@@ -1,7 +1,7 @@
 """Dynamic batch size: re-planning the batch vector from measured step times.
 
 Pure code, no MPI: the balancer (balancer.py) feeds it every rank's measured step times
-and carries its decisions to all ranks; the simulator (simulator.py) drives the same
+and carries its decisions to all ranks; the simulator (tools/simulator/) drives the same
 classes with simulated times. Two rules:
 
 * `DBSController`, once per epoch (`interval = "epoch"`, the DBS paper's granularity):
