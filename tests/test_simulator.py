@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT, run_cli
 from dbs_mpi.planning import sharding
 from dbs_mpi.tools.machine import Machine, ModelCost
-from dbs_mpi.tools.simulator import (Cluster, Job, Network, buckets, dbs_controller, processor_sharing, replay,
+from dbs_mpi.tools.simulator import (Cluster, Job, Network, buckets, crossover, dbs_controller, processor_sharing, replay,
                                      replay_job, simulate_async, simulate_sync, startup_fit, step_replanner)
 
 VALIDATION = ROOT / "results" / "validation"
@@ -307,3 +307,20 @@ def test_simulate_refuses_a_file_that_is_no_result_file(tmp_path):
     bad.write_text("not HDF5")
     run = run_cli(["simulate", "--from", str(bad)], ranks=2, timeout=60)
     assert run.returncode == 2 and run.stderr.count("dbs-mpi: error: from:") == 1, run.stderr
+
+
+def test_the_crossover_projects_when_mixing_pays_and_the_planner_never_loses_to_every_rank():
+    """One fast rank with one or seven slower ones: mixing pays at 1:0.5 (the epoch is
+    shorter than the fast rank alone's), less and less as the slow ranks slow down, and
+    the planner's set (auto) is never slower than every rank taking part."""
+    machine = Machine.load(None)
+    for slow in (1, 7):
+        rows = crossover(machine, slow, [0.5, 0.1, 0.02], epochs=2, samples=20480)
+        assert rows[0]["all"] < 1.0 and rows[0]["all"] < rows[1]["all"] < rows[2]["all"], rows
+        assert all(r["auto"] <= r["all"] * 1.02 for r in rows), rows
+
+
+def test_a_bad_crossover_is_one_line_and_exit_2():
+    proc = run_cli(["simulate", "crossover", "--ratios", "0.5,fast"])
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "dbs-mpi: error: crossover: --ratios and --network are numbers; got '0.5,fast', 'ib-100g'"], proc.stderr

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ...mpi import comm as mpi
 from ...options import UserError
 from ..config import ArgumentParser, tomllib
 from ..machine import Machine
@@ -99,7 +100,8 @@ def crossover(machine: Machine, slow: int, ratios, model: str = "lenet5", global
     return rows
 
 
-def _crossover(comm, argv) -> int:
+def _crossover_setup(argv):
+    """`simulate crossover`'s arguments, checked: a mistake is one line naming it."""
     p = ArgumentParser(prog="dbs-mpi simulate crossover", description="When mixing pays: one fast rank with SLOW "
                        "slower ranks, dbs with every rank or the planner's set, over the fast rank alone.")
     p.add_argument("--slow", type=int, default=1, help="slower ranks beside the fast one")
@@ -114,9 +116,17 @@ def _crossover(comm, argv) -> int:
         network = NETWORKS.get(args.network) or tuple(float(v) for v in args.network.split(","))
     except ValueError:
         raise UserError(f"crossover: --ratios and --network are numbers; got {args.ratios!r}, {args.network!r}") from None
-    machine = Machine.load(args.machine)
+    try:
+        machine = Machine.load(args.machine)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"machine: cannot read {args.machine or 'the default machine file'} ({exc})") from None
     if args.slow < 1 or not all(0 < r <= 1 for r in ratios) or args.model not in machine.models:
         raise UserError("crossover: --slow at least 1, --ratios in (0, 1], --model one of the machine file's")
+    return args, ratios, network, machine
+
+
+def _crossover(comm, argv) -> int:
+    args, ratios, network, machine = mpi.agree(comm, _crossover_setup, argv)     # every rank: exit 2 on a mistake
     if comm.Get_rank() == 0:
         print(f"{'ratio':>6} {'all / alone':>12} {'auto / alone':>13} {'taking part':>12}")
         for row in crossover(machine, args.slow, ratios, args.model, args.global_batch, network):
