@@ -12,8 +12,8 @@ import pytest
 from conftest import ROOT, run_cli
 from dbs_mpi.planning import sharding
 from dbs_mpi.tools.machine import Machine, ModelCost
-from dbs_mpi.tools.simulator import (Cluster, Job, Network, buckets, crossover, dbs_controller, processor_sharing, replay,
-                                     replay_job, simulate_async, simulate_sync, startup_fit, step_replanner)
+from dbs_mpi.tools.simulator import (Cluster, Job, Network, buckets, crossover, dbs_controller, processor_sharing,
+                                     replay, replay_job, simulate_async, simulate_sync, startup_fit, step_replanner)
 
 VALIDATION = ROOT / "results" / "validation"
 TOLERANCE = 0.10          # the target: mean absolute error of predicted epoch times
