@@ -95,6 +95,18 @@ def check_feasible(global_batch: int, n: int, min_local: int = 1, max_local=None
         raise AllocationError(f"global_batch {global_batch} is larger than {n} ranks x max_local_batch {max_local}")
 
 
+def least_time(fill, global_batch: int, t_lo: float, t_hi: float) -> float:
+    """Bisection: the least common step time t in [t_lo, t_hi] by which the ranks' local
+    batches fill(t) (non-decreasing in t) hold global_batch samples."""
+    for _ in range(200):
+        t_mid = 0.5 * (t_lo + t_hi)
+        if fill(t_mid).sum() < global_batch:
+            t_lo = t_mid
+        else:
+            t_hi = t_mid
+    return t_hi
+
+
 def allocate(global_batch: int, per_sample, overhead=None, min_local: int = 1, max_local=None) -> np.ndarray:
     """Local batches that equalise a_i + c_i * b_i (c = per_sample seconds, a = overhead seconds).
 
@@ -120,16 +132,9 @@ def allocate(global_batch: int, per_sample, overhead=None, min_local: int = 1, m
     def fill(t):  # local batches that finish by time t, within bounds
         return np.clip((t - a) / c, lo, hi)
 
-    # Bisection on the common step time t: sum(fill(t)) is continuous and non-decreasing.
-    t_lo = float(np.min(a + c * lo))
-    t_hi = float(np.max(a + c * np.minimum(hi, global_batch)))
-    for _ in range(200):
-        t_mid = 0.5 * (t_lo + t_hi)
-        if fill(t_mid).sum() < global_batch:
-            t_lo = t_mid
-        else:
-            t_hi = t_mid
-    x = fill(t_hi)
+    # sum(fill(t)) is continuous and non-decreasing in the common step time t
+    t = least_time(fill, global_batch, float(np.min(a + c * lo)), float(np.max(a + c * np.minimum(hi, global_batch))))
+    x = fill(t)
     x *= global_batch / x.sum()  # remove the bisection's last sliver before rounding
     x = np.clip(x, lo, hi)
     return round_preserving_sum(x, global_batch, lo, hi)

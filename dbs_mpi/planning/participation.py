@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..options import PARTICIPATION
-from .allocation import AllocationError, SpeedModel, _bounds, allocate, check_feasible, step_time
+from .allocation import AllocationError, SpeedModel, _bounds, allocate, check_feasible, least_time, step_time
 
 
 NEAR = 3              # sets tried on either side of the continuous optimum's
@@ -51,14 +51,7 @@ def _threshold(global_batch: int, c: np.ndarray, a: np.ndarray, lo: np.ndarray, 
     def fill(t):
         return np.where(entry <= t, np.clip((t - a) / c, lo, hi), 0.0)
 
-    t_lo, t_hi = 0.0, float(np.max(a + c * np.minimum(hi, global_batch)))
-    for _ in range(200):
-        t_mid = 0.5 * (t_lo + t_hi)
-        if fill(t_mid).sum() < global_batch:
-            t_lo = t_mid
-        else:
-            t_hi = t_mid
-    return t_hi
+    return least_time(fill, global_batch, 0.0, float(np.max(a + c * np.minimum(hi, global_batch))))
 
 
 def _entry_order(global_batch: int, c: np.ndarray, a: np.ndarray, min_local: int, max_local):
