@@ -71,7 +71,14 @@ job_run() {         # launch; a trapped signal is passed on to the launcher, whi
     trap 'WARNED=1; echo "dbs-mpi job ${JOB_ID}: the time limit is near; checkpointing to continue"; kill -USR1 "$launcher" 2>/dev/null' USR1
     trap 'CANCELLED=1; echo "dbs-mpi job ${JOB_ID}: TERM (a cancel, a preemption or the scheduler'"'"'s requeue): checkpointing; this script does not requeue it"; kill -TERM "$launcher" 2>/dev/null' TERM
     wait "$launcher"; rc=$?
-    while kill -0 "$launcher" 2>/dev/null; do wait "$launcher"; rc=$?; done   # wait returns early on a trapped signal
+    # A trapped signal makes wait return 128 + its number at once, whether or not the
+    # launcher is still running (or has just ended, its status not yet read): wait again
+    # for the launcher's own status; 127 means it was read already (it ended by a signal).
+    while (( rc > 128 )); do
+        wait "$launcher"; again=$?
+        (( again == 127 )) && break
+        rc=$again
+    done
     echo "dbs-mpi job ${JOB_ID}: dbs-mpi train exited with status ${rc}"
 }
 
