@@ -71,14 +71,13 @@ job_run() {         # launch; a trapped signal is passed on to the launcher, whi
     trap 'WARNED=1; echo "dbs-mpi job ${JOB_ID}: the time limit is near; checkpointing to continue"; kill -USR1 "$launcher" 2>/dev/null' USR1
     trap 'CANCELLED=1; echo "dbs-mpi job ${JOB_ID}: TERM (a cancel, a preemption or the scheduler'"'"'s requeue): checkpointing; this script does not requeue it"; kill -TERM "$launcher" 2>/dev/null' TERM
     wait "$launcher"; rc=$?
-    # A trapped signal makes wait return 128 + its number at once, whether or not the
-    # launcher is still running (or has just ended, its status not yet read): wait again
-    # for the launcher's own status; 127 means it was read already (it ended by a signal).
-    while (( rc > 128 )); do
-        wait "$launcher"; again=$?
-        (( again == 127 )) && break
-        rc=$again
-    done
+    while kill -0 "$launcher" 2>/dev/null; do wait "$launcher"; rc=$?; done   # wait returns early on a trapped signal
+    # ... and a launcher that ended at once (checkpointed) may not have been read yet: its
+    # own status, once more (bash keeps a read one, or says 127; never blocks: it has ended)
+    if (( rc > 128 )); then
+        wait "$launcher" 2>/dev/null; again=$?
+        (( again != 127 )) && rc=$again
+    fi
     echo "dbs-mpi job ${JOB_ID}: dbs-mpi train exited with status ${rc}"
 }
 

@@ -37,7 +37,8 @@ def test_equal_ranks_and_a_memory_bound_keep_everyone():
 @pytest.mark.parametrize("seed", range(40))
 def test_the_chosen_set_is_as_fast_as_the_best_subset(seed):
     """Random models of 2 to 5 ranks: the vector is never slower than every rank taking
-    part, and within 2% (rounding) of the best over every subset of ranks."""
+    part, and within 2% (rounding) of the best over every subset of ranks, or of every
+    rank where no subset is LEAVE_GAIN faster."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(2, 6))
     c = 1e-4 / rng.choice([1, 0.5, 0.2, 0.05, 0.02], n)
@@ -49,7 +50,9 @@ def test_the_chosen_set_is_as_fast_as_the_best_subset(seed):
     assert got <= allocation.step_time(allocation.allocate(B, c, a), c, a).max() + 1e-12
     best = min(allocation.step_time(allocation.allocate(B, c[list(s)], a[list(s)]), c[list(s)], a[list(s)]).max()
                for k in range(1, n + 1) for s in itertools.combinations(range(n), k))
-    assert got <= 1.02 * best, (vector.tolist(), got, best)
+    everyone = allocation.step_time(allocation.allocate(B, c, a), c, a).max()
+    assert got <= 1.02 * best or (vector.min() > 0 and best >= (1 - participation.LEAVE_GAIN) * everyone), \
+        (vector.tolist(), got, best)
 
 
 def test_a_bad_participation_is_one_line():

@@ -37,6 +37,9 @@ from .allocation import AllocationError, SpeedModel, _bounds, allocate, check_fe
 NEAR = 3              # sets tried on either side of the continuous optimum's
 
 
+LEAVE_GAIN = 0.05     # a set without some ranks must be predicted this much faster than every rank
+
+
 def check_participation(value: str) -> str:
     if value not in PARTICIPATION:
         raise AllocationError(f"participation: must be one of {', '.join(PARTICIPATION)}; got {value!r}")
@@ -86,12 +89,15 @@ def allocate_participating(global_batch: int, per_sample, overhead=None, min_loc
     NEAR sets beside it in the order of m_i (the least shares are whole samples, which
     the continuous optimum rounds), or every rank: whichever is predicted fastest; then,
     while it pays (at most 2 NEAR times), the rank that ends the step last leaves it (a
-    rank whose few samples cost much each: its share rounds up to a slow step)."""
+    rank whose few samples cost much each: its share rounds up to a slow step). A set
+    without some ranks is taken only where it is predicted LEAVE_GAIN faster than every
+    rank: near a tie, noise in the estimates would make ranks leave and return."""
     c = np.asarray(per_sample, float)
     a = np.zeros(len(c)) if overhead is None else np.asarray(overhead, float)
-    best = allocate(global_batch, c, a, min_local, max_local)
+    everyone = best = allocate(global_batch, c, a, min_local, max_local)
     order, count = _entry_order(global_batch, c, a, min_local, max_local)
     fastest = step_time(best, c, a).max()
+    every_time = fastest
     for k in range(max(1, count - NEAR), min(len(c) - 1, count + NEAR) + 1):
         part = np.zeros(len(c), bool)
         part[order[:k]] = True
@@ -105,7 +111,7 @@ def allocate_participating(global_batch: int, per_sample, overhead=None, min_loc
         if vector is None or step_time(vector, c, a).max() >= fastest:
             break
         best, fastest = vector, step_time(vector, c, a).max()
-    return best
+    return best if fastest < (1.0 - LEAVE_GAIN) * every_time else everyone
 
 
 def allocate_for(model: SpeedModel, global_batch: int, min_local: int = 1, max_local=None,
