@@ -250,6 +250,7 @@ class StepClock:
 
     def restart(self, now: float) -> None:
         self.last_end = now                # end of the last step: data time runs from here
+        self.last_cpu = time.process_time()
         self.compute_start = None          # the model's first training forward of this step
         self.compute_cpu = None            # the process's CPU time then
         self.sync_start = 0.0              # SyncBatchNorm seconds before this step's first forward
@@ -265,13 +266,17 @@ class StepClock:
             self.marks.append(self.late.mark())
         return True
 
-    def compute(self) -> tuple[float, float | None, float]:
-        """At the end of the step's compute: when it began, its CPU seconds (None: no
-        forward was seen), and the seconds SyncBatchNorm's collectives took of it."""
-        began = self.compute_start if self.compute_start is not None else time.perf_counter()   # none: nothing ran
-        cpu = time.process_time() - self.compute_cpu if self.compute_cpu is not None else None
-        in_sync = self.sync_seconds() - self.sync_start if self.compute_start is not None else 0.0
-        return began, cpu, in_sync
+    def compute(self, ran: bool = True) -> tuple[float, float | None, float]:
+        """At the end of the step's compute: when it began, its CPU seconds, and the
+        seconds SyncBatchNorm's collectives took of it. Where no forward was seen, the
+        compute is empty if the rank had no samples (ran False), and otherwise (a
+        torch.compile'd model runs without the hook) began at the end of the last step,
+        data loading included."""
+        if self.compute_start is None:
+            if not ran:
+                return time.perf_counter(), None, 0.0
+            return self.last_end, time.process_time() - self.last_cpu, 0.0
+        return self.compute_start, time.process_time() - self.compute_cpu, self.sync_seconds() - self.sync_start
 
     def phases(self, began: float, pre_end: float, in_sync: float) -> tuple[float, float, float]:
         """(data, compute, collective) seconds of a step whose exchange, begun at pre_end, ended now."""
@@ -576,7 +581,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         except Exception:
             self._new_step(self._clock.last_end)    # a refused step leaves nothing behind for the next one
             raise
-        began, cpu, in_sync = self._clock.compute()     # less SyncBatchNorm's waits (see StepClock)
+        began, cpu, in_sync = self._clock.compute(int(row[rank]) > 0)     # less SyncBatchNorm's waits (StepClock)
         self.balancer.stretch(start - began - in_sync, cpu)     # nothing where the clock reads late (full speed)
         pre_end = time.perf_counter()
         share = _loss_share(loss, int(row[rank]), row, self.device if self._clock.late is not None else None)
