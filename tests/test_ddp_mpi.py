@@ -272,6 +272,31 @@ def test_a_hetero_sampler_loop_with_a_balancer_gives_the_union_gradient(comm, gr
 
 
 @pytest.mark.mpi(min_size=1)
+def test_a_compiled_ddp_model_gives_the_union_gradient(comm, group):
+    """torch.compile of the DDP-wrapped model (Dynamo's eager backend): the step's local
+    batch and the hook's weighting still run eagerly, so each step's gradient is the union
+    batch's, with uneven, changing local batches."""
+    torch._dynamo.reset()
+    data, global_batch = Pairs(150), 48
+    balancer = uneven_balancer(comm, global_batch)
+    sampler = dbs_mpi.HeteroSampler(data, balancer, seed=1)
+    model, reference = models()
+    ddp.sample_weighted(model, balancer=balancer)
+    compiled = torch.compile(model, backend="eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    sampler.set_epoch(0)
+    perm = torch.from_numpy(epoch_permutation(len(data), 0, 1))
+    for s, (x, y) in enumerate(DataLoader(data, batch_sampler=sampler)):
+        optimizer.zero_grad()
+        F.cross_entropy(compiled(x), y).backward()
+        union = perm[s * global_batch:(s + 1) * global_batch]
+        assert_grads_equal(model, reference_grads(reference, data.x[union], data.y[union]))
+        step_and_align((optimizer, ref_optimizer), model, reference)
+    assert (balancer.end_epoch().step_compute > 0).all()
+
+
+@pytest.mark.mpi(min_size=1)
 def test_a_batch_that_is_not_the_sampler_s_is_refused_before_the_forward(comm, group):
     data = Pairs(64)
     balancer = uneven_balancer(comm, 16, "ssgd")
