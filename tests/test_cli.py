@@ -58,17 +58,35 @@ def test_two_ranks_with_speeds_write_one_complete_file(tmp_path):
     assert b.sum() == 32 and b[0] > b[1]
 
 
-def test_micro_batches_train_the_run_of_whole_local_batches(tmp_path, one_rank):
+@pytest.mark.parametrize("bound", [["--micro-batch", "5"], ["--max-local-batch", "12", "--speeds", "1,0.1"]])
+def test_micro_batches_train_the_run_of_whole_local_batches(tmp_path, one_rank, bound):
     """--micro-batch 5 at 2 ranks (local batches up to 16 and more, cut into micro-batches
-    of 5): the same losses as one process running whole batches of 32."""
+    of 5), and --max-local-batch 12 (a memory bound: the fast rank's share of more than 12
+    runs in micro-batches of 12; 32 > 2 x 12 was refused when it bounded the share): the
+    same losses as one process running whole batches of 32."""
     out = tmp_path / "micro.h5"
-    proc = run_cli(["train", *TINY, "--epochs", "2", "--micro-batch", "5", "--speeds", "1,0.5", "--strategy",
-                    "static", "--out", str(out)], ranks=2)
+    proc = run_cli(["train", *TINY, "--epochs", "2", "--speeds", "1,0.5", "--strategy", "static", *bound,
+                    "--out", str(out)], ranks=2)
     assert proc.returncode == 0, proc.stderr
     run, whole = read_run(out)["data"], read_run(one_rank[0])["data"]
-    assert run["epoch/batch_sizes"][0].max() > 5 and run["epoch/batch_sizes"][0].sum() == 32
+    assert run["epoch/batch_sizes"][0].max() > int(bound[1]) and run["epoch/batch_sizes"][0].sum() == 32
     for key in ("epoch/train_loss", "epoch/test_loss", "step/loss"):
         assert run[key] == pytest.approx(whole[key], rel=1e-4), key
+
+
+def test_a_compiled_bf16_run_trains_as_the_float32_one_within_bf16s_rounding(tmp_path, one_rank):
+    """--compile (Dynamo's eager backend: no C++ build per rank) with --amp bf16 at 2
+    uneven ranks: the losses of one float32 process within bf16's rounding, not equal to
+    them (autocast took effect), and the compute time measured without the forward hook."""
+    out = tmp_path / "compiled.h5"
+    proc = run_cli(["train", *TINY, "--epochs", "2", "--compile", "--compile-backend", "eager", "--amp", "bf16",
+                    "--speeds", "1,0.5", "--out", str(out)], ranks=2)
+    assert proc.returncode == 0, proc.stderr
+    run, whole = read_run(out), read_run(one_rank[0])["data"]
+    assert run["config"]["compile"] is True and run["config"]["amp"] == "bf16"
+    assert run["data"]["step/loss"] == pytest.approx(whole["step/loss"], rel=5e-2)
+    assert (run["data"]["step/loss"] != whole["step/loss"]).any()
+    assert (run["data"]["epoch/compute_time"] > 1e-3).all()
 
 
 def test_sync_bn_trains_a_batchnorm_resnet_and_is_recorded(tmp_path):

@@ -46,6 +46,9 @@ def test_toml_then_command_line(tmp_path):
     (["--micro-batch", "8", "--sync-bn"], "micro_batch"),
     (["--micro-batch", "8", "--strategy", "asgd"], "micro_batch"),
     (["--amp", "bf16", "--strategy", "nsoftsync"], "amp"),
+    (["--compile", "--compile-backend", "fastest"], "compile_backend"),
+    (["--lr-schedule", "cosine", "--strategy", "asgd"], "lr_schedule"),
+    (["--warmup-epochs", "1", "--strategy", "dbs-sgd"], "lr_schedule"),
 ])
 def test_bad_values_name_the_field(argv, field):
     with pytest.raises(ConfigError, match=f"^{field}: "):
@@ -120,3 +123,16 @@ def test_random_command_lines_give_a_config_or_a_user_error(argv):
         parse_train_args(argv)
     except UserError as exc:
         assert str(exc) and "\n" not in str(exc)
+
+
+def test_max_local_batch_bounds_what_a_rank_computes_at_once():
+    """Where a rank can accumulate it is the micro-batch bound (a larger share runs in
+    micro-batches of it); with SyncBatchNorm or a parameter server, the share's bound."""
+    c = parse_train_args(["--max-local-batch", "12"])
+    assert (c.share_bound, c.micro_size) == (0, 12)
+    assert parse_train_args(["--max-local-batch", "12", "--micro-batch", "5"]).micro_size == 5
+    assert parse_train_args(["--max-local-batch", "4", "--micro-batch", "5"]).micro_size == 4
+    bn = parse_train_args(["--max-local-batch", "12", "--sync-bn", "--model", "resnet20", "--norm", "batch"])
+    assert (bn.share_bound, bn.micro_size) == (12, 0)
+    ps = parse_train_args(["--max-local-batch", "12", "--strategy", "asgd"])
+    assert (ps.share_bound, ps.micro_size) == (12, 0)

@@ -42,6 +42,7 @@ WAIT_POLICIES = ("auto", "spin", "sleep")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LOADERS = ("auto", "dataloader")
 AMPS = ("none", "bf16", "fp16")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")   # torch.compile's own backends
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class Config:
     norm: str = "group"              # resnet20's normalisation: group (consistent across uneven local batches) | batch
     sync_bn: bool = False            # BatchNorm layers normalise over the step's global batch (dbs_mpi.SyncBatchNorm; synchronous strategies)
     compile: bool = False            # torch.compile the model's forward (default mode; the first steps compile it); not with sync_bn
+    compile_backend: str = "inductor"  # torch.compile's backend: inductor (torch's default: generated kernels) | aot_eager | eager (Dynamo's tracing alone) | cudagraphs
     micro_batch: int = 0             # gradient accumulation: each rank runs its local batch in micro-batches of at most this many samples, one exchange a step (0: all at once); not with sync_bn
     amp: str = "none"                # mixed precision (synchronous strategies): none | bf16 (autocast in bfloat16, CPU and GPU) | fp16 (autocast in float16 with loss scaling, torch.amp.GradScaler; every rank on a GPU)
     augment: bool = False            # cifar10 training only: random crop (padding 4) and horizontal flip, seeded
@@ -81,7 +83,7 @@ class Config:
     synthetic_classes: int = 10      # synthetic dataset: number of classes
     # --- allocation of the global batch ---------------------------------------
     min_local_batch: int = 1         # smallest local batch any rank gets (full steps)
-    max_local_batch: int = 0         # largest local batch of any rank (memory bound); 0 = no bound
+    max_local_batch: int = 0         # memory bound: the most samples a rank computes at once (0 = no bound); a larger share runs in micro-batches of this size (with sync_bn and the asynchronous strategies, which cannot accumulate, the largest share)
     participation: str = "auto"      # auto: static and dbs leave out a rank whose least share would slow every step (local batch 0, no forward or backward; dbs probes it and takes it back when it pays) | all: every rank takes part
     benchmark_steps: int = 5         # start-up benchmark: timed steps at each of two local batch sizes
     benchmark_warmup: int = 2        # start-up benchmark: untimed steps first
@@ -127,6 +129,24 @@ class Config:
     # ------------------------------------------------------------------------
     def __post_init__(self):
         validate(self)
+
+    @property
+    def accumulates(self) -> bool:
+        """A rank may run its local batch in micro-batches (synchronous, no SyncBatchNorm)."""
+        return self.strategy in SYNC_STRATEGIES and not self.sync_bn
+
+    @property
+    def share_bound(self) -> int:
+        """The largest local batch the planner may give a rank (0: none): max_local_batch
+        only where a rank cannot accumulate; elsewhere a larger share runs in micro-batches."""
+        return 0 if self.accumulates else self.max_local_batch
+
+    @property
+    def micro_size(self) -> int:
+        """Samples a rank computes at once (0: its whole local batch): the smaller of
+        micro_batch and max_local_batch, where it accumulates."""
+        sizes = [n for n in (self.micro_batch, self.max_local_batch if self.accumulates else 0) if n]
+        return min(sizes, default=0)
 
     def replace(self, **changes) -> "Config":
         return from_dict({**self.to_dict(), **changes})
@@ -291,6 +311,7 @@ def _check_choices(c: Config) -> None:
     if c.micro_batch and (c.sync_bn or c.strategy in ASYNC_STRATEGIES):
         _fail("micro_batch", "SyncBatchNorm normalises over the step's global batch, which micro-batches would cut "
                              f"into parts; and it runs with the synchronous strategies {', '.join(SYNC_STRATEGIES)} only")
+    choice("compile_backend", COMPILE_BACKENDS)
     choice("amp", AMPS)
     if c.amp != "none" and c.strategy in ASYNC_STRATEGIES:
         _fail("amp", f"mixed precision runs with the synchronous strategies {', '.join(SYNC_STRATEGIES)} only "
@@ -340,6 +361,9 @@ def _check_ranges(c: Config) -> None:
     if problem:
         name, _, message = problem.partition(": ")
         _fail(name, message)
+    if (c.lr_schedule != "constant" or c.warmup_epochs) and c.strategy in ASYNC_STRATEGIES:
+        _fail("lr_schedule", f"schedules step with the synchronous strategies {', '.join(SYNC_STRATEGIES)} only; "
+                             f"{c.strategy}'s server applies a constant lr")
 
 
 def _check_emulation(c: Config) -> None:
@@ -369,7 +393,7 @@ def check_world(c: Config, world_size: int) -> None:
     if c.global_batch < world_size * c.min_local_batch:
         _fail("global_batch", f"{c.global_batch} is smaller than ranks x min_local_batch = "
                               f"{world_size} x {c.min_local_batch}")
-    if c.max_local_batch and c.global_batch > world_size * c.max_local_batch:
+    if c.share_bound and c.global_batch > world_size * c.share_bound:
         _fail("global_batch", f"{c.global_batch} is larger than ranks x max_local_batch = "
                               f"{world_size} x {c.max_local_batch}")
     for name in ("slow_rank", "contention_rank"):

@@ -271,7 +271,8 @@ class SyncTrainer:
         loader = make_loader(run, sampler)
         if run.state is None:
             startup.phase("calibration", backstop=True)
-            balancer.calibrate_model(run.model, run.loss_fn, run.train_set, cfg.benchmark_steps, cfg.benchmark_warmup)
+            balancer.calibrate_model(run.model, run.loss_fn, run.train_set, cfg.benchmark_steps, cfg.benchmark_warmup,
+                                     cfg.micro_size)
             run.recorder.startup(balancer)
         optimizer = DistributedOptimizer(make_optimizer(cfg.optimizer, run.model.parameters(), cfg), run.model,
                                          balancer, aggregation=cfg.aggregation, wait_policy=cfg.wait_policy,
@@ -279,7 +280,7 @@ class SyncTrainer:
                                          timeout=cfg.comm_timeout, exchange=run.exchange)
         run.recorder.writer.set_attrs(exchange=optimizer.exchange.transport.name)
         self.precision = Precision(cfg.amp, run.device)
-        self.forward = torch.compile(run.model) if cfg.compile else run.model      # state dicts stay the model's
+        self.forward = torch.compile(run.model, backend=cfg.compile_backend) if cfg.compile else run.model      # state dicts stay the model's
         self.scheduler = schedule.make_scheduler(
             optimizer, cfg.lr_schedule, epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs, milestones=cfg.lr_milestones,
             gamma=cfg.lr_gamma, steps_per_epoch=steps_per_epoch(len(run.train_set), cfg.global_batch, cfg.drop_last))
@@ -291,7 +292,7 @@ class SyncTrainer:
             if resized(run.state, self.comm):     # another allocation: time the new ranks, allocate for them
                 startup.phase("calibration", backstop=True)
                 balancer.calibrate_model(run.model, run.loss_fn, run.train_set, cfg.benchmark_steps,
-                                         cfg.benchmark_warmup)
+                                         cfg.benchmark_warmup, cfg.micro_size)
                 run.recorder.startup(balancer)
         startup.done()                        # the first step's waits are the training's (comm_timeout)
         for epoch in range(sampler.epoch, cfg.epochs):
@@ -321,7 +322,7 @@ class SyncTrainer:
             optimizer.zero_grad()
             if optimizer.sits_out and precision.scaler is None:
                 loss = 0.0                    # no samples: only the step's exchange, weight 0 (and 0 of the loss)
-            elif self.cfg.micro_batch:
+            elif self.cfg.micro_size:
                 loss = self.accumulate(optimizer, x, y)
             else:
                 with precision.autocast():
@@ -337,10 +338,10 @@ class SyncTrainer:
         return 0
 
     def accumulate(self, optimizer, x, y) -> None:
-        """A step's forwards and backwards in micro-batches of cfg.micro_batch samples
+        """A step's forwards and backwards in micro-batches of cfg.micro_size samples
         (accumulation.py); returns None: step() records the loss they accumulated."""
         precision, loss_fn = self.precision, self.run.loss_fn
-        for xm, ym in optimizer.micro_batches((x, y), self.cfg.micro_batch):
+        for xm, ym in optimizer.micro_batches((x, y), self.cfg.micro_size):
             with precision.autocast():
                 loss = loss_fn(self.forward(xm), ym)
             optimizer.backward(loss, scaler=precision.scaler)

@@ -313,9 +313,8 @@ class BatchPolicy:
     """The batch vector of a policy on one rank and what sets it: the start-up calibration
     (static and dbs allocate from its fit), dbs's re-planning (dynamic.DBSController once
     per epoch, dynamic.Replanner within it) and the emulated speeds that every timing sees.
-    Balancer (its arguments are documented there) adds the epochs. A base class rather
-    than a member, so that every step reads the vector, the replanner and the emulator as
-    the balancer's own attributes, at no extra cost."""
+    Balancer (its arguments are documented there) adds the epochs. A base class, so that
+    every step reads the vector, replanner and emulator as the balancer's own attributes."""
 
     def __init__(self, comm, global_batch: int, policy: str, min_local_batch: int, max_local_batch: int,
                  dbs_model: str, rule: dict, interval, window: int, speeds, emulator: Emulator | None,
@@ -347,16 +346,18 @@ class BatchPolicy:
         return int(self.batch_sizes[self.rank])
 
     # --- calibration --------------------------------------------------------------
-    def calibration_batches(self) -> tuple[int, int]:
-        return allocation.calibration_batches(self.global_batch, self.world_size, self.min_local, self.max_local)
+    def calibration_batches(self, largest: int = 0) -> tuple[int, int]:
+        return allocation.calibration_batches(self.global_batch, self.world_size, self.min_local,
+                                              min([n for n in (self.max_local, largest) if n], default=None))
 
-    def calibrate(self, step, steps: int = 5, warmup: int = 2) -> np.ndarray:
+    def calibrate(self, step, steps: int = 5, warmup: int = 2, largest: int = 0) -> np.ndarray:
         """Collective. Time `step(b)` (one forward and backward on b samples, on a copy of
         the model: see profiling.model_step) at two local batches on every rank, fit every
         rank's step time, and (static, dbs) allocate the vector from it. Returns the vector.
         A step on a GPU must synchronise the device before it returns (model_step does),
-        and the balancer must know the device (`on_device`; calibrate_model tells it)."""
-        small, large = self.calibration_batches()
+        and the balancer must know the device (`on_device`; calibrate_model tells it). largest:
+        the most samples a rank computes at once (0: any; a loop that accumulates larger shares)."""
+        small, large = self.calibration_batches(largest)
         fit, times = calibrate(self.comm, step, small, large, steps=steps, warmup=warmup,
                                stretch=self.emulator.stretch, affine=self.affine, timeout=self.timeout)
         self.speed_model = fit
@@ -371,12 +372,12 @@ class BatchPolicy:
                         "batch_sizes": self.batch_sizes.copy()}
         return self.batch_sizes
 
-    def calibrate_model(self, model, loss_fn, dataset, steps: int = 5, warmup: int = 2) -> np.ndarray:
+    def calibrate_model(self, model, loss_fn, dataset, steps: int = 5, warmup: int = 2, largest: int = 0) -> np.ndarray:
         """calibrate() with the usual step: loss_fn(model(x), y).backward() on a copy of
         `model`, x and y the first samples of `dataset` (a map-style dataset)."""
         self.on_device(model_device(model))
-        inputs, targets = first_samples(dataset, self.calibration_batches()[1])
-        return self.calibrate(model_step(model, loss_fn, inputs, targets), steps, warmup)
+        inputs, targets = first_samples(dataset, self.calibration_batches(largest)[1])
+        return self.calibrate(model_step(model, loss_fn, inputs, targets), steps, warmup, largest)
 
     def on_device(self, device) -> None:
         """This rank computes on `device`: on a GPU, emulated speeds stretch the step's wall
@@ -510,7 +511,7 @@ class Balancer(BatchPolicy):
     def from_config(cls, comm, cfg, emulator: Emulator | None = None) -> "Balancer":
         """The balancer of a dbs-mpi configuration (config.Config) and its emulated speeds."""
         return cls(comm, cfg.global_batch, cfg.strategy, min_local_batch=cfg.min_local_batch,
-                   max_local_batch=cfg.max_local_batch, dbs_model=cfg.dbs_model, smoothing=cfg.dbs_smoothing,
+                   max_local_batch=cfg.share_bound, dbs_model=cfg.dbs_model, smoothing=cfg.dbs_smoothing,
                    follow=cfg.dbs_follow, min_gain=cfg.dbs_min_gain, interval=cfg.dbs_interval,
                    window=cfg.dbs_window, participation=cfg.participation, timeout=cfg.comm_timeout,
                    emulator=emulator or Emulator.from_config(cfg, comm.Get_rank()))

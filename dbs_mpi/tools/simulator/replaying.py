@@ -32,13 +32,19 @@ def job_from_config(cfg: dict, model: ModelCost, data_per_sample: float) -> Job:
                               "sleep_seconds", "sleep_epochs")}
     return Job(strategy=cfg["strategy"], model=model, samples=samples, global_batch=cfg["global_batch"],
                epochs=cfg["epochs"], speeds=tuple(cfg.get("speeds") or ()), drop_last=cfg["drop_last"],
-               min_local_batch=cfg["min_local_batch"], max_local_batch=cfg["max_local_batch"],
+               min_local_batch=cfg["min_local_batch"], max_local_batch=_share_bound(cfg),
                dbs_model=cfg["dbs_model"], dbs_smoothing=cfg["dbs_smoothing"], dbs_follow=cfg["dbs_follow"],
                dbs_min_gain=cfg["dbs_min_gain"], dbs_interval=str(cfg["dbs_interval"]), dbs_window=cfg["dbs_window"],
                participation=cfg["participation"], benchmark_steps=cfg["benchmark_steps"],
                softsync_n=cfg["softsync_n"], softsync_wait=cfg["softsync_wait"], seed=cfg["seed"],
                disturbances=disturbances, data_per_sample=data_per_sample, bucket_mb=cfg["bucket_mb"],
                first_bucket_mb=cfg["first_bucket_mb"])
+
+
+def _share_bound(cfg: dict) -> int:
+    """max_local_batch bounds the shares only where a rank cannot accumulate (Config.share_bound)."""
+    accumulates = cfg["strategy"] in config_mod.SYNC_STRATEGIES and not cfg.get("sync_bn", False)
+    return 0 if accumulates else cfg["max_local_batch"]
 
 
 def replay_job(path, machine: Machine) -> tuple[Job, Cluster, Network, dict, dict]:
