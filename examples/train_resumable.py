@@ -6,8 +6,10 @@
 The loop of examples/train_api.py plus what a batch job needs: a checkpoint after every
 epoch, and on SIGTERM or SIGUSR1 (what Slurm sends before a time limit) all ranks agree
 to stop after the same step, write a checkpoint and exit with status 3. Started again
-with the same checkpoint path, it continues from that step; with the ssgd or static
-policy the final model is the one an uninterrupted run ends with, bit for bit.
+with the same checkpoint path, it continues from that step; with the ssgd policy the
+final model is the one an uninterrupted run ends with, bit for bit, and so with static,
+which keeps the vector it calibrated at the first start (a run started separately
+calibrates a vector of its own: the two then agree up to float rounding).
 
 Started again on another number of ranks (the requeued job got another allocation), it
 continues the same run: the model, the optimizer and the position are the same for any

@@ -485,14 +485,48 @@ DROPOUT_MODEL = textwrap.dedent("""
 """)
 
 
-def test_dropout_through_dataloader_workers_resumes_bit_for_bit(tmp_path):
-    """A model with two Dropout layers fed by 2 DataLoader workers per rank, 2 ranks,
-    stopped in epoch 2 and resumed: the DataLoader draws its workers' seed from a
-    generator of its own, not from the stream dropout draws from, so the run ends as the
-    one never stopped (it differed by up to 0.28 in a weight)."""
+@pytest.mark.parametrize("where, ranks", [("in epoch 2", 2), ("in epoch 2", 1), ("between the epochs", 2)])
+def test_dropout_through_dataloader_workers_resumes_bit_for_bit(tmp_path, where, ranks):
+    """A model with two Dropout layers fed by 2 DataLoader workers per rank, stopped in
+    epoch 2 (or ended after epoch 1 and extended to 2) and resumed: the DataLoader draws
+    its workers' seed from a generator of its own, not from the stream dropout draws
+    from, so the run ends as the one never stopped (it differed by up to 0.28 in a weight)."""
     (tmp_path / "dropnet.py").write_text(DROPOUT_MODEL)
     run = [*RUN, "--model", f"{tmp_path / 'dropnet.py'}:build", "--loader", "dataloader", "--loader-workers", "2"]
-    whole, cut, _ = whole_and_stopped(run, tmp_path)
+    if where == "in epoch 2":
+        whole, cut, _ = whole_and_stopped(run, tmp_path, ranks)
+    else:
+        whole, cut = tmp_path / "whole.h5", tmp_path / "cut.h5"
+        for out, epochs in ((whole, "2"), (cut, "1")):
+            proc = run_cli(["train", *run, "--epochs", epochs, "--out", str(out)], ranks=ranks, timeout=240)
+            assert proc.returncode == 0, proc.stderr
+    proc = run_cli(["train", "--resume", str(cut), "--epochs", "2"], ranks=ranks, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert_same_run(whole, cut)
+
+
+def test_static_resumed_on_the_same_allocation_keeps_its_vector_bit_for_bit(tmp_path):
+    """static at speeds 1:0.5 calibrates once: a run extended from epoch 1 to 2 without a
+    stop, and the same run stopped in the middle of epoch 2 (SIGTERM on rank 1 at its 30th
+    step) and resumed, end bit for bit alike, with the first launch's vector throughout
+    (a resume on the same allocation does not calibrate again; two calibrations would
+    give two vectors)."""
+    run = [*RUN, "--strategy", "static", "--speeds", "1,0.5"]
+    whole, cut = tmp_path / "whole.h5", tmp_path / "cut.h5"
+    proc = run_cli(["train", *run, "--epochs", "1", "--out", str(whole)], ranks=2, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    copy_run(whole, cut)
+    proc = run_cli(["train", "--resume", str(whole), "--epochs", "2"], ranks=2, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    script = tmp_path / "stop.py"
+    script.write_text(STOP_AT_STEP)
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script), "30", "train", "--resume", str(cut),
+                           "--epochs", "2"], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == checkpoint.EXIT_STOPPED, proc.stderr
+    state = checkpoint.load(str(cut) + ".ckpt")
+    assert state["epoch"] == 1 and 30 <= state["step"] <= 32, (state["epoch"], state["step"])   # of 63
     proc = run_cli(["train", "--resume", str(cut)], ranks=2, timeout=240)
     assert proc.returncode == 0, proc.stderr
     assert_same_run(whole, cut)
+    vectors = read_run(cut)["data"]["epoch/batch_sizes"]
+    assert (vectors == vectors[0]).all() and vectors[0][0] > vectors[0][1], vectors
