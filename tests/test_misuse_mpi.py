@@ -79,6 +79,9 @@ def test_a_sampler_reports_a_loaded_position_before_it_is_iterated(comm):
     _, _, sampler, _ = loop(comm, epochs=1)
     sampler.load_state_dict({"epoch": 1, "step": 2, "seed": 3})
     assert sampler.state_dict() == {"epoch": 1, "step": 2, "seed": 3}
+    fresh = dbs_mpi.HeteroSampler(Pairs(96, seed=7), uneven_balancer(comm, 24, timeout=TIMEOUT), seed=3)
+    fresh.load_state_dict({"epoch": 2, "step": 0, "seed": 3})     # at an epoch's start, before the balancer's load
+    assert fresh.state_dict() == {"epoch": 2, "step": 0, "seed": 3}
 
 
 @pytest.mark.mpi(min_size=2)
@@ -94,6 +97,17 @@ def test_ranks_with_another_global_batch_are_told_at_once(comm):
     assert str(caught.value).startswith("Balancer: global_batch differs between the ranks: rank 0 has 256, "
                                         f"rank(s) [{comm.Get_size() - 1}] have 200")
     assert caught.value.local == (comm.Get_rank() == 0)           # one rank prints it
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("setting, mine, theirs", [("policy", "static", "dbs"), ("interval", "8", "epoch")])
+def test_ranks_with_another_policy_or_interval_are_told_at_once(comm, setting, mine, theirs):
+    last = comm.Get_rank() == comm.Get_size() - 1
+    settings = {"policy": "dbs", "interval": "epoch", setting: mine if last else theirs}
+    with pytest.raises(dbs_mpi.AgreedError) as caught:
+        dbs_mpi.Balancer(comm, 24, settings["policy"], interval=settings["interval"], timeout=TIMEOUT)
+    assert str(caught.value).startswith(f"Balancer: {setting} differs between the ranks: rank 0 has {theirs!r}, "
+                                        f"rank(s) [{comm.Get_size() - 1}] have {mine!r}"), str(caught.value)
 
 
 @pytest.mark.mpi(min_size=2)

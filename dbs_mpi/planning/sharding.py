@@ -104,11 +104,12 @@ class HeteroSampler:
         self.num_samples = dataset if isinstance(dataset, int) else len(dataset)
         self.balancer, self.seed, self.drop_last = balancer, int(seed), bool(drop_last)
         self.epoch, self._first_step = 0, 0
+        self._loaded = False                # a loaded position not iterated yet (state_dict reports it)
         self._warned = False                # a repeated epoch (set_epoch forgotten) was pointed out
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
-            self.epoch, self._first_step = int(epoch), 0
+            self.epoch, self._first_step, self._loaded = int(epoch), 0, False
 
     def __len__(self) -> int:
         return steps_per_epoch(self.num_samples, self.balancer.global_batch, self.drop_last) - self._first_step
@@ -121,7 +122,7 @@ class HeteroSampler:
         else:
             self._check_new_epoch(epoch, b)
             table = b.begin_epoch(epoch, self.num_samples, self.drop_last, first, seed=self.seed)
-        self._first_step = 0
+        self._first_step, self._loaded = 0, False
         perm = epoch_permutation(self.num_samples, epoch, self.seed)
         rank, global_batch = self.balancer.rank, self.balancer.global_batch
         for s in range(first, len(table)):
@@ -150,7 +151,7 @@ class HeteroSampler:
         b = self.balancer
         if b.open_epoch is not None:
             return {"epoch": b.open_epoch, "step": b.step, "seed": self.seed}
-        if self._first_step:                # loaded, not iterated yet: the position it will go on from
+        if self._loaded:                    # loaded, not iterated yet: the position it will go on from
             return {"epoch": self.epoch, "step": self._first_step, "seed": self.seed}
         return {"epoch": b.next_epoch, "step": 0, "seed": self.seed}
 
@@ -158,7 +159,7 @@ class HeteroSampler:
         if int(state["seed"]) != self.seed:
             raise ValueError(f"HeteroSampler: the state was saved with seed {state['seed']}, this sampler has "
                              f"seed {self.seed}")
-        self.epoch, self._first_step = int(state["epoch"]), int(state["step"])
+        self.epoch, self._first_step, self._loaded = int(state["epoch"]), int(state["step"]), True
 
 
 def group_size(strategy: str, workers: int, softsync_n: int) -> int:
