@@ -14,7 +14,7 @@ import torch
 
 import dbs_mpi
 
-from conftest import ROOT, mpiexec, run_cli
+from conftest import ROOT, dbs_mpi_cmd, mpiexec, run_cli
 from dbs_mpi.tools.config import Config
 from dbs_mpi.training.results import RunWriter, read_run
 
@@ -220,6 +220,81 @@ def test_an_exception_in_a_ddp_script_shows_the_users_traceback(tmp_path):
                           timeout=60, cwd=ROOT)
     assert proc.returncode != 0 and time.monotonic() - start < 30
     assert proc.stderr.count("ValueError: user bug 4711") == 1 and "ddp_crash.py" in proc.stderr, proc.stderr
+
+
+LOOP_CRASH = textwrap.dedent("""
+    import sys
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+    import dbs_mpi
+    comm = dbs_mpi.init(timeout=30)
+    ddp = sys.argv[1] == "ddp"
+    if ddp:
+        dbs_mpi.init_process_group(comm)
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(512, 8), torch.randint(3, (512,)))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    balancer = dbs_mpi.Balancer(comm, 32, "ssgd", timeout=30)
+    sampler = dbs_mpi.HeteroSampler(data, balancer, seed=0)
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        dbs_mpi.sample_weighted(model, balancer=balancer)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, balancer)
+    sampler.set_epoch(0)
+    for step, (x, y) in enumerate(DataLoader(data, batch_sampler=sampler)):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        if step == 3 and comm.Get_rank() == comm.Get_size() - 1:
+            raise ValueError("user bug 4711")
+        loss.backward()                       # the others wait in the step's exchange (DDP: gloo's allreduce)
+        optimizer.step()
+""")
+
+FORWARD_CRASH = textwrap.dedent("""
+    from mpi4py import MPI
+    from torch import nn
+
+    class Bomb(nn.Sequential):
+        calls = 0
+
+        def forward(self, x):
+            if self.training and MPI.COMM_WORLD.Get_rank() == MPI.COMM_WORLD.Get_size() - 1:
+                Bomb.calls += 1
+                if Bomb.calls == 10:
+                    raise ValueError("user bug 4711")
+            return super().forward(x)
+
+    def build(sample_shape, num_classes):
+        size = 1
+        for d in sample_shape:
+            size *= d
+        return Bomb(nn.Flatten(), nn.Linear(size, 16), nn.ReLU(), nn.Linear(16, num_classes))
+""")
+
+
+@pytest.mark.parametrize("path", ["library loop", "ddp loop", "dbs-mpi train"])
+def test_an_error_in_the_middle_of_training_shows_the_users_traceback_and_ends_the_job(tmp_path, path):
+    """The last of 2 ranks raises in its 4th step (10th forward for the command line's
+    plug-in model), while the other waits in the step's exchange: the user's traceback is
+    printed once, every rank ends within seconds, and the result file says failed."""
+    out = tmp_path / "crash.h5"
+    if path == "dbs-mpi train":
+        (tmp_path / "bomb.py").write_text(FORWARD_CRASH)
+        cmd = [*dbs_mpi_cmd(), "train", *TINY, "--model", f"{tmp_path / 'bomb.py'}:build", "--out", str(out)]
+    else:
+        (tmp_path / "loop.py").write_text(LOOP_CRASH)
+        cmd = [sys.executable, str(tmp_path / "loop.py"), path.split()[0]]
+    start = time.monotonic()
+    proc = subprocess.run([mpiexec(), "-n", "2", *cmd], capture_output=True, text=True, timeout=90, cwd=ROOT)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0 and elapsed < 30, (elapsed, proc.stderr)
+    assert proc.stderr.count("ValueError: user bug 4711") == 1, proc.stderr
+    assert ("bomb.py" if path == "dbs-mpi train" else "loop.py") in proc.stderr
+    if path == "dbs-mpi train":
+        assert read_run(out)["attrs"]["status"] == "failed"
 
 
 def test_info_and_usage():
