@@ -11,8 +11,36 @@
 #          checkpoint and stop (file `interrupted`), and the job requeues itself;
 #   TERM   a user's cancel (scancel, qdel) or a preemption: the ranks checkpoint and
 #          stop (file `cancelled`), and the job ends for good (resumable by hand: OUT=).
+# The traps are set as soon as this file is sourced: a signal that comes while the job
+# plans is kept (without a trap USR1 would kill the batch shell). A signal is passed to
+# the launcher once its ranks take it: once they have written the result file (they
+# set their handlers before), not while they start (USR1 or TERM would kill a starting
+# rank, or the launcher itself). A TERM before the launch ends the job without launching.
 # A job continues only its own run (`dbs-mpi job plan`, docs in dbs_mpi/tools/job.py): a
-# fresh start writes a new file, never one of another run with the same job ID.
+# fresh start writes a new file, never one of another run with the same job ID; a log
+# that already holds another job's lines (a job ID used again) says where this job's lines begin.
+
+WARNED=0; CANCELLED=0; PENDING=""; launcher=""; JOB_LOG=""
+job_signal() {      # the trap of USR1 and TERM: noted, and passed on to the launcher when it can be
+    if [[ $1 == USR1 ]]; then
+        WARNED=1; echo "dbs-mpi job ${JOB_ID:-?}: the time limit is near; checkpointing to continue"
+    elif [[ -n $launcher ]]; then
+        CANCELLED=1; echo "dbs-mpi job ${JOB_ID:-?}: TERM (a cancel, a preemption or the scheduler's requeue): checkpointing; this script does not requeue it"
+    else
+        CANCELLED=1; echo "dbs-mpi job ${JOB_ID:-?}: TERM (a cancel, a preemption or the scheduler's requeue) before the launch: not launching; this script does not requeue it"
+    fi
+    PENDING=$1
+    job_pass_on
+}
+trap 'job_signal USR1' USR1
+trap 'job_signal TERM' TERM
+
+job_pass_on() {     # the pending signal to the launcher, once its ranks have written the result file
+    [[ -n $PENDING && -n $launcher ]] || return 0
+    [[ -f $OUT && $(stat -c %y "$OUT" 2>/dev/null) != "$OUT_STAMP" ]] || return 0
+    kill -"$PENDING" "$launcher" 2>/dev/null
+    PENDING=""
+}
 
 job_error() {       # one line where the user will look (the job's log), then exit 2
     echo "dbs-mpi job ${JOB_ID:-?}: error: $*" >&2
@@ -30,8 +58,10 @@ job_tools() {       # DBS_MPI and MPIEXEC: the project's venv first, else PATH
 job_run_id() {      # RUN_ID, kept where a requeue of this job finds it again; RESTART=1 after one
     RESTART=0
     if [[ $SCHED == slurm && -n ${SLURM_JOB_ID:-} ]]; then
-        local comment
-        comment=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -o 'dbs-mpi-run=[^ ]*' | head -1)
+        local job comment
+        job=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null)
+        comment=$(grep -o 'dbs-mpi-run=[^ ]*' <<< "$job" | head -1)
+        JOB_LOG=$(grep -o 'StdOut=[^ ]*' <<< "$job" | head -1 | cut -d= -f2-)
         if [[ -n $comment ]]; then
             RUN_ID=${comment#dbs-mpi-run=}; RESTART=1
         else
@@ -47,6 +77,14 @@ job_run_id() {      # RUN_ID, kept where a requeue of this job finds it again; R
         RUN_ID=local-$$-$(date +%s)
     fi
     export DBS_MPI_RUN_ID=$RUN_ID
+    ((RESTART)) || job_earlier_log
+}
+
+job_earlier_log() { # a new run whose log holds lines already: they are another job's (its ID used again)
+    [[ -n $JOB_LOG && -f $JOB_LOG && -s $JOB_LOG ]] || return 0
+    local runs
+    runs=$(grep -o '; run ID [^ ;,]*' "$JOB_LOG" | cut -c10- | sort -u | paste -sd ' ')
+    echo "dbs-mpi job ${JOB_ID}: the lines above belong to an earlier job with the same ID (run ID ${runs:-unknown}); this job, run ID ${RUN_ID}, starts here"
 }
 
 job_plan() {        # OUT and RESUME: a new file, this job's own run again, or OUT= given by hand
@@ -63,21 +101,27 @@ job_plan() {        # OUT and RESUME: a new file, this job's own run again, or O
     mkdir -p "$(dirname "$OUT")"
 }
 
-job_run() {         # launch; a trapped signal is passed on to the launcher, which forwards it to every rank
-    WARNED=0; CANCELLED=0
+job_run() {         # launch, unless cancelled already; signals reach the launcher through job_signal
+    if ((CANCELLED)); then
+        echo "dbs-mpi job ${JOB_ID}: not launched${RESUME[0]:+; $OUT is left as it was, resumable}"
+        rc=3; return
+    fi
+    OUT_STAMP=$(stat -c %y "$OUT" 2>/dev/null)        # the result file before the launch, if any
     $MPIEXEC -n "$NTASKS" "${HOSTS[@]}" "$DBS_MPI" train "${TRAIN_ARGS[@]}" "${SPEED_ARGS[@]}" --out "$OUT" \
         "${RESUME[@]}" &
     launcher=$!
-    trap 'WARNED=1; echo "dbs-mpi job ${JOB_ID}: the time limit is near; checkpointing to continue"; kill -USR1 "$launcher" 2>/dev/null' USR1
-    trap 'CANCELLED=1; echo "dbs-mpi job ${JOB_ID}: TERM (a cancel, a preemption or the scheduler'"'"'s requeue): checkpointing; this script does not requeue it"; kill -TERM "$launcher" 2>/dev/null' TERM
-    wait "$launcher"; rc=$?
-    while kill -0 "$launcher" 2>/dev/null; do wait "$launcher"; rc=$?; done   # wait returns early on a trapped signal
-    # ... and a launcher that ended at once (checkpointed) may not have been read yet: its
-    # own status, once more (bash keeps a read one, or says 127; never blocks: it has ended)
-    if (( rc > 128 )); then
-        wait "$launcher" 2>/dev/null; again=$?
-        (( again != 127 )) && rc=$again
-    fi
+    rc=127
+    while kill -0 "$launcher" 2>/dev/null; do
+        if [[ -n $PENDING ]]; then
+            job_pass_on; sleep 0.2      # until the ranks can take it (bounded by the launch's start-up limit)
+        else
+            wait "$launcher"; rc=$?     # returns early on a trapped signal
+        fi
+    done
+    # The launcher's own status, once more (bash keeps a read one, or says 127; never blocks:
+    # it has ended): a signal may have interrupted the last wait, or it ended during a sleep.
+    wait "$launcher" 2>/dev/null; again=$?
+    (( again != 127 )) && rc=$again
     echo "dbs-mpi job ${JOB_ID}: dbs-mpi train exited with status ${rc}"
 }
 

@@ -474,6 +474,7 @@ def test_slurm_time_limit_signal_checkpoints_requeues_and_resumes(cluster, tmp_p
         time.sleep(0.5)
     log = _read(tmp_path / f"dbs-mpi-train-{job}.out")
     assert "checkpoint written; requeueing" in log and f"resuming {result}" in log, log
+    assert "the lines above belong to an earlier job" not in log, log     # its own lines, appended
     assert _job_state(env, job)[1].count("Restarts=1") == 1
     run = h5py.File(result, "r")
     try:
@@ -552,6 +553,33 @@ def test_slurm_scancel_checkpoints_and_ends_the_job_for_good(cluster, tmp_path):
     assert _read_status(result) == "cancelled" and Path(f"{result}.ckpt").exists()
 
 
+def _wait_result(path, log, seconds=120):
+    """Until the job's ranks have created their result file: from then on they take a stop
+    signal (checkpoint, exit 3) instead of dying of it."""
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert time.monotonic() < deadline and "exited with status" not in _read(log), _read(log)
+        time.sleep(0.1)
+
+
+def test_slurm_scancel_of_a_grid_task_ends_it_for_good(cluster, tmp_path):
+    """grid.sbatch shares job.sh: scancel of a running array task checkpoints it, its file
+    says cancelled, the task is CANCELLED and not requeued (nothing of it left in the queue)."""
+    grid = dict(GRID_STRATEGIES="ssgd", GRID_SEEDS="0", GRID_HETERO="equal:1,1")
+    env = cluster.job_env(tmp_path, CONFIG="", EXTRA_ARGS=STOPPABLE.replace("--strategy ssgd ", ""), **grid)
+    array = _submit(env, tmp_path, "-n", "2", "--array=0-0", script="jobs/slurm/grid.sbatch", name="%x-%A_%a.out")
+    log, result = tmp_path / f"dbs-mpi-grid-{array}_0.out", tmp_path / f"grid-{array}_0-ssgd-s0-equal.h5"
+    _wait_result(result, log)
+    subprocess.run(["scancel", f"{array}_0"], env=env, check=True, timeout=30)
+    _wait_log(log, "exited with status 3", 60)
+    time.sleep(3)                                    # (a requeue, if any, would show by now: cred_expire=10)
+    queued = subprocess.run(["squeue", "-h", "-j", array], env=env, capture_output=True, text=True, timeout=30)
+    assert not queued.stdout.strip(), queued.stdout
+    assert job_records(cluster, array, 1)[0][0] == "CANCELLED", _read(log)
+    assert "requeueing" not in _read(log)
+    assert _read_status(result) == "cancelled" and Path(f"{result}.ckpt").exists(), _read(log)
+
+
 def _read_status(path):
     from dbs_mpi.training.results import read_run
     return read_run(path, datasets=False)["attrs"]["status"]
@@ -560,10 +588,14 @@ def _read_status(path):
 def test_slurm_a_reused_job_id_never_resumes_another_run(cluster, tmp_path):
     """A fresh controller state numbers jobs from 1 again: a job whose result name is
     taken by another run (complete, with its checkpoint) writes a new file beside it,
-    trains, and leaves the old one untouched."""
+    trains, and leaves the old one untouched; the log the old job left (appended to, as
+    requeues need) says where the new job's lines begin, naming both runs."""
     env = cluster.job_env(tmp_path, EXTRA_ARGS=f"{TINY} --speeds 1,0.5")
     job = _submit(env, tmp_path, "-n", "2", "--hold")
     old = tmp_path / f"train-{job}.h5"
+    earlier = (f"dbs-mpi job {job}: 2 ranks on localhost; launcher mpirun; config none; extra: none; result {old}; "
+               f"run ID slurm-dbsmpi-{job}-1-1\ndbs-mpi job {job}: dbs-mpi train exited with status 0\n")
+    (tmp_path / f"dbs-mpi-train-{job}.out").write_text(earlier)
     proc = subprocess.run([sys.executable, "-m", "dbs_mpi", "train", *TINY.split(), "--out", str(old)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and Path(f"{old}.ckpt").exists(), proc.stderr
@@ -573,6 +605,10 @@ def test_slurm_a_reused_job_id_never_resumes_another_run(cluster, tmp_path):
     log = _read(tmp_path / f"dbs-mpi-train-{job}.out")
     new = tmp_path / f"train-{job}.2.h5"
     assert f"{old} belongs to another run" in log and f"writing {new}" in log, log
+    assert log.startswith(earlier), log
+    marker = log[len(earlier):].splitlines()[0]
+    assert re.fullmatch(rf"dbs-mpi job {job}: the lines above belong to an earlier job with the same ID \(run ID "
+                        rf"slurm-dbsmpi-{job}-1-1\); this job, run ID slurm-dbsmpi-{job}-\d+-\d+, starts here", marker), log
     assert old.read_bytes() == before
     assert _read_status(new) == "complete"
 
@@ -588,6 +624,7 @@ def test_slurm_grid_task_requeued_resumes_its_checkpoint_and_appends_its_log(clu
     text = _read(log)
     result = tmp_path / f"grid-{array}_0-ssgd-s0-equal.h5"
     assert text.count("task ") >= 2 and f"resuming {result}" in text, text        # both attempts, appended
+    assert "the lines above belong to an earlier job" not in text, text
     run = h5py.File(result, "r")
     try:
         assert run.attrs["status"] == "complete" and len(run.attrs["resumed"]) == 1
@@ -660,23 +697,83 @@ def test_pbs_warning_before_the_walltime_reruns_the_job_and_resumes(cluster, tmp
     assert _read_status(result) == "complete"
 
 
+def test_pbs_qdel_checkpoints_and_ends_the_job_for_good(cluster, tmp_path):
+    """qdel of a running train.pbs job (slurm-wlm-torque's qdel: TERM to every process of
+    the job, the script's tee included): the ranks checkpoint, the file says cancelled, the
+    log goes on to the script's last line, and the job is CANCELLED, not rerun."""
+    env = cluster.job_env(tmp_path, CONFIG="", EXTRA_ARGS=STOPPABLE)
+    p = _run(["qsub", "-l", f"nodes=1:ppn=2,walltime=00:{JOB_MINUTES:02d}:00", "-j", "oe", "-o",
+              str(tmp_path / "pbs.out"), "jobs/pbs/train.pbs"], env)
+    job = p.stdout.strip().splitlines()[-1]
+    assert job.isdigit(), p.stdout + p.stderr
+    log, result = tmp_path / f"dbs-mpi-train-{job}.log", tmp_path / f"train-{job}.h5"
+    _wait_result(result, log)
+    subprocess.run(["qdel", job], env=env, check=True, timeout=30)
+    _wait_log(log, "exited with status 3", 60)
+    wait_gone(env, job, 30)
+    assert job_records(cluster, job, 1)[None][0] == "CANCELLED", _read(log)
+    assert "checkpointing; this script does not requeue it" in _read(log) and "requeueing" not in _read(log)
+    assert _read_status(result) == "cancelled" and Path(f"{result}.ckpt").exists(), _read(log)
+
+
 def test_the_pbs_scripts_own_timer_warns_before_the_walltime(tmp_path):
     """No cluster: train.pbs by hand with WALLTIME=3 and WARN_BEFORE=1, and a launcher
     that only waits: the timer sends the script USR1 after 2 s, the script passes it on
     (the launcher exits 3, as checkpointed ranks do) and, with no PBS job to rerun, says
     how to continue."""
-    launcher = tmp_path / "launcher.sh"
-    launcher.write_text("#!/bin/bash\nsleep 30 & pid=$!\ntrap 'echo launcher got USR1; kill $pid; exit 3' USR1\nwait\n")
-    launcher.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PBS_"))}
-    env.update(MPIEXEC=str(launcher), RESULTS_DIR=str(tmp_path), CONFIG="", EXTRA_ARGS="--epochs 1", WALLTIME="3",
-               WARN_BEFORE="1", NP="2")
+    env = _waiting_launcher(tmp_path, WALLTIME="3", WARN_BEFORE="1")
     started = time.monotonic()
     p = subprocess.run(["bash", "jobs/pbs/train.pbs"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     out = p.stdout + p.stderr
     assert p.returncode == 3 and time.monotonic() - started < 20, out
     assert "the time limit is near; checkpointing to continue" in out and "launcher got USR1" in out, out
     assert "the requeue failed; continue by hand with OUT=" in out, out
+
+
+def _waiting_launcher(tmp_path, **settings):
+    """The environment of a job script run by hand with a launcher that only waits: it says
+    it started, writes the result file of its --out (as ranks do once they take signals),
+    and exits 3 on USR1 or TERM, as checkpointed ranks do."""
+    launcher = tmp_path / "launcher.sh"
+    launcher.write_text("#!/bin/bash\necho launcher started\nsleep 30 & pid=$!\n"
+                        "trap 'echo launcher got USR1; kill $pid; exit 3' USR1\n"
+                        "trap 'echo launcher got TERM; kill $pid; exit 3' TERM\n"
+                        "while [[ $1 != --out ]]; do shift; done; touch \"$2\"\nwait\n")
+    launcher.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PBS_"))}
+    env.update(MPIEXEC=str(launcher), RESULTS_DIR=str(tmp_path), CONFIG="", EXTRA_ARGS="--epochs 1", NP="2",
+               **settings)
+    return env
+
+
+@pytest.mark.parametrize("sig", ["USR1", "TERM"])
+def test_a_signal_before_the_launch_is_kept(tmp_path, sig):
+    """No cluster: a signal that reaches train.sbatch while it plans (its `dbs-mpi job plan`
+    runs) does not kill it. The warning is passed on once the launcher's ranks have written
+    the result file (the launcher exits 3, as checkpointed ranks do, and with no Slurm job
+    to requeue the script says how to continue); a cancel ends the job without launching."""
+    script = subprocess.Popen(["bash", "jobs/slurm/train.sbatch"], cwd=ROOT, env=_waiting_launcher(tmp_path),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 30
+    while not any(f"--base\0{tmp_path}/".encode() in _cmdline(pid) for pid in os.listdir("/proc") if pid.isdigit()):
+        assert script.poll() is None and time.monotonic() < deadline, "the script's `dbs-mpi job plan` was not seen"
+        time.sleep(0.01)
+    script.send_signal(getattr(signal, f"SIG{sig}"))
+    out = script.communicate(timeout=60)[0]
+    assert script.returncode == 3, out
+    if sig == "USR1":
+        assert out.index("the time limit is near") < out.index("launcher started") < out.index("launcher got USR1"), out
+        assert "the requeue failed; continue by hand with OUT=" in out, out
+    else:
+        assert "TERM (a cancel, a preemption or the scheduler's requeue) before the launch: not launching" in out, out
+        assert "not launched" in out and "launcher started" not in out, out
+
+
+def _cmdline(pid):
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 # --- dbs-mpi job, without a cluster -------------------------------------------------------
