@@ -233,6 +233,46 @@ def test_a_rank_that_sits_out_mid_epoch_and_comes_back_keeps_allocation_invarian
         assert skipped == sat_out and (comm.Get_rank() not in (0, n - 1) or skipped)
 
 
+class NormNet(UserNet):
+    """UserNet with a plain BatchNorm2d: running statistics, a floating-point buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm2d(1)
+
+    def forward(self, x):
+        return super().forward(self.norm(x))
+
+
+def train_alone_on(comm, worker: int):
+    """ssgd, every sample of every step on rank `worker` (the others sit out): the model."""
+    data = Pairs(96, seed=5)
+    torch.manual_seed(0)
+    model = NormNet()
+    balancer = dbs_mpi.Balancer(comm, 24, "ssgd")
+    balancer.batch_sizes = np.eye(comm.Get_size(), dtype=np.int64)[worker] * 24
+    sampler = dbs_mpi.HeteroSampler(data, balancer, seed=1)
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, balancer)
+    sampler.set_epoch(0)
+    for x, y in DataLoader(data, batch_sampler=sampler):
+        optimizer.zero_grad()
+        if not optimizer.sits_out:
+            F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    balancer.end_epoch()
+    return model
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_buffers_come_from_a_rank_that_computed_the_step(comm):
+    """Rank 0 sits out every step: the running statistics every rank keeps are those of
+    the rank that ran the forward (they were rank 0's stale ones, broadcast from it)."""
+    many, single = train_alone_on(comm, 1), train_alone_on(MPI.COMM_SELF, 0)
+    torch.testing.assert_close(many.norm.running_mean, single.norm.running_mean)
+    torch.testing.assert_close(many.norm.running_var, single.norm.running_var)
+    torch.testing.assert_close(flat_params(many), flat_params(single), rtol=1e-4, atol=2e-5)
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("workers", [0, 2])
 def test_vectors_changed_mid_epoch_keep_allocation_invariance(comm, shared_tmp, workers):

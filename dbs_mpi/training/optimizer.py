@@ -88,6 +88,12 @@ def _number(loss) -> float:
     return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
 
 
+def _first_with_samples(row) -> int:
+    """The first rank with samples in a step's local batches (0 if none has any)."""
+    computed = np.flatnonzero(row)
+    return int(computed[0]) if len(computed) else 0
+
+
 def _loss_share(loss, local: int, row, device=None):
     """This rank's part of the global mean loss, loss_i b_i / B: a number, or, with the
     device of a clock that reads late and a tensor loss, a 0-dim tensor there (nothing
@@ -481,9 +487,9 @@ class DistributedOptimizer(_WrappedOptimizer):
     (transport.py; agreed by all ranks, `self.exchange.transport.name` says which). The
     model may live on any one device (devices.py): gradients and optimizer state stay there.
     broadcast_buffers: after every step, the model's floating-point buffers (BatchNorm's
-    running statistics, EMA copies, ...) become rank 0's, as DDP's broadcast_buffers does
-    before every forward, so that no replica drifts (default True; one small broadcast a
-    step). The model's SyncBatchNorm layers learn each step's local batch and weight here."""
+    running statistics, ...) become the first computing rank's (rank 0 unless it sat out),
+    as DDP's make them rank 0's before every forward, so that no replica drifts (default
+    True; one small broadcast a step). The model's SyncBatchNorm layers learn each step's local batch and weight here."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, balancer, *,
                  aggregation: str = "weighted", wait_policy: str = "auto", bucket_mb: float = 25.0,
@@ -589,7 +595,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         global_loss = self.exchange.allreduce(step_weight(row, rank, self.aggregation), share, telemetry)
         self._telemetry = None if telemetry is None else self.exchange.extra
         self._loss = global_loss if loss is not None else float("nan")
-        self._times = self._clock.phases(began, pre_end, in_sync)
+        self._times, self._step_row = self._clock.phases(began, pre_end, in_sync), row
         self._synced = True
         return self._loss
 
@@ -608,8 +614,8 @@ class DistributedOptimizer(_WrappedOptimizer):
         start = time.perf_counter()
         if not skip_update(self, grad_scaler, self.exchange):
             self.optimizer.step()
-        if self._buffers:
-            mpi.broadcast_flat(self._buffers, self.comm, 0, self.timeout)
+        if self._buffers:                   # from the first rank that ran the step's forward
+            mpi.broadcast_flat(self._buffers, self.comm, _first_with_samples(self._step_row), self.timeout)
         self.exchange.flat.zero_()          # the gradients are applied: the next step starts from zero
         self._clock.record(self.balancer, start, self._times, self._loss, self._telemetry)
         global_loss = self._loss
