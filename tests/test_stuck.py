@@ -58,11 +58,16 @@ def stop_one_rank(tmp_path, args, ranks, victim):
     ("dbs", "sleep", 4, "waited more than 5 s in the gradient allreduce"),
     ("asgd", "auto", 3, "sent no gradient for more than 5 s"),      # the server notices, while it serves others
     ("ssgd/gloo", "spin", 2, "waited more than 5 s in the gradient allreduce"),   # torch.distributed's exchange
+    # rank 2 (1:0.02) sits out: it stops, or rank 1 stops while it sits out
+    ("static@1,1,0.02", "sleep", 3, "waited more than 5 s in the gradient allreduce"),
+    ("static@1,1,0.02#1", "sleep", 3, "waited more than 5 s in the gradient allreduce"),
 ])
 def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path, strategy, policy, ranks, waited_in):
-    victim = ranks - 1
+    strategy, _, victim = strategy.partition("#")
+    victim = int(victim or ranks - 1)
+    strategy, _, speeds = strategy.partition("@")
     strategy, _, exchange = strategy.partition("/")
-    extra = ["--exchange", exchange] if exchange else []
+    extra = (["--exchange", exchange] if exchange else []) + (["--speeds", speeds] if speeds else [])
     elapsed, code, err, out = stop_one_rank(tmp_path, ["--strategy", strategy, "--wait-policy", policy, *extra],
                                             ranks, victim)
     assert code != 0, err
@@ -77,6 +82,8 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path, strategy, poli
     assert run["attrs"]["status"] == "failed", "rank 0 was alive: it must have recorded the failure"
     if strategy != "asgd":     # (asgd without checkpoints writes its epochs at the end of the run)
         assert run["data"]["epoch/train_loss"].shape[0] >= 1              # finished epochs kept
+    if speeds:
+        assert run["data"]["epoch/batch_sizes"][0].tolist()[2] == 0, "rank 2 should have sat out"
 
 
 LATE = """
