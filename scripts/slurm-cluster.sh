@@ -441,8 +441,9 @@ status() {
 }
 
 # After `heal`: the controller may have marked NODE down (a job it could not end there)
-# or not responding; bring it back to service (RESUME, a reconfigure to ping it) and wait
-# until it is usable, at most HEAL_TIMEOUT seconds.
+# or not responding; bring it back to service (RESUME, a reconfigure to ping it, again
+# every 2 s) and wait until it is usable, at most HEAL_TIMEOUT seconds. Measured on 2
+# cores: 0.02-0.6 s, from `down*` (cut for 80 s) too.
 HEAL_TIMEOUT=${DBS_MPI_SLURM_HEAL_TIMEOUT:-20}
 back_in_service() {
     local node=$1 state end=$((SECONDS + HEAL_TIMEOUT)) pinged=0
@@ -453,9 +454,9 @@ back_in_service() {
             down*|drain*|fail*) timeout 10 scontrol update NodeName="$node" State=RESUME 2>/dev/null || true ;;
         esac
         if [[ $state == *'*' ]] && ((SECONDS >= pinged)); then
-            timeout 10 scontrol reconfigure 2>/dev/null || true; pinged=$((SECONDS + 5))
+            timeout 10 scontrol reconfigure 2>/dev/null || true; pinged=$((SECONDS + 2))
         fi
-        sleep 0.5
+        sleep 0.2
     done
     log "$node still '$state' after ${HEAL_TIMEOUT} s"
 }
