@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -258,6 +259,51 @@ def _main_toml():
 VENV_MPIRUN = ROOT / ".venv" / "bin" / "mpirun"
 
 
+# --- figures: what a user sees in each case (off unless DBS_MPI_JOB_REPORT names a file) ---
+
+def report(case, cluster, job, log, result, *commands, key=None):
+    """With DBS_MPI_JOB_REPORT=FILE, append one JSON line for `case`: the commands (as a
+    user would type them), the first line the job script or dbs-mpi wrote to the job's log
+    (`log`: its path, or the text this job wrote), the first line holding `key` (the line the
+    case is about), the job's final scheduler state (once it has ended, at most 60 s) and
+    the result file's status. Nothing otherwise."""
+    if not os.environ.get("DBS_MPI_JOB_REPORT"):
+        return
+    text = log if isinstance(log, str) else _read(log)
+    lines = [line for line in text.splitlines() if line.startswith(("dbs-mpi", "task "))]
+    deadline, final = time.monotonic() + 60, {}
+    while not final and time.monotonic() < deadline:
+        for line in _job_lines(cluster, job):
+            f = _fields(line)
+            if f["JobState"] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED"):
+                restarts = re.search(r"Restarts=(\d+)", line)
+                final[f["ArrayTaskId"] or "job"] = " ".join([f"{f['JobState']} {f['ExitCode']}"] + (
+                    [f"Restarts={restarts.group(1)}"] if restarts else []))
+        time.sleep(0 if final else 0.5)
+    with open(os.environ["DBS_MPI_JOB_REPORT"], "a") as f:
+        f.write(json.dumps({"case": case, "commands": list(commands), "first_line": lines[0] if lines else None,
+                            "key_line": next((line for line in text.splitlines() if key and key in line), None),
+                            "state": final, "status": _read_status(result) if result and result.exists() else None})
+                + "\n")
+
+
+def _job_lines(cluster, job):
+    """The cluster's records of `job` (each array task's): its job-completion log, in order,
+    then what scontrol still knows."""
+    log = cluster.dir / "log" / "jobcomp.log"
+    lines = [line for line in (log.read_text().splitlines() if log.exists() else [])
+             if _fields(line)["JobId"] == job or _fields(line)["ArrayJobId"] == job]
+    s = subprocess.run(["scontrol", "-o", "show", "job", job], env=cluster.job_env(results=""), capture_output=True,
+                       text=True, timeout=30)
+    return lines + (s.stdout.splitlines() if s.returncode == 0 else [])
+
+
+def settings(env):
+    """The job-script settings of `env` as shell assignments, for a reported command."""
+    names = ("CONFIG", "EXTRA_ARGS", "OUT", "REQUEUE", "GRID_STRATEGIES", "GRID_SEEDS", "GRID_HETERO", "DBS_MPI_HOME")
+    return " ".join(f"{k}={shlex.quote(env[k])}" for k in names if k in env)
+
+
 # --- the tests -------------------------------------------------------------------------
 
 def test_slurm_train(cluster, tmp_path):
@@ -482,6 +528,9 @@ def test_slurm_time_limit_signal_checkpoints_requeues_and_resumes(cluster, tmp_p
         assert run["epoch/train_loss"].shape == (2,)
     finally:
         run.close()
+    report("the warning (USR1) before the time limit", cluster, job, tmp_path / f"dbs-mpi-train-{job}.out", result,
+           f"{settings(env)} RESULTS_DIR=$T sbatch -n 2 -t {JOB_MINUTES} -o $T/%x-%j.out jobs/slurm/train.sbatch",
+           f"scancel --signal=USR1 --batch {job}    # once the log says epoch 1/2", key="the time limit is near")
 
 
 def test_slurm_stopped_job_resubmitted_with_another_ntasks_continues_the_run(cluster, tmp_path):
@@ -551,6 +600,9 @@ def test_slurm_scancel_checkpoints_and_ends_the_job_for_good(cluster, tmp_path):
            "requeue it" in _read(log) and "requeueing" not in _read(log)
     result = tmp_path / f"train-{job}.h5"
     assert _read_status(result) == "cancelled" and Path(f"{result}.ckpt").exists()
+    report("scancel during a run", cluster, job, log, result,
+           f"{settings(env)} RESULTS_DIR=$T sbatch -n 2 -t {JOB_MINUTES} -o $T/%x-%j.out jobs/slurm/train.sbatch",
+           f"scancel {job}    # once the log says epoch 1/2", key="TERM")
 
 
 def _wait_result(path, log, seconds=120):
@@ -578,6 +630,9 @@ def test_slurm_scancel_of_a_grid_task_ends_it_for_good(cluster, tmp_path):
     assert job_records(cluster, array, 1)[0][0] == "CANCELLED", _read(log)
     assert "requeueing" not in _read(log)
     assert _read_status(result) == "cancelled" and Path(f"{result}.ckpt").exists(), _read(log)
+    report("scancel of a running grid array task", cluster, array, log, result,
+           f"{settings(env)} RESULTS_DIR=$T sbatch -n 2 --array=0-0 -t {JOB_MINUTES} -o $T/%x-%A_%a.out "
+           "jobs/slurm/grid.sbatch", f"scancel {array}_0    # once the ranks have created the result file", key="TERM")
 
 
 def _read_status(path):
@@ -608,9 +663,15 @@ def test_slurm_a_reused_job_id_never_resumes_another_run(cluster, tmp_path):
     assert log.startswith(earlier), log
     marker = log[len(earlier):].splitlines()[0]
     assert re.fullmatch(rf"dbs-mpi job {job}: the lines above belong to an earlier job with the same ID \(run ID "
-                        rf"slurm-dbsmpi-{job}-1-1\); this job, run ID slurm-dbsmpi-{job}-\d+-\d+, starts here", marker), log
+                        rf"slurm-dbsmpi-{job}-1-1\); this job, run ID slurm-dbsmpi-{job}-\d+-\d+, starts here",
+                        marker), log
     assert old.read_bytes() == before
     assert _read_status(new) == "complete"
+    report("a job ID used again beside an old run's files", cluster, job, log[len(earlier):], new,
+           f"{settings(env)} RESULTS_DIR=$T sbatch -n 2 -t {JOB_MINUTES} --hold -o $T/%x-%j.out "
+           "jobs/slurm/train.sbatch",
+           f"dbs-mpi train {TINY} --out $T/train-{job}.h5    # the old run, and an old log", f"scontrol release {job}",
+           key="belongs to another run")
 
 
 def test_slurm_grid_task_requeued_resumes_its_checkpoint_and_appends_its_log(cluster, tmp_path):
@@ -631,6 +692,9 @@ def test_slurm_grid_task_requeued_resumes_its_checkpoint_and_appends_its_log(clu
         assert run["step/loss"].shape == (2 * STOPPABLE_STEPS,)
     finally:
         run.close()
+    report("a grid task requeued mid-run", cluster, array, log, result,
+           f"{settings(env)} RESULTS_DIR=$T sbatch -n 2 --array=0-0 -t {JOB_MINUTES} -o $T/%x-%A_%a.out "
+           "jobs/slurm/grid.sbatch", f"scontrol requeue {array}_0    # once the log says epoch 1/2", key="resuming")
 
 
 def test_a_live_result_file_is_read_while_the_job_writes_it(cluster, tmp_path):
@@ -655,6 +719,11 @@ def test_a_live_result_file_is_read_while_the_job_writes_it(cluster, tmp_path):
         time.sleep(0.05)
     assert run["attrs"]["status"] == "complete" and "running" in statuses and reads > 10, (reads, statuses)
     assert len(run["data"]["epoch/train_loss"]) == 3
+    report(f"a reader polling a live file ({reads} reads, all consistent)", cluster, job,
+           tmp_path / f"dbs-mpi-train-{job}.out", result,
+           f"{settings(env)} RESULTS_DIR=$T sbatch -n 2 -t {JOB_MINUTES} -o $T/%x-%j.out jobs/slurm/train.sbatch",
+           f"python -c 'import dbs_mpi; print(dbs_mpi.read_run(\"$T/train-{job}.h5\")[\"attrs\"][\"status\"])'    "
+           "# in a loop, every 0.05 s, until the status is not running")
 
 
 def test_submitted_from_another_folder(cluster, tmp_path):
@@ -669,12 +738,17 @@ def test_submitted_from_another_folder(cluster, tmp_path):
     job = p.stdout.strip().split(";")[0]
     log = _read(elsewhere / f"dbs-mpi-train-{job}.out")
     assert p.returncode == 2 and f"error: no dbs-mpi project in {elsewhere}" in log and "DBS_MPI_HOME" in log, log
+    report("submitted from another folder", cluster, job, elsewhere / f"dbs-mpi-train-{job}.out", None,
+           f"cd $T/elsewhere && {settings(env)} sbatch --wait -n 2 -t {JOB_MINUTES} {ROOT}/jobs/slurm/train.sbatch")
     p = subprocess.run(["sbatch", "--wait", "--parsable", "-n", "2", "-t", str(JOB_MINUTES),
                         str(ROOT / "jobs" / "slurm" / "train.sbatch")], cwd=elsewhere,
                        env={**env, "DBS_MPI_HOME": str(ROOT)}, capture_output=True, text=True, timeout=SUBMIT_TIMEOUT)
     job = p.stdout.strip().split(";")[0]
     assert p.returncode == 0, _read(elsewhere / f"dbs-mpi-train-{job}.out")
     assert _read_status(tmp_path / f"train-{job}.h5") == "complete"
+    report("submitted from another folder, with DBS_MPI_HOME", cluster, job, elsewhere / f"dbs-mpi-train-{job}.out",
+           tmp_path / f"train-{job}.h5", f"cd $T/elsewhere && DBS_MPI_HOME={ROOT} {settings(env)} RESULTS_DIR=$T "
+           f"sbatch --wait -n 2 -t {JOB_MINUTES} {ROOT}/jobs/slurm/train.sbatch")
 
 
 def test_pbs_warning_before_the_walltime_reruns_the_job_and_resumes(cluster, tmp_path):
@@ -695,6 +769,10 @@ def test_pbs_warning_before_the_walltime_reruns_the_job_and_resumes(cluster, tmp
     assert "the time limit is near" in text and "requeueing to continue" in text and f"resuming {result}" in text, \
         text
     assert _read_status(result) == "complete"
+    report("the warning (USR1) to a PBS job", cluster, job, log, result,
+           f"{settings(env)} RESULTS_DIR=$T qsub -l nodes=1:ppn=2,walltime=00:{JOB_MINUTES:02d}:00 -j oe -o $T/pbs.out "
+           "jobs/pbs/train.pbs", f"scancel --signal=USR1 --batch {job}    # (qsig -s USR1) once the log says epoch 1/2",
+           key="the time limit is near")
 
 
 def test_pbs_qdel_checkpoints_and_ends_the_job_for_good(cluster, tmp_path):
@@ -714,6 +792,9 @@ def test_pbs_qdel_checkpoints_and_ends_the_job_for_good(cluster, tmp_path):
     assert job_records(cluster, job, 1)[None][0] == "CANCELLED", _read(log)
     assert "checkpointing; this script does not requeue it" in _read(log) and "requeueing" not in _read(log)
     assert _read_status(result) == "cancelled" and Path(f"{result}.ckpt").exists(), _read(log)
+    report("qdel during a PBS run", cluster, job, log, result,
+           f"{settings(env)} RESULTS_DIR=$T qsub -l nodes=1:ppn=2,walltime=00:{JOB_MINUTES:02d}:00 -j oe -o $T/pbs.out "
+           "jobs/pbs/train.pbs", f"qdel {job}    # once the ranks have created the result file", key="TERM")
 
 
 def test_the_pbs_scripts_own_timer_warns_before_the_walltime(tmp_path):
