@@ -274,6 +274,57 @@ def test_the_buffers_come_from_a_rank_that_computed_the_step(comm):
 
 
 @pytest.mark.mpi(min_size=1)
+def test_ranks_that_sit_out_leave_the_exchange_and_catch_up(comm):
+    """Epoch 1: rank 0 alone takes part, so its steps sum nothing (a group of one rank: the
+    local transport), and the others skip every update (their parameters stay as they
+    were) until they take rank 0's model and momentum after the epoch's last step. Epoch
+    2: every rank takes part. The model is one process's on every rank."""
+    data, n = Pairs(96, seed=5), comm.Get_size()
+    torch.manual_seed(0)
+    model = UserNet()
+    balancer = dbs_mpi.Balancer(comm, 24, "ssgd")
+    sampler = dbs_mpi.HeteroSampler(data, balancer, seed=1)
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
+                                             balancer)
+    start, transports, unchanged = flat_params(model), [], []
+    for epoch, vector in enumerate([np.eye(n, dtype=np.int64)[0] * 24, allocation.equal(24, n)]):
+        balancer.batch_sizes = vector
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(data, batch_sampler=sampler):
+            optimizer.zero_grad()
+            if not optimizer.sits_out:
+                F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            transports.append(optimizer.exchange.transport.name)
+            unchanged.append(torch.equal(flat_params(model), start))
+        balancer.end_epoch()
+    single = flat_params(train_alone(Pairs(96, seed=5)))
+    torch.testing.assert_close(flat_params(model), single, rtol=1e-4, atol=2e-5)
+    if n > 1 and comm.Get_rank() == 0:
+        assert transports[:3] == ["local"] * 3 and set(transports[3:]) == {"host"}, transports
+    elif n > 1:
+        assert unchanged[:3] == [True] * 3 and not any(unchanged[3:]), unchanged
+
+
+def train_alone(data):
+    """One process on the whole global batch of 24, two epochs, with momentum: the reference."""
+    torch.manual_seed(0)
+    model = UserNet()
+    balancer = dbs_mpi.Balancer(MPI.COMM_SELF, 24, "ssgd")
+    sampler = dbs_mpi.HeteroSampler(data, balancer, seed=1)
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
+                                             balancer)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(data, batch_sampler=sampler):
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        balancer.end_epoch()
+    return model
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("workers", [0, 2])
 def test_vectors_changed_mid_epoch_keep_allocation_invariance(comm, shared_tmp, workers):
     """15 steps an epoch; two DataLoader workers with prefetch_factor 4 hand out 8 steps

@@ -277,7 +277,8 @@ class SyncTrainer:
         optimizer = DistributedOptimizer(make_optimizer(cfg.optimizer, run.model.parameters(), cfg), run.model,
                                          balancer, aggregation=cfg.aggregation, wait_policy=cfg.wait_policy,
                                          bucket_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb,
-                                         timeout=cfg.comm_timeout, exchange=run.exchange)
+                                         timeout=cfg.comm_timeout, exchange=run.exchange,
+                                         leave_exchange=cfg.amp != "fp16")    # GradScaler: every rank's gradient
         run.recorder.writer.set_attrs(exchange=optimizer.exchange.transport.name)
         self.precision = Precision(cfg.amp, run.device)
         self.forward = torch.compile(run.model, backend=cfg.compile_backend) if cfg.compile else run.model      # state dicts stay the model's

@@ -175,7 +175,7 @@ class BucketSchedule:
     def start(self, bucket: int, weight: float) -> None:
         """Weight `bucket` (unless backward did) and start its sum; it is the next one in order."""
         if weight != 1.0 and not self.prescaled:
-            _scale(self.buckets[bucket], weight)
+            scale(self.buckets[bucket], weight)
         self.transport.stage(bucket)
         self.requests.append(self.transport.start(bucket))
         self.next = bucket + 1
@@ -345,7 +345,7 @@ class GradientExchange(GradientBuffer):
             while schedule.next < last:    # not started yet (no backward, unused parameters, no weight given)
                 schedule.start(schedule.next, weight)
             if weight != 1.0 and not schedule.prescaled:
-                _scale(self.final_grads, weight)
+                scale(self.final_grads, weight)
             transport = self.transport
             transport.stage(last)
             if self.extra_slots and (extra is None or len(extra) != self.extra_slots):
@@ -391,7 +391,7 @@ def _one_float32_device(params) -> torch.device:
     return devices.pop() if devices else torch.device("cpu")
 
 
-def _scale(view, weight: float) -> None:
+def scale(view, weight: float) -> None:
     """view *= weight, in place (a numpy view of CPU memory, or a tensor on its device)."""
     if isinstance(view, np.ndarray):
         np.multiply(view, weight, out=view)

@@ -57,6 +57,7 @@ from .accumulation import MicroBatches
 from .event_clock import LateSteps
 from .exchange import GradientExchange
 from .loss_scaling import skip_update
+from .participants import Participants
 
 AGGREGATIONS = ("weighted", "mean")
 MIB = 2 ** 20
@@ -477,24 +478,19 @@ def make_optimizer(name: str, params, cfg) -> torch.optim.Optimizer:
 
 class DistributedOptimizer(_WrappedOptimizer):
     """Wraps `optimizer` (any torch.optim.Optimizer over `model`'s parameters) so that
-    step() applies the sample-weighted gradient of all ranks of `balancer.comm`.
-
-    aggregation: "weighted" (default) or "mean". wait_policy: how a rank waits for slower
-    ones, "auto" | "spin" | "sleep" (comm.py). bucket_mb / first_bucket_mb: gradient
-    bucket caps in MiB (DDP's). timeout: seconds a collective may wait (default: the
-    balancer's). check_batch: count the model's training samples per step (see above).
-    exchange: how the buckets are summed, "auto" | "host" | "cuda-aware" | "nccl" | "gloo"
-    (transport.py; agreed by all ranks, `self.exchange.transport.name` says which). The
-    model may live on any one device (devices.py): gradients and optimizer state stay there.
-    broadcast_buffers: after every step, the model's floating-point buffers (BatchNorm's
-    running statistics, ...) become the first computing rank's (rank 0 unless it sat out),
-    as DDP's make them rank 0's before every forward, so that no replica drifts (default
-    True; one small broadcast a step). The model's SyncBatchNorm layers learn each step's local batch and weight here."""
+    step() applies the sample-weighted gradient of all ranks of `balancer.comm` (the
+    arguments in docs/api.md). aggregation: "weighted" or "mean". wait_policy: "auto" |
+    "spin" | "sleep" (comm.py). bucket_mb / first_bucket_mb: DDP's bucket caps in MiB.
+    timeout: of every wait (default: the balancer's). check_batch: count the training
+    samples of each step. exchange: "auto" | "host" | "cuda-aware" | "nccl" | "gloo"
+    (transport.py, agreed by all ranks). broadcast_buffers: after every step the model's
+    floating-point buffers become those of the first rank that computed (DDP: rank 0's).
+    leave_exchange: ranks that sit out leave the gradient's sum (participants.py)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, balancer, *,
                  aggregation: str = "weighted", wait_policy: str = "auto", bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, timeout: float | None = None, check_batch: bool = True,
-                 exchange: str = "auto", broadcast_buffers: bool = True):
+                 exchange: str = "auto", broadcast_buffers: bool = True, leave_exchange: bool = True):
         if isinstance(optimizer, DistributedOptimizer) or not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer; got {type(optimizer).__name__}")
         if aggregation not in AGGREGATIONS:
@@ -522,6 +518,8 @@ class DistributedOptimizer(_WrappedOptimizer):
                                 LateSteps(balancer, self.device) if late else None)
         self.checks = StepChecks(model, check_batch)
         self._micro = MicroBatches(self.exchange, bool(channels))
+        self._part = Participants(self.comm, self.exchange, model, optimizer, balancer.global_batch, self.timeout,
+                                  leave_exchange and not channels)
         self._buffers = [b for b in model.buffers() if b.is_floating_point()] \
             if broadcast_buffers and self.comm.Get_size() > 1 else []
         self._hook = model.register_forward_pre_hook(_ForwardHook(self), with_kwargs=True)
@@ -542,7 +540,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         if self._clock.forward() and self.balancer.step_pending:
             self._row = self.balancer.step_batch_sizes()
             weight = step_weight(self._row, self.comm.Get_rank(), self.aggregation)
-            self.exchange.arm(weight)
+            self._part.arm(self._row, weight)
             self._share.local, self._share.weight = int(self._row[self.comm.Get_rank()]), weight
         self.checks.forward(args, kwargs)
 
@@ -592,7 +590,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         pre_end = time.perf_counter()
         share = _loss_share(loss, int(row[rank]), row, self.device if self._clock.late is not None else None)
         telemetry = self.balancer.telemetry(pre_end - began - in_sync)   # dbs: every rank's step time, in the buffer
-        global_loss = self.exchange.allreduce(step_weight(row, rank, self.aggregation), share, telemetry)
+        global_loss = self._part.allreduce(row, step_weight(row, rank, self.aggregation), share, telemetry)
         self._telemetry = None if telemetry is None else self.exchange.extra
         self._loss = global_loss if loss is not None else float("nan")
         self._times, self._step_row = self._clock.phases(began, pre_end, in_sync), row
@@ -612,12 +610,13 @@ class DistributedOptimizer(_WrappedOptimizer):
             self.synchronize(loss)
         startup.done()                      # a launch watchdog (startup.arm) is not needed any more
         start = time.perf_counter()
-        if not skip_update(self, grad_scaler, self.exchange):
+        if self._part.updates(grad_scaler) and not skip_update(self, grad_scaler, self.exchange):
             self.optimizer.step()
         if self._buffers:                   # from the first rank that ran the step's forward
             mpi.broadcast_flat(self._buffers, self.comm, _first_with_samples(self._step_row), self.timeout)
         self.exchange.flat.zero_()          # the gradients are applied: the next step starts from zero
         self._clock.record(self.balancer, start, self._times, self._loss, self._telemetry)
+        self._part.after_step(self.balancer)     # a rank that sat out and takes part next catches up
         global_loss = self._loss
         self._new_step(self._clock.last_end)
         return global_loss
