@@ -82,23 +82,19 @@ def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0
     replanner = step_replanner(job, fit, n)
     controller = dbs_controller(job, fit) if job.strategy == "dbs" and replanner is None else None
     extra = 0 if replanner is None else replanner.size
-    comm = network.exchange(n, buckets(job.model.numel, job.bucket_mb, job.first_bucket_mb, extra), cluster.sleeping,
-                            cluster.crowded)
-    if n > 1:          # what real steps take beyond the model (machine.py: measured once per machine)
-        comm += job.residual.get("sync_crowded" if cluster.crowded else "sync", 0.0)
-    clock = _SyncClock(compute, emus, comm, compute.update(), replanner)
+    clock = _SyncClock(compute, emus, ExchangeCost(job, cluster, network, extra), compute.update(), replanner)
     for epoch in range(job.epochs):
         table = sharding.step_batch_sizes(job.samples, job.global_batch, vector, job.drop_last)
         for e in emus:
             e.start_epoch(epoch, len(table))
         result.batch_sizes.append(vector.tolist())
-        pre = clock.epoch(table, job)                                       # (steps, ranks)
+        pre, comm = clock.epoch(table, job)                                 # (steps, ranks), (steps,)
         vector = clock.vector if clock.vector is not None else vector
         slowest = pre.max(axis=1)
         result.epoch_time.append(float((slowest + comm + clock.update).sum()))
         result.compute += float(pre.sum() + clock.update * pre.size)
         result.wait += float((slowest[:, None] - pre).sum())
-        result.comm += float(comm * pre.size)
+        result.comm += float(comm.sum() * pre.shape[1])
         if controller is not None:
             vector, _ = controller.update(vector, table, pre.sum(axis=0))
     return result
@@ -114,6 +110,28 @@ def step_replanner(job: Job, fit: allocation.SpeedModel, ranks: int) -> dynamic.
                              min_gain=job.dbs_min_gain, participation=job.participation)
 
 
+class ExchangeCost:
+    """Seconds of a step's exchange (training/participants.py): the gradient is summed over
+    rank 0 and the ranks with samples (all of them in an epoch's partial last step), and
+    where that leaves ranks out, every rank also sums the step's few extra values."""
+
+    def __init__(self, job: Job, cluster: Cluster, network: Network, extra: int):
+        self.n, self.global_batch, self.cluster, self.network = cluster.size, job.global_batch, cluster, network
+        self.sizes = buckets(job.model.numel, job.bucket_mb, job.first_bucket_mb, extra)
+        self.tail = 4.0 * (1 + extra)
+        # what real steps take beyond the model (machine.py: measured once per machine)
+        self.residual = job.residual.get("sync_crowded" if cluster.crowded else "sync", 0.0) if self.n > 1 else 0.0
+        self.cache = {}
+
+    def __call__(self, row) -> float:
+        k = self.n if int(np.sum(row)) < self.global_batch else 1 + int(np.count_nonzero(row[1:]))
+        if k not in self.cache:
+            c = self.cluster
+            self.cache[k] = self.network.exchange(k, self.sizes, c.sleeping, c.crowded) + self.residual + (
+                self.network.allreduce(self.n, self.tail) if k < self.n else 0.0)
+        return self.cache[k]
+
+
 class _SyncClock:
     """The steps of an epoch in simulated time: every rank's pre-collective seconds, the
     emulator's per-step windows, and (dbs within the epoch) the Replanner fed with what
@@ -123,18 +141,19 @@ class _SyncClock:
         self.compute, self.emus, self.comm, self.update, self.replanner = compute, emus, comm, update, replanner
         self.trained, self.run_steps, self.vector = 0.0, 0, None
 
-    def epoch(self, table: np.ndarray, job: Job) -> np.ndarray:
-        pre = np.zeros(table.shape)
+    def epoch(self, table: np.ndarray, job: Job) -> tuple[np.ndarray, np.ndarray]:
+        pre, comm = np.zeros(table.shape), np.zeros(len(table))
         for s in range(len(table)):
             factor = np.array([e.factor for e in self.emus])
             pre[s] = self.compute.pre(table[s], factor, np.array([e.step_sleep for e in self.emus]))
-            self.trained += float(pre[s].max() + self.comm + self.update)
+            comm[s] = self.comm(table[s])
+            self.trained += float(pre[s].max() + comm[s] + self.update)
             self.run_steps += 1
             for e in self.emus:
                 e.step_done(self.trained)
             if self.replanner is not None:
                 self._replan(table, s, pre[s], job)
-        return pre
+        return pre, comm
 
     def _replan(self, table: np.ndarray, s: int, seconds: np.ndarray, job: Job) -> None:
         r, n = self.replanner, table.shape[1]
