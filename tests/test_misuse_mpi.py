@@ -5,6 +5,7 @@ gradient, as one process would; a checkpoint part of another rank is refused nam
 ranks; a sampler reports the position a checkpoint gave it before it is iterated."""
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -130,3 +131,22 @@ def test_ranks_with_another_model_are_told_which(comm):
     with pytest.raises(dbs_mpi.AgreedError, match=rf"the model of rank\(s\) \[{comm.Get_size() - 1}\] has other "
                                                   r"parameters than rank 0's \(\d+ values against \d+"):
         dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, balancer)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_grad_scaler_after_ranks_left_the_exchange_is_refused_on_every_rank(comm):
+    """Only rank 0 takes part, so the others left the gradient's sum: a GradScaler's skip
+    decision would need the reduced gradient on every rank, so it is refused, naming the fix."""
+    data = Pairs(96, seed=7)
+    torch.manual_seed(0)
+    model = UserNet()
+    balancer = dbs_mpi.Balancer(comm, 24, "ssgd", timeout=TIMEOUT)
+    balancer.batch_sizes = np.eye(comm.Get_size(), dtype=np.int64)[0] * 24
+    sampler = dbs_mpi.HeteroSampler(data, balancer, seed=3)
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model, balancer)
+    sampler.set_epoch(0)
+    x, y = next(iter(DataLoader(data, batch_sampler=sampler)))
+    if not optimizer.sits_out:
+        F.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="construct the optimizer with leave_exchange=False"):
+        optimizer.step(grad_scaler=torch.amp.GradScaler("cpu"))
