@@ -150,3 +150,26 @@ def test_a_grad_scaler_after_ranks_left_the_exchange_is_refused_on_every_rank(co
         F.cross_entropy(model(x), y).backward()
     with pytest.raises(RuntimeError, match="construct the optimizer with leave_exchange=False"):
         optimizer.step(grad_scaler=torch.amp.GradScaler("cpu"))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_clipped_norm_is_the_same_on_ranks_out_of_the_sum(comm):
+    """Only rank 0 takes part: the others hold no gradient, yet clip_grad_norm_ returns the
+    global norm on every rank (a loop that skips a step on a bad norm skips it everywhere)."""
+    data = Pairs(96, seed=7)
+    torch.manual_seed(0)
+    model = UserNet()
+    balancer = dbs_mpi.Balancer(comm, 24, "ssgd", timeout=TIMEOUT)
+    balancer.batch_sizes = np.eye(comm.Get_size(), dtype=np.int64)[0] * 24
+    sampler = dbs_mpi.HeteroSampler(data, balancer, seed=3)
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model, balancer)
+    sampler.set_epoch(0)
+    for x, y in DataLoader(data, batch_sampler=sampler):
+        loss = 0.0
+        if not optimizer.sits_out:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+        norm = float(dbs_mpi.clip_grad_norm_(optimizer, 1.0, loss=loss))
+        assert norm > 0 and comm.allgather(norm) == [norm] * comm.Get_size()
+        optimizer.step()
+    balancer.end_epoch()

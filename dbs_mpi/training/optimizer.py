@@ -89,12 +89,6 @@ def _number(loss) -> float:
     return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
 
 
-def _first_with_samples(row) -> int:
-    """The first rank with samples in a step's local batches (0 if none has any)."""
-    computed = np.flatnonzero(row)
-    return int(computed[0]) if len(computed) else 0
-
-
 def _loss_share(loss, local: int, row, device=None):
     """This rank's part of the global mean loss, loss_i b_i / B: a number, or, with the
     device of a clock that reads late and a tensor loss, a 0-dim tensor there (nothing
@@ -403,7 +397,8 @@ def clip_grad_norm_(optimizer: "DistributedOptimizer", max_norm: float, norm_typ
     norm of a part is not the norm of the whole."""
     if not optimizer._synced:
         optimizer.synchronize(loss)
-    return torch.nn.utils.clip_grad_norm_(optimizer.exchange.params, max_norm, norm_type)
+    norm = torch.nn.utils.clip_grad_norm_(optimizer.exchange.params, max_norm, norm_type)
+    return optimizer._part.same_everywhere(norm)     # ranks out of the step's sum hold no gradient
 
 
 # --- the command line's optimizers ---------------------------------------------------
@@ -612,8 +607,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         start = time.perf_counter()
         if self._part.updates(grad_scaler) and not skip_update(self, grad_scaler, self.exchange):
             self.optimizer.step()
-        if self._buffers:                   # from the first rank that ran the step's forward
-            mpi.broadcast_flat(self._buffers, self.comm, _first_with_samples(self._step_row), self.timeout)
+        self._part.updated(self.balancer, self._buffers, self._step_row)   # buffers; the epoch's end: catch-up
         self.exchange.flat.zero_()          # the gradients are applied: the next step starts from zero
         self._clock.record(self.balancer, start, self._times, self._loss, self._telemetry)
         self._part.after_step(self.balancer)     # a rank that sat out and takes part next catches up

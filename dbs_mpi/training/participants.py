@@ -51,7 +51,9 @@ class Participants:
         self.exchange, self.model, self.optimizer = exchange, model, optimizer
         self.world = exchange.transport
         self.everyone = tuple(range(comm.Get_size()))
-        self.enabled = bool(enabled) and len(self.everyone) > 1 and self.world.name == "host"
+        # (agreed: a job that mixes CPU and GPU ranks may give them different transports)
+        self.enabled = len(self.everyone) > 1 and bool(mpi.allgather_array(
+            comm, [float(bool(enabled) and self.world.name == "host")], timeout).min())
         self.group, self.member = self.everyone, True
         self.stale: set[int] = set()             # ranks whose state missed updates
         self.used = False                        # a step has run in a group smaller than the world
@@ -106,18 +108,35 @@ class Participants:
             self.enabled = False                 # (every rank hands the scaler over at the same step)
         return self.member
 
-    def after_step(self, balancer) -> None:
-        """After the step's update: the ranks out of its group fell behind; a rank taking part
-        in the next step catches up now, every rank after the epoch's last step."""
-        if self.group == self.everyone:
-            return
-        self.stale.update(r for r in self.everyone if r not in self.group)
-        if balancer.step_pending:
-            self.begin(balancer.step_batch_sizes())
-        else:
+    def updated(self, balancer, buffers, row) -> None:
+        """Right after the step's update (its time is the update's): the model's buffers
+        become those of the first rank that computed, and after an epoch's last step every
+        rank that fell behind catches up (evaluation and checkpoints see one model)."""
+        if buffers:
+            computed = np.flatnonzero(row)
+            mpi.broadcast_flat(buffers, self.comm, int(computed[0]) if len(computed) else 0, self.timeout)
+        if self.group != self.everyone and balancer.step + 1 >= len(balancer.epoch_table):
+            self.stale.update(r for r in self.everyone if r not in self.group)
             self.catch_up()
             self.group, self.member = self.everyone, True
             _use(self.exchange, self.world)
+
+    def after_step(self, balancer) -> None:
+        """After the step's record: the ranks out of its group fell behind; one taking part in
+        the next step catches up now, before its forward."""
+        if self.group == self.everyone:
+            return
+        self.stale.update(r for r in self.everyone if r not in self.group)
+        self.begin(balancer.step_batch_sizes())
+
+    def same_everywhere(self, value):
+        """rank 0's `value` (a gradient's norm, a 0-dim tensor) on every rank where ranks are
+        out of the step's sum, which hold no gradient; `value` elsewhere."""
+        if self.group == self.everyone:
+            return value
+        number = np.array([float(value)])
+        mpi.wait(self.comm.Ibcast(number, root=0), self.timeout, "broadcasting the gradient's norm")
+        return torch.tensor(number[0], dtype=value.dtype if isinstance(value, torch.Tensor) else torch.float32)
 
     def catch_up(self) -> None:
         """Collective: the stale ranks take rank 0's model and optimizer state."""
@@ -147,11 +166,15 @@ class Participants:
         return self._groups[group][1]
 
     def _make(self, sub):
-        x = self.exchange
+        x, world = self.exchange, self.world
         if sub.Get_size() == 1:
             return transports.Local(x.flat, 1 + x.extra_slots)
         bounds = [*x.bounds[:-1], (x.bounds[-1][0], x.numel)]      # the gradients: the extra values go world-wide
-        return transports.HostMPI(sub, x.flat, bounds, self.world.staged, 1 + x.extra_slots)
+        part = transports.HostMPI(sub, x.flat, bounds, world.staged, 1 + x.extra_slots)
+        if world.staged:                 # one pinned host copy of the gradients, not one per group
+            part.host, part.array = world.host, world.array
+            part.views = [world.array[start:stop] for start, stop in bounds]
+        return part
 
     def _world_sum(self, tail: np.ndarray) -> None:
         if self.exchange.sleep_while_waiting:
