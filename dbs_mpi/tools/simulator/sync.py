@@ -6,6 +6,8 @@ the engine's DBSController every epoch, or with its Replanner within the epoch.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ...options import parse_interval
@@ -111,25 +113,37 @@ def step_replanner(job: Job, fit: allocation.SpeedModel, ranks: int) -> dynamic.
 
 
 class ExchangeCost:
-    """Seconds of a step's exchange (training/participants.py): the gradient is summed over
-    rank 0 and the ranks with samples (all of them in an epoch's partial last step), and
-    where that leaves ranks out, every rank also sums the step's few extra values."""
+    """Seconds of a step's exchange as the engine runs it (training/participants.py): the
+    gradient summed over rank 0 and the ranks with samples (an epoch's partial last step
+    keeps the group it follows); where that leaves ranks out, every rank also sums the
+    step's few extra values, and a rank that fell behind gets rank 0's model and
+    optimizer state (a broadcast of twice the model: SGD's momentum) before it takes part
+    again and after the epoch's last step."""
 
     def __init__(self, job: Job, cluster: Cluster, network: Network, extra: int):
         self.n, self.global_batch, self.cluster, self.network = cluster.size, job.global_batch, cluster, network
         self.sizes = buckets(job.model.numel, job.bucket_mb, job.first_bucket_mb, extra)
         self.tail = 4.0 * (1 + extra)
+        self.catch_up = math.ceil(math.log2(max(self.n, 2))) * network.message(8.0 * job.model.numel)
         # what real steps take beyond the model (machine.py: measured once per machine)
         self.residual = job.residual.get("sync_crowded" if cluster.crowded else "sync", 0.0) if self.n > 1 else 0.0
-        self.cache = {}
+        self.group, self.stale, self.cache = set(range(self.n)), set(), {}
 
-    def __call__(self, row) -> float:
-        k = self.n if int(np.sum(row)) < self.global_batch else 1 + int(np.count_nonzero(row[1:]))
+    def __call__(self, row, last: bool = False) -> float:
+        group = {0, *np.flatnonzero(row).tolist()} | (self.group if int(np.sum(row)) < self.global_batch else set())
+        seconds = self.catch_up if self.stale & group else 0.0
+        self.stale = set() if self.stale & group else self.stale
+        self.group = group
+        k = len(group)
         if k not in self.cache:
             c = self.cluster
             self.cache[k] = self.network.exchange(k, self.sizes, c.sleeping, c.crowded) + self.residual + (
                 self.network.allreduce(self.n, self.tail) if k < self.n else 0.0)
-        return self.cache[k]
+        self.stale |= set(range(self.n)) - group
+        if last and self.stale:
+            seconds += self.catch_up
+            self.stale, self.group = set(), set(range(self.n))
+        return self.cache[k] + seconds
 
 
 class _SyncClock:
@@ -146,7 +160,7 @@ class _SyncClock:
         for s in range(len(table)):
             factor = np.array([e.factor for e in self.emus])
             pre[s] = self.compute.pre(table[s], factor, np.array([e.step_sleep for e in self.emus]))
-            comm[s] = self.comm(table[s])
+            comm[s] = self.comm(table[s], last=s == len(table) - 1)
             self.trained += float(pre[s].max() + comm[s] + self.update)
             self.run_steps += 1
             for e in self.emus:
