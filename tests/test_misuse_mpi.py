@@ -133,10 +133,8 @@ def test_ranks_with_another_model_are_told_which(comm):
         dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, balancer)
 
 
-@pytest.mark.mpi(min_size=2)
-def test_a_grad_scaler_after_ranks_left_the_exchange_is_refused_on_every_rank(comm):
-    """Only rank 0 takes part, so the others left the gradient's sum: a GradScaler's skip
-    decision would need the reduced gradient on every rank, so it is refused, naming the fix."""
+def rank_0_alone(comm):
+    """A loop's parts where rank 0 alone takes part (the others left the gradient's sum)."""
     data = Pairs(96, seed=7)
     torch.manual_seed(0)
     model = UserNet()
@@ -145,7 +143,15 @@ def test_a_grad_scaler_after_ranks_left_the_exchange_is_refused_on_every_rank(co
     sampler = dbs_mpi.HeteroSampler(data, balancer, seed=3)
     optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model, balancer)
     sampler.set_epoch(0)
-    x, y = next(iter(DataLoader(data, batch_sampler=sampler)))
+    return model, balancer, DataLoader(data, batch_sampler=sampler), optimizer
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_grad_scaler_after_ranks_left_the_exchange_is_refused_on_every_rank(comm):
+    """Only rank 0 takes part, so the others left the gradient's sum: a GradScaler's skip
+    decision would need the reduced gradient on every rank, so it is refused, naming the fix."""
+    model, _, loader, optimizer = rank_0_alone(comm)
+    x, y = next(iter(loader))
     if not optimizer.sits_out:
         F.cross_entropy(model(x), y).backward()
     with pytest.raises(RuntimeError, match="construct the optimizer with leave_exchange=False"):
@@ -156,15 +162,8 @@ def test_a_grad_scaler_after_ranks_left_the_exchange_is_refused_on_every_rank(co
 def test_the_clipped_norm_is_the_same_on_ranks_out_of_the_sum(comm):
     """Only rank 0 takes part: the others hold no gradient, yet clip_grad_norm_ returns the
     global norm on every rank (a loop that skips a step on a bad norm skips it everywhere)."""
-    data = Pairs(96, seed=7)
-    torch.manual_seed(0)
-    model = UserNet()
-    balancer = dbs_mpi.Balancer(comm, 24, "ssgd", timeout=TIMEOUT)
-    balancer.batch_sizes = np.eye(comm.Get_size(), dtype=np.int64)[0] * 24
-    sampler = dbs_mpi.HeteroSampler(data, balancer, seed=3)
-    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model, balancer)
-    sampler.set_epoch(0)
-    for x, y in DataLoader(data, batch_sampler=sampler):
+    model, balancer, loader, optimizer = rank_0_alone(comm)
+    for x, y in loader:
         loss = 0.0
         if not optimizer.sits_out:
             loss = F.cross_entropy(model(x), y)
