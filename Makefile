@@ -70,7 +70,7 @@ data:
 # serial sessions keep the cores busy meanwhile. Each suite's output is printed in one
 # piece when it ends.
 test: install
-	@echo "make test: 7 suites, three at a time; each prints its output when it ends (about 12 min on 2 cores)"
+	@echo "make test: 7 suites, three at a time; each prints its output when it ends (about 13 min on 2 cores)"
 	$(MAKE) --no-print-directory -j3 --output-sync=target test-serial-jobs test-serial-resume test-serial-rest \
 		test-np4 test-np2 test-notebooks test-np1
 
