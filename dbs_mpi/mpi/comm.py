@@ -104,15 +104,13 @@ def wait(request: MPI.Request, timeout: float = 600.0, what: str = "collective",
             return
     pause = POLL_SLEEP_MIN
     SUPERVISOR.waiting = (what, start)
-    try:
-        while not request.Test():
-            waited = time.perf_counter() - start
-            if waited > timeout:
-                raise CommTimeout(timeout_message(timeout, what))
-            time.sleep(pause)
-            pause = next_pause(pause, waited, max_pause)
-    finally:
-        SUPERVISOR.waiting = None
+    while not request.Test():
+        waited = time.perf_counter() - start
+        if waited > timeout:     # (still marked as waiting: rank 0 counts it among the ranks that arrived)
+            raise CommTimeout(timeout_message(timeout, what))
+        time.sleep(pause)
+        pause = next_pause(pause, waited, max_pause)
+    SUPERVISOR.waiting = None
 
 
 def _sleeping_dup(comm: MPI.Comm) -> MPI.Comm:
