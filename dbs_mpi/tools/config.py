@@ -45,6 +45,12 @@ AMPS = ("none", "bf16", "fp16")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")   # torch.compile's own backends
 
 
+def accumulates(strategy: str, sync_bn: bool) -> bool:
+    """Whether a rank of this strategy may run its share in micro-batches: the synchronous
+    ones, without SyncBatchNorm (which normalises over the step's whole global batch)."""
+    return strategy in SYNC_STRATEGIES and not sync_bn
+
+
 @dataclass(frozen=True)
 class Config:
     # --- what to train ---------------------------------------------------------
@@ -133,7 +139,7 @@ class Config:
     @property
     def accumulates(self) -> bool:
         """A rank may run its local batch in micro-batches (synchronous, no SyncBatchNorm)."""
-        return self.strategy in SYNC_STRATEGIES and not self.sync_bn
+        return accumulates(self.strategy, self.sync_bn)
 
     @property
     def share_bound(self) -> int:

@@ -281,7 +281,8 @@ class SyncTrainer:
                                          leave_exchange=cfg.amp != "fp16")    # GradScaler: every rank's gradient
         run.recorder.writer.set_attrs(exchange=optimizer.exchange.transport.name)
         self.precision = Precision(cfg.amp, run.device)
-        self.forward = torch.compile(run.model, backend=cfg.compile_backend) if cfg.compile else run.model      # state dicts stay the model's
+        # (compiled: a wrapper around the model; the state dicts stay the model's)
+        self.forward = torch.compile(run.model, backend=cfg.compile_backend) if cfg.compile else run.model
         self.scheduler = schedule.make_scheduler(
             optimizer, cfg.lr_schedule, epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs, milestones=cfg.lr_milestones,
             gamma=cfg.lr_gamma, steps_per_epoch=steps_per_epoch(len(run.train_set), cfg.global_batch, cfg.drop_last))

@@ -62,7 +62,7 @@ class Participants:
     def group_of(self, row) -> tuple:
         """Rank 0 and the ranks with samples; an epoch's partial last step (fewer samples
         than the global batch) keeps the group it comes after, with these added."""
-        if not self.enabled:
+        if not self.enabled or (self.group == self.everyone and np.all(row)):    # (the common step: at once)
             return self.everyone
         keep = self.group if int(np.sum(row)) < self.global_batch else ()
         return tuple(r for r in self.everyone if r == 0 or row[r] > 0 or r in keep)

@@ -43,8 +43,7 @@ def job_from_config(cfg: dict, model: ModelCost, data_per_sample: float) -> Job:
 
 def _share_bound(cfg: dict) -> int:
     """max_local_batch bounds the shares only where a rank cannot accumulate (Config.share_bound)."""
-    accumulates = cfg["strategy"] in config_mod.SYNC_STRATEGIES and not cfg.get("sync_bn", False)
-    return 0 if accumulates else cfg["max_local_batch"]
+    return 0 if config_mod.accumulates(cfg["strategy"], cfg.get("sync_bn", False)) else cfg["max_local_batch"]
 
 
 def replay_job(path, machine: Machine) -> tuple[Job, Cluster, Network, dict, dict]:

@@ -131,8 +131,9 @@ class ExchangeCost:
 
     def __call__(self, row, last: bool = False) -> float:
         group = {0, *np.flatnonzero(row).tolist()} | (self.group if int(np.sum(row)) < self.global_batch else set())
-        seconds = self.catch_up if self.stale & group else 0.0
-        self.stale = set() if self.stale & group else self.stale
+        seconds = 0.0
+        if self.stale & group:           # a returning rank: every stale rank catches up
+            seconds, self.stale = self.catch_up, set()
         self.group = group
         k = len(group)
         if k not in self.cache:
