@@ -530,3 +530,82 @@ def test_static_resumed_on_the_same_allocation_keeps_its_vector_bit_for_bit(tmp_
     assert_same_run(whole, cut)
     vectors = read_run(cut)["data"]["epoch/batch_sizes"]
     assert (vectors == vectors[0]).all() and vectors[0][0] > vectors[0][1], vectors
+
+
+PERSISTENT_WORKERS_LOOP = textwrap.dedent("""
+    import sys, torch, dbs_mpi
+    from torch.utils.data import DataLoader, Dataset
+
+    class Windows(Dataset):                      # 32-token windows of one long sequence
+        def __init__(self, n=256, t=32):
+            self.data, self.t, self.n = torch.randint(0, 50, (n * t + 1,)), t, n
+        def __len__(self):
+            return self.n
+        def __getitem__(self, i):
+            c = self.data[i * self.t:(i + 1) * self.t + 1]
+            return c[:-1], c[1:]
+
+    epochs, out = int(sys.argv[1]), sys.argv[2]
+    comm = dbs_mpi.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 64),
+                                torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True),
+                                torch.nn.Linear(64, 50))
+    dbs_mpi.broadcast_parameters(model, comm)
+    data = Windows()
+    balancer = dbs_mpi.Balancer(comm, global_batch=64, policy="ssgd")
+    sampler = dbs_mpi.HeteroSampler(data, balancer, seed=0)
+    loader = DataLoader(data, batch_sampler=sampler, num_workers=2, persistent_workers=True)
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.AdamW(model.parameters()), model, balancer)
+    with dbs_mpi.StopRequest(comm) as stop:
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            for step, (x, y) in enumerate(loader):
+                optimizer.zero_grad()
+                loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                loss.backward()
+                optimizer.step(loss=loss)
+                if comm.Get_rank() == 0:
+                    print("step", epoch, step, flush=True)
+                if stop.agreed():
+                    dbs_mpi.save_checkpoint(comm, out, {"model": model.state_dict()})
+                    print("stopped", flush=True)
+                    raise SystemExit(dbs_mpi.EXIT_STOPPED)
+            balancer.end_epoch()
+    print("done", flush=True)
+""")
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ending", ["finish", "SIGTERM"])
+def test_a_loop_with_persistent_workers_exits_after_its_last_line(tmp_path, ranks, ending):
+    """A loop inside StopRequest whose DataLoader keeps its workers (persistent_workers=True)
+    exits within seconds of its last line, after a finish and after a SIGTERM sent to
+    every process of the job (as Slurm does). Its workers block SIGTERM (forked under the
+    StopRequest) and torch leaves persistent workers to multiprocessing's exit hook, which
+    terminated them with SIGTERM and joined them for ever: the rank printed its last line
+    and never exited."""
+    script = tmp_path / "loop.py"
+    script.write_text(PERSISTENT_WORKERS_LOOP)
+    epochs = "1" if ending == "finish" else "1000"
+    cmd = ([mpiexec(), "-n", str(ranks)] if ranks > 1 else []) + [sys.executable, str(script), epochs,
+                                                                   str(tmp_path / "loop.ckpt")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        if ending == "SIGTERM":
+            read_line(proc, "step 0 3")
+            os.killpg(proc.pid, signal.SIGTERM)          # every process of the job, workers too
+        last = "done" if ending == "finish" else "stopped"
+        read_line(proc, last, seconds=180)
+        printed = time.monotonic()
+        proc.wait(timeout=30)
+        exited = time.monotonic() - printed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == (0 if ending == "finish" else checkpoint.EXIT_STOPPED), proc.stderr.read()
+    assert exited < 15, exited
+    if ending == "SIGTERM":
+        assert checkpoint.load(tmp_path / "loop.ckpt")["model"]

@@ -148,6 +148,63 @@ def _shield_forked_child() -> None:
 
 os.register_at_fork(after_in_child=_shield_forked_child)
 
+EXIT_GRACE = 2.0    # seconds a child that blocks SIGTERM has to exit by itself before it is killed
+
+
+def _blocks_sigterm(pid: int) -> bool | None:
+    """Whether process pid blocks SIGTERM (Linux: its /proc status), None if unknown."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigBlk:"):
+                    return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _end_shielded_children() -> None:
+    """At exit, before multiprocessing's own exit hook: end the daemonic children that
+    block SIGTERM (DataLoader workers forked under a StopRequest). That hook terminates
+    daemonic children with SIGTERM and then joins them without a bound, and torch leaves
+    persistent workers to it at exit (it shuts them down itself only with pin_memory), so
+    a shielded worker would keep the rank alive for ever. Such a child gets SIGKILL, the
+    terminate it cannot receive, and SIGCHLD its default action first: torch's handler
+    would report the killed worker as a failure. Where /proc cannot tell, a daemonic child
+    gets SIGTERM and, EXIT_GRACE seconds later, SIGKILL."""
+    import multiprocessing
+    import time
+
+    children = [c for c in multiprocessing.active_children() if c.daemon]
+    shielded = {c.pid: _blocks_sigterm(c.pid) for c in children}
+    if not any(b is not False for b in shielded.values()):
+        return
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in children:
+        if shielded[child.pid] is None:
+            child.terminate()
+    deadline = time.monotonic() + EXIT_GRACE
+    for child in children:
+        if shielded[child.pid] is None:
+            child.join(max(0.0, deadline - time.monotonic()))
+        if shielded[child.pid] is not False and child.is_alive():
+            child.kill()
+            child.join(EXIT_GRACE)
+
+
+def _register_exit_hook() -> None:
+    """Registered once, after multiprocessing's exit hook, so that it runs first (atexit
+    runs in reverse order of registration)."""
+    import atexit
+    import multiprocessing.util  # noqa: F401 (registers its hook now, if it has not yet)
+
+    if not _EXIT_HOOK:
+        atexit.register(_end_shielded_children)
+        _EXIT_HOOK.append(True)
+
+
+_EXIT_HOOK: list = []
+
 
 class StopRequest:
     """Turns SIGTERM / SIGUSR1 into a flag that all ranks agree on at step boundaries.
@@ -176,6 +233,7 @@ class StopRequest:
             sig = getattr(signal, name)
             self._previous[sig] = signal.signal(sig, self._handle)
         self.requested = self.requested or startup.EARLY_STOP[0]     # one that came during the start-up
+        _register_exit_hook()
         _ACTIVE[0] += 1
         return self
 
