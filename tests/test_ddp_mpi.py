@@ -12,6 +12,7 @@ number of ranks (run at 1, 2 and 4):
 
 Every wait is bounded: the TCPStore and gloo time out after TIMEOUT seconds.
 """
+import contextlib
 import copy
 
 import numpy as np
@@ -329,6 +330,66 @@ def test_a_forward_without_a_batch_first_tensor_needs_the_local_batch_by_hand(co
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("how", ["state.micro_batches", "no_sync by hand"])
+@pytest.mark.parametrize("counted", [True, False], ids=["counted", "balancer"])
+def test_accumulation_under_no_sync_gives_the_union_gradient(comm, group, how, counted):
+    """Gradient accumulation under DDP: each rank's local batch in micro-batches of 3
+    (uneven: 3 need not divide b_i), the micro-batch's mean loss scaled by n_k / b_i, all
+    but the last under no_sync(). The hook weighs the accumulated local gradient by the
+    step's b_i (counted over the micro-batches, or the balancer's), so every step is the
+    one a single process makes on the union batch, as without accumulation."""
+    data, global_batch = Pairs(150), 48
+    balancer = uneven_balancer(comm, global_batch)
+    sampler = dbs_mpi.HeteroSampler(data, balancer, seed=1)
+    model, reference = models(bucket_cap_mb=CAPS["several buckets"])
+    state = ddp.sample_weighted(model, balancer=None if counted else balancer)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    sampler.set_epoch(0)
+    perm = torch.from_numpy(epoch_permutation(len(data), 0, 1))
+    for s, (x, y) in enumerate(DataLoader(data, batch_sampler=sampler)):
+        local = int(balancer.step_batch_sizes()[comm.Get_rank()])
+        x, y = (x[:local], y[:local]) if counted else (x, y)          # counted: no placeholder sample
+        optimizer.zero_grad()
+        if how == "state.micro_batches":
+            for (xm, ym), weight in state.micro_batches((x, y), 3):
+                (F.cross_entropy(model(xm), ym) * weight).backward()
+        else:
+            parts = list(zip(x.split(3), y.split(3)))
+            for k, (xm, ym) in enumerate(parts):
+                with model.no_sync() if k < len(parts) - 1 else contextlib.nullcontext():
+                    (F.cross_entropy(model(xm), ym) * len(ym) / max(len(y), 1)).backward()
+        if counted:
+            balancer.record_step(0.0, 0.0, 0.0, 0.0)                     # the loop moves the balancer on
+        assert state.local_batch == local
+        union = perm[s * global_batch:(s + 1) * global_batch]
+        assert_grads_equal(model, reference_grads(reference, data.x[union], data.y[union]))
+        step_and_align((optimizer, ref_optimizer), model, reference)
+    assert s == 3
+    balancer.end_epoch()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_accumulation_that_would_weight_the_gradient_wrongly_raises(comm, group):
+    """With a balancer, micro-batches that reach the local batch before the forward DDP
+    reduces are refused (the last must be outside no_sync()); SyncBatchNorm under no_sync()
+    is refused (its statistics would be a micro-batch's)."""
+    data = Pairs(64)
+    balancer = uneven_balancer(comm, 16, "ssgd")
+    model, _ = models()
+    ddp.sample_weighted(model, balancer=balancer)
+    x, y = next(iter(DataLoader(data, batch_sampler=dbs_mpi.HeteroSampler(data, balancer))))
+    with pytest.raises(RuntimeError, match="outside no_sync"), model.no_sync():
+        model(x)
+    torch.manual_seed(0)
+    bn = DDP(dbs_mpi.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 4),
+                                                                 torch.nn.BatchNorm1d(4)), comm))
+    ddp.sample_weighted(bn)
+    with pytest.raises(RuntimeError, match="SyncBatchNorm"), bn.no_sync():
+        bn(x)
+
+
+@pytest.mark.mpi(min_size=1)
 def test_misuses_that_would_weight_the_gradient_wrongly_raise(comm, group):
     """Every rank makes the same mistake, so every rank raises before any collective."""
     x, y = step_samples(0, 4)
@@ -336,8 +397,6 @@ def test_misuses_that_would_weight_the_gradient_wrongly_raise(comm, group):
         ddp.sample_weighted(Net())
     model, _ = models()
     ddp.sample_weighted(model)
-    with pytest.raises(RuntimeError, match="no_sync"), model.no_sync():
-        model(x)
     model.eval()                                                           # DDP reduces, nothing was counted
     with pytest.raises(RuntimeError, match="no training forward"):
         F.cross_entropy(model(x), y).backward()

@@ -70,10 +70,12 @@ Usage (a plain torch optimizer; every rank):
 
 Collectives are issued in the same order on every rank (B first, then the buckets in
 order), and each bucket's division waits for B, so gloo's out-of-order completion cannot
-matter. On NCCL every operation stays on the device. One training forward per backward:
-gradient accumulation under DDP's no_sync() sums per-micro-batch mean gradients, which
-no sample weighting can undo, so it raises; a backward that DDP reduces without a
-counted forward before it raises too.
+matter. On NCCL every operation stays on the device. Gradient accumulation under DDP's
+no_sync(): the forwards under it count towards the step's b_i, which the forward that DDP
+reduces completes; each micro-batch's mean loss scaled by its share n_k / b_i (what
+`state.micro_batches` yields with it) accumulates the local gradient g_i, which the hook
+weighs by b_i as a whole batch's. With a balancer the step's micro-batches must add up to
+the table's b_i; a backward that DDP reduces without a counted forward before it raises.
 
 BatchNorm under DDP: torch.nn.SyncBatchNorm gathers every rank's sample count, so its
 forward statistics are right under uneven batches, but its backward sums the ranks'
@@ -88,6 +90,7 @@ communicator (rank 0 hosts the TCPStore, its address and port travel by MPI), fa
 on every rank together when it fails on one.
 """
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -179,8 +182,10 @@ class SampleWeightedState:
         self._local = None            # b_i of the step under way
         self._total = None            # B (balancer) or, from the first bucket on, the future of its all_reduce
         self._armed = False           # a counted forward (or a hand-set local_batch) since the last backward
+        self._pending = 0             # samples of this step's forwards under no_sync() (accumulated micro-batches)
         self._by_hand = False         # local_batch was set by hand for this step
         self.batchnorm = None         # the model's SyncBatchNorm layers' StepShare (placeholder samples)
+        self._model = None            # a weak reference to the DDP model (micro_batches)
 
     @property
     def local_batch(self) -> "int | None":
@@ -198,41 +203,93 @@ class SampleWeightedState:
 
     # --- forward --------------------------------------------------------------------
     def on_forward(self, module, args, kwargs) -> None:
-        """The DDP model's forward pre-hook: a forward that a reduced backward may follow."""
+        """The DDP model's forward pre-hook: a forward that a reduced backward may follow.
+        Under DDP's no_sync() (a micro-batch of an accumulated step) its samples are
+        counted towards the step's b_i, which the forward that DDP reduces completes."""
         if not module.training or not torch.is_grad_enabled():
             return
-        if not module.require_backward_grad_sync:
-            raise RuntimeError("sample_weighted: gradient accumulation under DDP's no_sync() is not supported (the "
-                               "accumulated gradient is a sum of per-micro-batch means, which no sample weighting can "
-                               "undo): feed the whole local batch in one forward per backward, or accumulate with "
-                               "dbs_mpi.DistributedOptimizer.micro_batches (docs/api.md, \"Gradient accumulation\")")
         seen = batch_length(args, kwargs)
-        if self.balancer is not None:
-            self._arm_from_balancer(seen)
-        elif not self._by_hand:
-            if seen is None:
-                raise RuntimeError("sample_weighted: the DDP model's forward has no batch-first tensor input to count "
-                                   "this rank's samples from; set state.local_batch = <samples> before each forward "
-                                   "(state: what sample_weighted returned)")
-            self._local = seen
+        if not module.require_backward_grad_sync:
+            self._count_micro_batch(module, seen)
+            self._pending += seen or 0
+        else:
+            step = None if seen is None else self._pending + seen      # the step's samples, micro-batches too
+            self._pending = 0
+            if self.balancer is not None:
+                self._arm_from_balancer(step)
+            elif not self._by_hand:
+                if step is None:
+                    raise RuntimeError(_NO_COUNT)
+                self._local = step
         if not self._armed and self.clock is not None:
             self.clock.start()
         self._armed = True
+
+    def _count_micro_batch(self, module, seen: "int | None") -> None:
+        """A forward under no_sync(): its samples count towards the step's local batch."""
+        if sync_batchnorm.layers(module.module):
+            raise RuntimeError("sample_weighted: gradient accumulation under DDP's no_sync() with SyncBatchNorm "
+                               "layers: they normalise over the step's global batch, which micro-batches would cut "
+                               "into parts; feed the whole local batch in one forward, or use GroupNorm/LayerNorm")
+        if seen is None and not self._by_hand:
+            raise RuntimeError(_NO_COUNT)
+        if self.balancer is not None and self.check_batch and seen is not None:
+            row = self.balancer.step_batch_sizes()
+            local = int(row[self.balancer.rank])
+            if self._pending + seen >= (local or 1):
+                raise RuntimeError(self._mismatch(self._pending + seen, local, row, "before the forward that DDP "
+                                                  "reduces (the last, outside no_sync())"))
 
     def _arm_from_balancer(self, seen: "int | None") -> None:
         b = self.balancer
         row = b.step_batch_sizes()            # raises, saying what to do, when no epoch is open
         local = int(row[b.rank])
         if self.check_batch and seen is not None and seen != (local or 1):
-            raise RuntimeError(
-                f"rank {b.rank}, step {b.step + 1} of epoch {b.open_epoch + 1}: the DDP model got {seen} sample(s), "
-                f"but this rank's local batch is {local} (step's local batches {row.tolist()}), so the gradient "
-                f"would be weighted wrongly. Feed it the batches of dbs_mpi.HeteroSampler (DataLoader(dataset, "
-                f"batch_sampler=sampler)), one forward and backward per batch; pass check_batch=False if the model's "
-                f"first input is not batch-first")
+            raise RuntimeError(self._mismatch(seen, local, row, "by the forward that DDP reduces"))
         self._local, self._total = local, int(row.sum())
         if self.batchnorm is not None:
             self.batchnorm.local = local          # 0: the input is a placeholder sample
+
+    def _mismatch(self, seen: int, local: int, row, when: str) -> str:
+        b = self.balancer
+        return (f"rank {b.rank}, step {b.step + 1} of epoch {b.open_epoch + 1}: the DDP model got {seen} sample(s) "
+                f"in this step {when}, but this rank's local batch is {local} (step's local batches "
+                f"{row.tolist()}), so the gradient would be weighted wrongly. Feed it the batches of "
+                f"dbs_mpi.HeteroSampler (DataLoader(dataset, batch_sampler=sampler)), one forward and backward per "
+                f"batch, or its micro-batches under no_sync() and the last outside it; pass check_batch=False if "
+                f"the model's first input is not batch-first")
+
+    # --- accumulation -----------------------------------------------------------------
+    def micro_batches(self, tensors, size: int):
+        """Gradient accumulation under DDP: this rank's local batch `tensors` (batch-first
+        tensors) in micro-batches of at most `size` samples, each with its weight n_k / b_i,
+        all but the last under the DDP model's no_sync():
+
+            for (xm, ym), weight in state.micro_batches((x, y), 64):
+                (loss_fn(model(xm), ym) * weight).backward()
+
+        The accumulated .grad is then the local batch's mean gradient g_i, which the hook
+        weighs by b_i as a whole batch's (a plain no_sync() loop that scales each
+        micro-batch's mean loss by n_k / b_i is the same)."""
+        model = self._model() if self._model is not None else None
+        if model is None:
+            raise RuntimeError("micro_batches: the state has no DDP model (make it with dbs_mpi.sample_weighted)")
+        tensors = tuple(tensors) if isinstance(tensors, (tuple, list)) else (tensors,)
+        if int(size) < 1:
+            raise ValueError(f"micro_batches: size must be at least 1; got {size}")
+        local = len(tensors[0])
+        if any(len(t) != local for t in tensors):
+            raise ValueError(f"micro_batches: the tensors hold {[len(t) for t in tensors]} samples; they must hold "
+                             f"the same local batch")
+        parts = list(zip(*(t.split(int(size)) for t in tensors)))
+        for k, part in enumerate(parts):
+            part = part if len(part) > 1 else part[0]
+            weight = len(part[0] if isinstance(part, tuple) else part) / max(local, 1)
+            if k < len(parts) - 1:
+                with model.no_sync():
+                    yield part, weight
+            else:
+                yield part, weight
 
     # --- backward (from the hook) ---------------------------------------------------
     def begin_backward(self, device: torch.device, group) -> None:
@@ -247,6 +304,11 @@ class SampleWeightedState:
         if self.balancer is None:
             count = torch.full((1,), float(self._local), dtype=torch.float32, device=device)
             self._total = dist.all_reduce(count, group=group, async_op=True).get_future()
+
+
+_NO_COUNT = ("sample_weighted: the DDP model's forward has no batch-first tensor input to count this rank's samples "
+             "from; set state.local_batch = <samples> before each step's first forward (state: what sample_weighted "
+             "returned)")
 
 
 def _divide(reduced: torch.futures.Future, total) -> torch.Tensor:
@@ -329,6 +391,7 @@ def sample_weighted(ddp_model, process_group=None, *, balancer=None,
         synced = bool(sync_batchnorm.layers(ddp_model.module)) and balancer.world_size > 1
         late = LateSteps(balancer, device) if _reads_late(device, backend, balancer, synced) else None
     state = SampleWeightedState(group, balancer, check_batch, late)
+    state._model = weakref.ref(ddp_model)
     if balancer is not None and sync_batchnorm.layers(ddp_model.module):
         state.batchnorm = sync_batchnorm.StepShare()
         for layer in sync_batchnorm.layers(ddp_model.module):
