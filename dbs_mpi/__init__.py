@@ -62,7 +62,7 @@ _API = {
     "init": "mpi.comm", "broadcast_parameters": "mpi.comm", "AgreedError": "mpi.comm",
     "Balancer": "training.balancer", "EpochStats": "training.balancer", "Change": "training.balancer",
     "HeteroSampler": "planning.sharding",
-    "DistributedOptimizer": "training.optimizer", "clip_grad_norm_": "training.optimizer",
+    "DistributedOptimizer": "training.optimizer", "clip_grad_norm_": "training.clipping",
     "SyncBatchNorm": "training.sync_batchnorm", "convert_sync_batchnorm": "training.sync_batchnorm",
     "Recorder": "training.results", "read_run": "training.results",
     "evaluate": "training.evaluation",

@@ -18,7 +18,7 @@ from test_api_mpi import Pairs, UserNet, flat_params, uneven_balancer
 TIMEOUT = 60.0
 
 
-def loop(comm, epochs=2, set_epoch=True, clip=None):
+def loop(comm, epochs=2, set_epoch=True, clip=None, local_clip=None, zero_grad="optimizer", scaler=None):
     data, global_batch = Pairs(96, seed=7), 24
     torch.manual_seed(0)
     model = UserNet()
@@ -30,12 +30,20 @@ def loop(comm, epochs=2, set_epoch=True, clip=None):
         if set_epoch:
             sampler.set_epoch(epoch)
         for x, y in DataLoader(data, batch_sampler=sampler):
-            optimizer.zero_grad()
+            optimizer.zero_grad() if zero_grad == "optimizer" else model.zero_grad()   # model: set_to_none
             loss = F.cross_entropy(model(x), y)
-            loss.backward()
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            if local_clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), local_clip)
             if clip is not None:
                 norms.append(float(dbs_mpi.clip_grad_norm_(optimizer, clip, loss=loss)))
-            optimizer.step(loss=loss)
+            if scaler is None:
+                optimizer.step(loss=loss)
+            else:
+                scaler.step(optimizer, loss=loss)
+                scaler.update()
         balancer.end_epoch()
     return model, norms, sampler, balancer
 
@@ -63,6 +71,28 @@ def test_clip_grad_norm_clips_the_global_gradient_as_one_process_does(comm):
     assert min(single_norms) > 0.05                                     # it clipped every step
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(single_norms), rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(flat_params(model), flat_params(single), rtol=1e-4, atol=1e-6)
+
+
+def local_edit_warnings(comm, **kwargs) -> list:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loop(comm, epochs=2, **kwargs)
+    return [w for w in caught if "changed in place" in str(w.message)]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("zero_grad", ["optimizer", "model"])
+def test_clipping_the_local_gradient_is_warned_once_at_the_users_line(comm, zero_grad):
+    """torch.nn.utils.clip_grad_norm_ between backward and step clips each rank's own part:
+    warned once (of 8 steps), at the loop's line, naming dbs_mpi.clip_grad_norm_, whether
+    the .grad tensors view the exchange's buffer or were made anew after model.zero_grad()
+    (set_to_none). The global clip, and GradScaler's unscale_ before the exchange (exact:
+    every rank divides by the same factor), are not warned."""
+    found = local_edit_warnings(comm, local_clip=0.05, zero_grad=zero_grad)
+    assert len(found) == 1 and found[0].filename == __file__, [(w.filename, str(w.message)) for w in found]
+    assert "dbs_mpi.clip_grad_norm_" in str(found[0].message)
+    assert not local_edit_warnings(comm, clip=0.05, zero_grad=zero_grad)
+    assert not local_edit_warnings(comm, zero_grad=zero_grad, scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
 
 
 @pytest.mark.mpi(min_size=1)

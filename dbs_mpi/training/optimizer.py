@@ -54,6 +54,7 @@ from ..mpi import comm as mpi, devices, startup, transport
 from ..options import user_stacklevel
 from . import sync_batchnorm
 from .accumulation import MicroBatches
+from .clipping import LocalEdits, clip_grad_norm_  # noqa: F401 (clip_grad_norm_: documented here too)
 from .event_clock import LateSteps
 from .exchange import GradientExchange
 from .loss_scaling import skip_update
@@ -389,18 +390,6 @@ def broadcast_state(comm, model, state: dict, params, root: int, timeout: float)
     return float(mpi.allgather_array(comm, [drift], timeout).max())
 
 
-def clip_grad_norm_(optimizer: "DistributedOptimizer", max_norm: float, norm_type: float = 2.0, loss=None):
-    """Clip the global gradient: exchange it first (optimizer.synchronize(loss), unless done
-    in this step), then torch.nn.utils.clip_grad_norm_ on it, the same on every rank; then
-    optimizer.step() applies it. Returns the global gradient's norm before clipping.
-    Clipping each rank's own gradient before the exchange trains another model: the
-    norm of a part is not the norm of the whole."""
-    if not optimizer._synced:
-        optimizer.synchronize(loss)
-    norm = torch.nn.utils.clip_grad_norm_(optimizer.exchange.params, max_norm, norm_type)
-    return optimizer._part.same_everywhere(norm)     # ranks out of the step's sum hold no gradient
-
-
 # --- the command line's optimizers ---------------------------------------------------
 # torch.optim's methods carry wrappers that keep a compiler from tracing into them, and
 # these import torch._dynamo when first called (Optimizer.__init__ already calls one):
@@ -518,6 +507,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         self._buffers = [b for b in model.buffers() if b.is_floating_point()] \
             if broadcast_buffers and self.comm.Get_size() > 1 else []
         self._hook = model.register_forward_pre_hook(_ForwardHook(self), with_kwargs=True)
+        self._edits = LocalEdits(model, self.exchange.params)
         self._new_step(time.perf_counter())
 
     # --- a step ---------------------------------------------------------------------
@@ -570,6 +560,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         if self._synced:
             raise RuntimeError("synchronize() twice in one step")
         loss = self._micro.step_loss(loss)
+        self._edits.check()                 # warns once where the loop changed its local gradient in place
         start = self._clock.boundary()      # the step's compute ends when the device is done, not its launches
         rank = self.comm.Get_rank()
         try:
@@ -631,4 +622,5 @@ class DistributedOptimizer(_WrappedOptimizer):
         if self._clock.late is not None:
             self._clock.late.close()
         self._hook.remove()
+        self._edits.close()
         self.exchange.close()
