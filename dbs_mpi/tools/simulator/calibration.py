@@ -39,7 +39,7 @@ def measure_residuals(comm, machine: Machine, folder: Path) -> dict:
     gradient of a parameter-server worker ("async"): each is one short run of the engine
     (train.train on a sub-communicator; the other ranks sleep), replayed without residual;
     the median over its epochs after the first of (measured - predicted) / steps."""
-    from .train import train             # the engine (torch): only calibrating runs it
+    from ..train import train            # the engine (torch): only calibrating runs it
     runs, residual = residual_runs(machine.cores, comm.Get_size()), {}
     for name, (ranks, strategy) in runs.items():
         member = comm.Get_rank() < ranks
