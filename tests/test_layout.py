@@ -201,7 +201,8 @@ def test_an_unresolved_relative_import_is_found(tmp_path):
         "from ..engine import train\nfrom . import calibration\n\n"
         "def measure():\n    from .engine import train\n    from ..engine import evaluate\n")
     wrong = unresolved_relative_imports(tmp_path)
-    assert [w.split(" (")[1] for w in wrong] == ["no module dbs_mpi.sub.engine)", "dbs_mpi.engine has no evaluate)"], wrong
+    assert [w.split(" (")[1] for w in wrong] == ["no module dbs_mpi.sub.engine)",
+                                                 "dbs_mpi.engine has no evaluate)"], wrong
 
 
 def cycle_through(graph, start):
