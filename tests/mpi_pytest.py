@@ -5,7 +5,8 @@
 A test that fails on some rank aborts the whole job at once, after that rank printed
 its failure (the other ranks may be waiting for it in a collective, and would otherwise
 wait until the Makefile's timeout). The exit status is then non-zero; when every test
-passes it is the worst over all ranks.
+passes it is the worst over all ranks. A launch whose processes this MPI library does not
+see together ends at once, exit 2.
 """
 import io
 import os
@@ -18,9 +19,16 @@ from contextlib import redirect_stdout
 import pytest
 from mpi4py import MPI
 
-from dbs_mpi.mpi.comm import allgather_object
+from dbs_mpi.mpi.comm import allgather_object, launch_mismatch
 
 comm = MPI.COMM_WORLD
+# Another MPI library's mpirun (or srun without PMI) starts N processes that this library
+# does not connect: N worlds of one, in which every "2-rank" test would pass alone. The
+# check `dbs-mpi` makes at start: one line naming the library and the launcher, exit 2.
+problem = launch_mismatch(os.environ, comm.Get_size(), MPI.Get_library_version().splitlines()[0].strip())
+if problem:
+    sys.stderr.write(f"mpi_pytest: error: {problem}\n")
+    sys.exit(2)
 os.environ.setdefault("PYTHONHASHSEED", "0")
 
 

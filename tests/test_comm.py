@@ -37,6 +37,7 @@ LIBRARY = "MPICH Version: 5.0.2"
     ({"SLURM_STEP_NUM_TASKS": "3", "SLURM_NTASKS": "3"}, "srun --mpi=pmi2"),
     ({"PMI_SIZE": "8"}, "mpirun started 8 processes, but the MPI library mpi4py loaded (MPICH"),
     ({"OMPI_COMM_WORLD_SIZE": "2"}, "mpirun started 2 processes"),
+    ({"PMI_SIZE": "2", "OMPI_COMM_WORLD_SIZE": "3"}, "sees 1, not the launcher's OMPI_COMM_WORLD_SIZE=3: launch"),
 ])
 def test_a_launch_that_mpi_does_not_see_is_named(environ, says):
     from dbs_mpi.mpi.comm import launch_mismatch

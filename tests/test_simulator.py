@@ -1,6 +1,7 @@
 """The simulator (dbs_mpi/tools/simulator/): the event engine on cases with known answers, the
 replay of committed runs against their measured times, and the DBS controller's decisions
-against a recorded run. All in one process, no MPI; `dbs-mpi simulate` through the CLI."""
+against a recorded run. All in one process, no MPI; `dbs-mpi simulate` through the CLI (and
+a quick `simulate calibrate` under mpirun -n 2)."""
 import json
 import math
 import shutil
@@ -307,6 +308,38 @@ def test_simulate_refuses_a_file_that_is_no_result_file(tmp_path):
     bad.write_text("not HDF5")
     run = run_cli(["simulate", "--from", str(bad)], ranks=2, timeout=60)
     assert run.returncode == 2 and run.stderr.count("dbs-mpi: error: from:") == 1, run.stderr
+
+
+@pytest.mark.slow
+def test_a_quick_calibration_writes_a_machine_file_that_the_simulator_reads(tmp_path):
+    """`simulate calibrate --quick` at 2 ranks, end to end (~25 s on the 2-core machine):
+    every constant of its file is there and sane, and a replay and a projection read it."""
+    from dbs_mpi.mpi.comm import available_cores
+    from dbs_mpi.tools.machine import QUICK, SHAPES
+    out = tmp_path / "machine.json"
+    run = run_cli(["simulate", "calibrate", "--quick", "--name", "quick test", "--out", str(out)], ranks=2,
+                  timeout=300)
+    assert run.returncode == 0 and run.stdout.startswith(f"machine constants: {out} (alpha"), run.stdout + run.stderr
+    machine = Machine.load(out)
+    assert machine.name == "quick test" and "2 ranks" in machine.measured and "quick" in machine.measured
+    assert 0 < machine.alpha < 0.01 and 0 < machine.beta < 1e-6 and machine.sleep_wait >= 0      # < 10 ms, > 1 MB/s
+    assert machine.cores == available_cores() and machine.oversubscribed_message >= 0
+    assert sorted(machine.data_per_sample) == ["1,28,28", "3,32,32"] and all(
+        0 < v < 1e-3 for v in machine.data_per_sample.values()), machine.data_per_sample
+    assert set(machine.residual) >= {"sync", "async"} and set(machine.noise) == {"alone", "crowded"}
+    assert all(math.isfinite(v) and v >= 0 for v in [*machine.residual.values(), *machine.noise.values()])
+    assert set(machine.models) == set(SHAPES) and machine.models["lenet5"].numel == 61706
+    for name, cost in machine.models.items():
+        assert cost.batches == list(QUICK.batches) and len(cost.step_time) == len(cost.batches), name
+        assert 0 < cost.step_time[0] <= cost.step_time[-1] < 10, (name, cost.step_time)
+        assert cost.update > 0 and cost.add > 0 and cost.overhead >= 0 and cost.numel > 0, (name, cost)
+    replayed = run_cli(["simulate", "--machine", str(out), "--from", str(VALIDATION / "ssgd-2r.h5"), "--json"])
+    projected = run_cli(["simulate", "--machine", str(out), "--ranks", "8", "--model", "resnet20", "--epochs", "1",
+                         "--json"])
+    for proc in (replayed, projected):
+        assert proc.returncode == 0, proc.stderr
+        times = json.loads(proc.stdout)["epoch_time_predicted"]
+        assert times and all(0 < t < math.inf for t in times), times
 
 
 def test_the_crossover_projects_when_mixing_pays_and_the_planner_never_loses_to_every_rank():

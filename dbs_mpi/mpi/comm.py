@@ -607,10 +607,11 @@ def launch_mismatch(environ, world_size: int, library: str = "") -> str | None:
         value = str(environ.get(name, "")).strip()
         return int(value) if value.isdigit() else 0
 
-    mpi_size = max(count("PMI_SIZE"), count("OMPI_COMM_WORLD_SIZE"), count("PMIX_SIZE"))
-    if mpi_size > 1:
-        return (f"an mpirun started {mpi_size} processes, but the MPI library mpi4py loaded ({library or 'unknown'}) "
-                f"sees 1: launch with the mpirun of that library, or point mpi4py at the launcher's (MPI4PY_LIBMPI)")
+    said = max(("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"), key=count)    # MPICH/Slurm PMI, Open MPI, PMIx
+    if count(said) > 1:
+        return (f"an mpirun started {count(said)} processes, but the MPI library mpi4py loaded "
+                f"({library or 'unknown'}) sees 1, not the launcher's {said}={count(said)}: launch with the mpirun of "
+                f"that library, or point mpi4py at the launcher's (MPI4PY_LIBMPI)")
     if count("SLURM_STEP_NUM_TASKS") > 1:
         return (f"srun started {count('SLURM_STEP_NUM_TASKS')} tasks that MPI does not connect (no PMI): launch with "
                 f"srun --mpi=pmi2 (or pmix), or mpirun -n {count('SLURM_STEP_NUM_TASKS')}")

@@ -17,6 +17,9 @@ measures once, on a quiet machine:
   scheduled);
 * the node's cores.
 
+`--quick` measures the same constants from far fewer points (Effort: QUICK), in seconds
+instead of many minutes: a sane machine file for a test, not one to keep.
+
 The simulator (simulator/) replays and projects runs from these numbers and a run's
 configuration; they are kept in a JSON file (results/machine/dev-2core.json: the
 development machine).
@@ -36,6 +39,29 @@ import numpy as np
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512)
 SHAPES = {"lenet5": (1, 28, 28), "mlp": (1, 28, 28), "resnet20": (3, 32, 32), "cifar-cnn": (3, 32, 32)}
 DEFAULT_MACHINE = Path(__file__).resolve().parents[2] / "results" / "machine" / "dev-2core.json"
+
+
+@dataclass(frozen=True)
+class Effort:
+    """How much a calibration measures: FULL for a machine file to keep, QUICK (`simulate
+    calibrate --quick`) for the same constants from a few points, in seconds."""
+    name: str = "full"
+    batches: tuple = BATCHES            # local batches of every model's table of step times
+    repeats: int = 15                   # timed calls per point (medians)
+    overhead_steps: int = 100           # steps of each epoch of loop_overhead
+    overhead_pairs: int = 7             # loop_overhead's timed pairs of epochs (after one untimed)
+    data_repeats: int = 30              # batches read by measure_data
+    allreduce_sizes: tuple = (2 ** 10, 2 ** 14, 2 ** 17, 2 ** 19, 2 ** 21)   # bytes of the 2-rank allreduces
+    allreduce_repeats: int = 200        # allreduces per size and wait policy
+    crowding_repeats: int = 100         # allreduces per size with more ranks than cores
+    residual_samples: int = 6000        # synthetic training samples of each residual run (calibration.py)
+    residual_epochs: int = 3            # epochs of each residual run (the first is not counted)
+
+
+FULL = Effort()
+QUICK = Effort(name="quick", batches=(1, 4, 16), repeats=3, overhead_steps=5, overhead_pairs=1, data_repeats=5,
+               allreduce_sizes=(2 ** 10, 2 ** 17, 2 ** 20), allreduce_repeats=20, crowding_repeats=10,
+               residual_samples=1280, residual_epochs=2)
 
 
 @dataclass
@@ -97,7 +123,7 @@ def _median_time(fn, repeats: int, warmup: int = 3) -> float:
     return time_step(lambda _: fn(), 0, repeats, warmup)
 
 
-def measure_model(name: str, repeats: int = 15) -> ModelCost:
+def measure_model(name: str, effort: Effort = FULL) -> ModelCost:
     """A model's costs at one thread (forward + backward per local batch, update, loop overhead)."""
     import torch
     import torch.nn.functional as F
@@ -105,7 +131,8 @@ def measure_model(name: str, repeats: int = 15) -> ModelCost:
     from .models import build_model
     torch.manual_seed(0)
     model = build_model(name, SHAPES[name], 10)
-    x_all, y_all = torch.randn(max(BATCHES), *SHAPES[name]), torch.randint(10, (max(BATCHES),))
+    batches, repeats = effort.batches, effort.repeats
+    x_all, y_all = torch.randn(max(batches), *SHAPES[name]), torch.randint(10, (max(batches),))
 
     def step(b):
         model.zero_grad(set_to_none=False)
@@ -115,14 +142,14 @@ def measure_model(name: str, repeats: int = 15) -> ModelCost:
     # every step, which a training run, whose batch size stays put, never pays. Two
     # descending sweeps, each size's faster median; a larger batch never costs less.
     sweeps = [[_median_time(lambda b=b: step(b), repeats if b <= 128 else max(7, repeats // 2))
-               for b in reversed(BATCHES)][::-1] for _ in range(2)]
+               for b in reversed(batches)][::-1] for _ in range(2)]
     times = np.maximum.accumulate(np.min(sweeps, axis=0)).tolist()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     update = _median_time(optimizer.step, repeats)
     numel = sum(p.numel() for p in model.parameters())
     acc, grad = torch.zeros(numel), torch.ones(numel)
-    return ModelCost(batches=list(BATCHES), step_time=times, update=update,
-                     overhead=loop_overhead(name), numel=numel,
+    return ModelCost(batches=list(batches), step_time=times, update=update,
+                     overhead=loop_overhead(name, effort.overhead_steps, effort.overhead_pairs), numel=numel,
                      add=_median_time(lambda: acc.add_(grad, alpha=0.5), repeats))
 
 
@@ -240,10 +267,10 @@ def measure_crowding(comm, alpha: float, beta: float, sleep_wait: float, repeats
     return max(0.0, float(np.median(extra)))
 
 
-def calibrate(comm, name: str) -> Machine:
-    """Collective, on one node: every constant. Ranks 0 and 1 measure the allreduce (the
-    others sleep meanwhile); with more ranks than cores, all of them measure crowding;
-    rank 0 measures the models while the others sleep."""
+def calibrate(comm, name: str, effort: Effort = FULL) -> Machine:
+    """Collective, on one node: every constant, measured as much as `effort` says. Ranks 0
+    and 1 measure the allreduce (the others sleep meanwhile); with more ranks than cores,
+    all of them measure crowding; rank 0 measures the models while the others sleep."""
     import torch
 
     from ..mpi.comm import available_cores, barrier, bcast_object
@@ -251,18 +278,20 @@ def calibrate(comm, name: str) -> Machine:
     pair = comm.Split(0 if comm.Get_rank() < 2 else 1)
     alpha = beta = sleep_wait = 0.0
     if comm.Get_rank() < 2:
-        alpha, beta, sleep_wait = measure_allreduce(pair)
+        alpha, beta, sleep_wait = measure_allreduce(pair, effort.allreduce_sizes, effort.allreduce_repeats)
     barrier(comm, timeout=3600)
     alpha, beta, sleep_wait = bcast_object(comm, (alpha, beta, sleep_wait), timeout=3600)
-    crowding = measure_crowding(comm, alpha, beta, sleep_wait) if comm.Get_size() > available_cores() else 0.0
+    crowding = measure_crowding(comm, alpha, beta, sleep_wait, effort.crowding_repeats) \
+        if comm.Get_size() > available_cores() else 0.0
     models, data = {}, {}
     if comm.Get_rank() == 0:
         for model in SHAPES:
-            models[model] = measure_model(model)
+            models[model] = measure_model(model, effort)
         for shape in sorted(set(SHAPES.values())):
-            data[",".join(map(str, shape))] = measure_data(shape)
+            data[",".join(map(str, shape))] = measure_data(shape, repeats=effort.data_repeats)
     barrier(comm, timeout=3600)            # the others sleep meanwhile (a spinning wait would take a core)
     return Machine(name=name, cores=available_cores(), alpha=alpha, beta=beta, sleep_wait=sleep_wait,
                    data_per_sample=data, models=models, oversubscribed_message=crowding,
                    measured=f"{time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({platform.processor() or platform.machine()}, "
-                            f"{os.cpu_count()} cores), {comm.Get_size()} ranks, torch threads 1")
+                            f"{os.cpu_count()} cores), {comm.Get_size()} ranks, torch threads 1"
+                            + ("" if effort == FULL else f", {effort.name} calibration (few points)"))

@@ -1,6 +1,7 @@
 """The machine constants' calibration (`mpirun -n 2 dbs-mpi simulate calibrate`): the
 network and compute constants (tools/machine.py), then the residuals: seconds real runs
-of the engine take beyond the model, and the spread of a step's compute time.
+of the engine take beyond the model, and the spread of a step's compute time. `--quick`
+measures all of them from a few points (machine.QUICK: seconds, for a test).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from ...mpi import comm as mpi
 from ...options import UserError
 from ...planning import sharding
 from ..config import ArgumentParser, Config
-from ..machine import Machine, calibrate
+from ..machine import FULL, QUICK, Effort, Machine, calibrate
 from .job import SYNC
 from .replaying import replay, replay_job
 
@@ -33,19 +34,20 @@ def residual_runs(cores: int, world: int) -> dict:
     return runs
 
 
-def measure_residuals(comm, machine: Machine, folder: Path) -> dict:
+def measure_residuals(comm, machine: Machine, folder: Path, effort: Effort = FULL) -> dict:
     """Collective. Seconds real runs of this machine take beyond the model, per synchronous
     step ("sync": ranks on their own cores; "sync_crowded": more ranks than cores) and per
     gradient of a parameter-server worker ("async"): each is one short run of the engine
     (train.train on a sub-communicator; the other ranks sleep), replayed without residual;
     the median over its epochs after the first of (measured - predicted) / steps."""
-    from .train import train             # the engine (torch): only calibrating runs it
+    from ..train import train            # the engine (torch): only calibrating runs it
     runs, residual = residual_runs(machine.cores, comm.Get_size()), {}
     for name, (ranks, strategy) in runs.items():
         member = comm.Get_rank() < ranks
         sub = comm.Split(0 if member else 1)
         if member and ranks >= 2:
-            cfg = Config(dataset="synthetic", synthetic_samples=6000, test_subset=100, model="lenet5", epochs=3,
+            cfg = Config(dataset="synthetic", synthetic_samples=effort.residual_samples, test_subset=100,
+                         model="lenet5", epochs=effort.residual_epochs,
                          global_batch=64 * (ranks - (strategy == "asgd")), strategy=strategy, benchmark_steps=3,
                          checkpoint_every=0, progress=False, threads=1)
             train(sub, cfg, out=str(folder / f"{name}.h5"), log=lambda msg: None)
@@ -89,13 +91,16 @@ def _calibrate(comm, argv) -> int:
                 "mpirun -n 2 on one node, nothing else running).")
     p.add_argument("--out", required=True, metavar="FILE.json")
     p.add_argument("--name", default="this machine")
+    p.add_argument("--quick", action="store_true", help="a few points of each constant: seconds, not minutes "
+                   "(a sane file for a test, not one to keep)")
     args = p.parse_args(argv)
     if comm.Get_size() < 2:
         raise UserError("simulate calibrate: run it under mpirun -n 2 or more, on one node (mpirun -n 4 on a "
                         "2-core machine also measures crowded collectives)")
-    machine = calibrate(comm, args.name)
+    effort = QUICK if args.quick else FULL
+    machine = calibrate(comm, args.name, effort)
     folder = Path(mpi_bcast_tmp(comm))
-    machine.residual = measure_residuals(comm, machine, folder)
+    machine.residual = measure_residuals(comm, machine, folder, effort)
     if comm.Get_rank() == 0:
         import shutil
         shutil.rmtree(folder, ignore_errors=True)
