@@ -64,6 +64,7 @@ _API = {
     "HeteroSampler": "planning.sharding",
     "DistributedOptimizer": "training.optimizer", "clip_grad_norm_": "training.clipping",
     "SyncBatchNorm": "training.sync_batchnorm", "convert_sync_batchnorm": "training.sync_batchnorm",
+    "SampleDropout": "training.sample_dropout", "convert_dropout": "training.sample_dropout",
     "Recorder": "training.results", "read_run": "training.results",
     "evaluate": "training.evaluation",
     "StopRequest": "training.checkpoint", "Stopped": "training.checkpoint", "EXIT_STOPPED": "training.checkpoint",
