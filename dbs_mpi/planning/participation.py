@@ -128,9 +128,9 @@ def allocate_for(model: SpeedModel, global_batch: int, min_local: int = 1, max_l
     return model.allocate(global_batch, min_local, max_local)
 
 
-def best_step_time(per_sample, overhead, global_batch: int) -> float:
-    """A lower bound of the step time of any vector in which ranks may take no samples:
-    the continuous optimum with no bounds but b_i >= 0."""
+def least_step_time_sitting_out(per_sample, overhead, global_batch: int) -> float:
+    """A lower bound of the step time of any vector in which ranks may sit out (take no
+    samples, and pay no a_i): the continuous optimum with no bounds but b_i >= 0."""
     c, a = np.asarray(per_sample, float), np.asarray(overhead, float)
     n = len(c)
     return _threshold(global_batch, c, a, np.zeros(n), np.full(n, np.inf))
