@@ -51,16 +51,20 @@ def step_batch_sizes(num_samples: int, global_batch: int, batch_sizes, drop_last
     return table
 
 
+def shard_slice(step: int, row, global_batch: int, rank: int) -> slice:
+    """Where `rank`'s local batch of `step` lies in the epoch's permutation: after the
+    global batches of the steps before it and the local batches of ranks 0..rank-1 in the
+    step's row, b_rank long."""
+    start = step * global_batch + int(row[:rank].sum())
+    return slice(start, start + int(row[rank]))
+
+
 def epoch_shard(num_samples: int, epoch: int, seed: int, global_batch: int, batch_sizes, rank: int,
                 drop_last: bool = False) -> list[np.ndarray]:
     """Index arrays, one per step, of the samples `rank` reads in `epoch`."""
     perm = epoch_permutation(num_samples, epoch, seed)
     table = step_batch_sizes(num_samples, global_batch, batch_sizes, drop_last)
-    out = []
-    for s, row in enumerate(table):
-        start = s * global_batch + int(row[:rank].sum())
-        out.append(perm[start:start + int(row[rank])])
-    return out
+    return [perm[shard_slice(s, row, global_batch, rank)] for s, row in enumerate(table)]
 
 
 def eval_shard(num_samples: int, rank: int, world_size: int) -> slice:
@@ -127,10 +131,8 @@ class HeteroSampler:
         rank, global_batch = self.balancer.rank, self.balancer.global_batch
         for s in range(first, len(table)):
             b.hand_out(s)                   # from here on, dbs leaves step s's vector alone
-            row = table[s]
-            start = s * global_batch + int(row[:rank].sum())
-            count = int(row[rank])
-            yield perm[start:start + count] if count else perm[s * global_batch:s * global_batch + 1]
+            part = shard_slice(s, table[s], global_batch, rank)
+            yield perm[part] if part.stop > part.start else perm[s * global_batch:s * global_batch + 1]
 
     def _check_new_epoch(self, epoch: int, balancer) -> None:
         """Warn (once, rank 0) where an epoch that already ended begins again: the loop
@@ -216,8 +218,8 @@ class Cursor:
         if self.rounds:
             if worker != self.next_worker:
                 raise RuntimeError(f"rounds: work for worker {worker} out of turn (expected {self.next_worker})")
-            row = self.table[self.row]
-            start, count = self.row * self.global_batch + int(row[:worker].sum()), int(row[worker])
+            part = shard_slice(self.row, self.table[self.row], self.global_batch, worker)
+            start, count = part.start, part.stop - part.start
             self.next_worker = (worker + 1) % self.workers
             if self.next_worker == 0:
                 self.row += 1
