@@ -24,9 +24,11 @@ checks that):
   options.py        UserError, and the choices the lower layers check themselves
   planning/         pure planning, no MPI: what a rank should do, from numbers
     allocation.py     batch-size vectors from measured speed
+    participation.py  which ranks take part: a rank that would slow every step sits out
     dynamic/          dynamic batch size: estimate.py, within_epoch.py (the planner), per_epoch.py
     sharding.py       uneven shards with equal step counts; HeteroSampler; allocation invariance
     heterogeneity.py  emulated speeds and disturbances
+    schedule.py       learning-rate schedules over the run's steps
   mpi/              the ranks and the machine: nothing here knows about training
     startup.py        a bounded start-up: the watchdog process that ends a stalled launch
     comm.py           bounded, non-spinning waits and collectives, failing together, init()
@@ -38,14 +40,16 @@ checks that):
     profiling.py      compute / communication / wait times; the calibration's clock
     balancer.py       the vector of a policy (ssgd, static, dbs), calibration, epoch timing
     exchange.py       the bucketed sample-weighted allreduce of every step
+    participants.py   ranks that sit out: out of the gradient's sum, then caught up from rank 0
     optimizer.py      DistributedOptimizer: sample-weighted gradients, weighted or mean
     sync_batchnorm.py BatchNorm over the global batch, with the sample-weighted backward
     ddp.py            the same weighting for DistributedDataParallel (a comm hook)
     evaluation.py     test loss and accuracy over all ranks
     checkpoint.py     checkpoints (weights_only), stop requests (SIGTERM/SIGUSR1)
     results.py        the HDF5 result file (RunWriter, Recorder)
-  parameter_server/ asgd, n-softsync, dbs-sgd on an MPI parameter server: protocol.py,
-                    update.py (the update rule), records.py, snapshot.py, work.py,
+  parameter_server/ asgd, n-softsync, dbs-sgd on an MPI parameter server: groups.py (the
+                    gradients per update), protocol.py, update.py (the update rule),
+                    records.py, snapshot.py, work.py (the samples handed out: the Cursor),
                     server.py, worker.py, trainer.py
   tools/            what is built on the library: the command and the research around it
     config.py         the job's options;  cli.py  the `dbs-mpi` command;  train.py  `dbs-mpi train`

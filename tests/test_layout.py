@@ -51,7 +51,8 @@ def test_library_modules_do_not_import_the_command_line(module, loaded_by_librar
 NO_MPI = ["tools.models", "tools.data", "training.batches", "planning.allocation", "planning.dynamic",
           "planning.sharding", "planning.heterogeneity", "tools.config", "options", "mpi", "training", "tools",
           "tools.bench_tracking", "mpi.startup",                   # startup: it must run before MPI_Init
-          "training.results", "tools.analysis", "tools.machine"]  # see LAZY
+          "training.results", "tools.analysis", "tools.machine",  # see LAZY
+          "parameter_server.groups", "parameter_server.work"]     # the simulator's Cursor and group rule
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,8 @@ def test_models_data_and_pure_functions_do_not_import_mpi(module, loaded_by_pure
 # (~1.4 s of CPU to import): the simulator's module, its dataset sizes, result files.
 # Bottom up, so that the first module to load torch is the one named.
 NO_TORCH = ["planning.allocation", "planning.dynamic", "planning.sharding", "planning.heterogeneity",
-            "training.results", "tools.machine", "tools.data", "tools.simulator"]
+            "training.results", "tools.machine", "tools.data", "parameter_server.groups", "parameter_server.work",
+            "tools.simulator"]
 
 
 @pytest.fixture(scope="module")
@@ -285,6 +287,7 @@ LAZY = {
     "tools.machine": "the simulator's machine constants need neither torch nor MPI; measuring them does",
     "tools.data": "`dbs-mpi data` and the simulator (the datasets' sizes) need no torch; loading a dataset does",
     "tools.simulator.calibration": "a simulation needs no torch; `simulate calibrate` runs the engine (tools.train)",
+    "parameter_server.__init__": "the simulator reads the Cursor and the group rule; the server's modules load torch",
 }
 
 

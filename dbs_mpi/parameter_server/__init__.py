@@ -26,13 +26,15 @@ Strategies (what the server does with arriving gradients)
   asgd and nsoftsync split cfg.global_batch equally over the workers.
 
 The files, bottom up:
+  groups.py    the gradients per update (c) and rounds (hardsync): the group rule
   protocol.py  the messages (tags, headers, one flat buffer each) and the parameters and
                gradients that live in them
   update.py    the update rule: c gradients per update, their weights, the divisor, the
                server's momentum, the optimizer
   records.py   a row per applied gradient, statistics per epoch, the epoch records
   snapshot.py  the server's state between segments (checkpoints, another number of workers)
-  work.py      what the server hands out: the samples, the local batches, the budget
+  work.py      what the server hands out: the samples (the Cursor), the local batches, the
+               budget
   server.py    rank 0's loop: hand out work, take in gradients, apply, reply
   worker.py    ranks 1..n-1: compute the gradient of the work given, push it
   trainer.py   AsyncTrainer: set up, run in segments, evaluate and write epochs,
@@ -41,14 +43,26 @@ The files, bottom up:
 Not supported here: models with floating-point buffers (BatchNorm statistics: use
 norm = "group").
 """
-from ..planning.sharding import Cursor, group_size, in_rounds
-from .protocol import HEADER, Message, bind_gradients, bind_parameters
+import importlib
+
+from .groups import group_size, in_rounds
 from .records import UPDATE_COLUMNS, epoch_record, staleness_stats
-from .server import Server
-from .trainer import AsyncTrainer, initial_vector
-from .update import server_momentum
-from .worker import Worker
+from .work import Cursor
+
+# The names whose modules load torch and MPI, imported on first use: the simulator reads
+# the Cursor and the group rule (work.py, groups.py) without either.
+_LAZY = {
+    "HEADER": "protocol", "Message": "protocol", "bind_gradients": "protocol", "bind_parameters": "protocol",
+    "Server": "server", "AsyncTrainer": "trainer", "initial_vector": "trainer", "server_momentum": "update",
+    "Worker": "worker",
+}
 
 __all__ = ["AsyncTrainer", "Cursor", "HEADER", "Message", "Server", "UPDATE_COLUMNS", "Worker", "bind_gradients",
            "bind_parameters", "epoch_record", "group_size", "in_rounds", "initial_vector", "server_momentum",
            "staleness_stats"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

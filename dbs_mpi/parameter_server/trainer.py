@@ -41,11 +41,11 @@ from ..mpi import comm as mpi, startup
 from ..options import UserError
 from ..planning import allocation, dynamic
 from ..planning.heterogeneity import Emulator
-from ..planning.sharding import group_size
 from ..training import checkpoint
 from ..training.balancer import calibrate
 from ..training.batches import first_samples
 from ..training.profiling import model_step
+from .groups import group_size
 from .protocol import END_DONE, END_STOP, bind_parameters
 from .records import epoch_record
 from .server import Server

@@ -21,8 +21,8 @@ from dataclasses import replace
 
 import torch
 
-from ..planning.sharding import group_size, in_rounds
 from ..training.optimizer import SGD, make_optimizer
+from .groups import group_size, in_rounds
 from .protocol import bind_gradients
 
 

@@ -18,12 +18,72 @@ the weights are copied then, and each copy is evaluated on the test set by all r
 together at the end of the segment ("Checkpoints" below: at the next checkpoint
 boundary, or after the run), with the training clock stopped, so evaluation is not in
 epoch times and never interrupts a segment.
+
+`Cursor` is the position in the data (no torch, no MPI: the simulator drives the same
+one); `WorkPlan` adds the workers' local batches and dbs-sgd's re-plans.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..planning.sharding import Cursor, in_rounds
+from ..planning.sharding import shard_slice, step_batch_sizes, steps_per_epoch
+from .groups import in_rounds
+
+
+class Cursor:
+    """Hands out the training samples: the budget, counted at the server.
+
+    `take(w)` returns (epoch, start, count): worker w reads perm_epoch[start:start+count].
+    Epoch e's samples are all handed out before any of epoch e+1. `begin_epoch(vector)`
+    is called by the server whenever `needs_epoch` is true, with the local batches
+    (over workers) to use in that epoch. Rounds mode follows the synchronous path's
+    steps exactly (take must then be called for workers 0..lambda-1 in order)."""
+
+    def __init__(self, num_samples: int, global_batch: int, epochs: int, drop_last: bool, workers: int,
+                 rounds: bool):
+        self.num_samples, self.global_batch, self.epochs = num_samples, global_batch, epochs
+        self.drop_last, self.workers, self.rounds = drop_last, workers, rounds
+        steps = steps_per_epoch(num_samples, global_batch, drop_last)
+        self.per_epoch = min(num_samples, steps * global_batch)   # samples handed out per epoch
+        self.epoch, self.pos, self.row, self.next_worker = 0, 0, 0, 0
+        self.started = -1                                         # last epoch begin_epoch was called for
+        self.vector = None
+        self.table = None
+
+    @property
+    def done(self) -> bool:
+        return self.epoch >= self.epochs
+
+    @property
+    def needs_epoch(self) -> bool:
+        return not self.done and self.started < self.epoch
+
+    def begin_epoch(self, vector) -> None:
+        self.vector = np.asarray(vector, dtype=np.int64)
+        self.started = self.epoch
+        if self.rounds:
+            self.table = step_batch_sizes(self.num_samples, self.global_batch, self.vector, self.drop_last)
+
+    def take(self, worker: int) -> tuple[int, int, int]:
+        assert not self.done and self.started == self.epoch
+        epoch = self.epoch
+        if self.rounds:
+            if worker != self.next_worker:
+                raise RuntimeError(f"rounds: work for worker {worker} out of turn (expected {self.next_worker})")
+            part = shard_slice(self.row, self.table[self.row], self.global_batch, worker)
+            start, count = part.start, part.stop - part.start
+            self.next_worker = (worker + 1) % self.workers
+            if self.next_worker == 0:
+                self.row += 1
+                if self.row == len(self.table):
+                    self.epoch, self.row = self.epoch + 1, 0
+            return epoch, start, count
+        start = self.pos
+        count = min(int(self.vector[worker]), self.per_epoch - self.pos)
+        self.pos += count
+        if self.pos == self.per_epoch:
+            self.epoch, self.pos = self.epoch + 1, 0
+        return epoch, start, count
 
 
 class WorkPlan:

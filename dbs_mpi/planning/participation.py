@@ -11,11 +11,16 @@ The model. A step's time with the set S taking part and the vector b is
 
     T(S, b) = max over i in S of (a_i + c_i b_i)  +  e
 
-where e, the gradient exchange, does not depend on S: a rank that sits out still joins
-the step's allreduce with a zero gradient and weight 0 (it carries the step's telemetry,
-stop requests and the parameters' updates, so it never needs them sent afresh when it
-returns), and the allreduce's cost over n ranks is the same whoever computed. So the best
-set is the best vector with b_i in {0} or [min_local, max_local]:
+where the planner takes e, the gradient exchange, as independent of S. It is not quite:
+a rank that sits out leaves the step's gradient sum (training/participants.py), which
+runs over S and rank 0 on a sub-communicator; every rank still sums the step's loss and
+telemetry over the world, so stop requests and failed ranks reach everyone. A rank out
+of the sum skips the update and falls behind: it takes rank 0's model and optimizer
+state (one broadcast) before the first step it takes part in again, and after the
+epoch's last step. (Where the exchange is not host MPI, or with SyncBatchNorm or a
+GradScaler, it stays in the sum with weight 0 instead.) Leaving is decided on compute
+alone: neither the smaller sum's saving nor a catch-up's broadcast is counted. So the
+best set is the best vector with b_i in {0} or [min_local, max_local]:
 
     fill_i(t) = 0                                  if t < m_i = a_i + c_i min_local
               = clip((t - a_i) / c_i, min_local, max_local)   otherwise
@@ -123,9 +128,9 @@ def allocate_for(model: SpeedModel, global_batch: int, min_local: int = 1, max_l
     return model.allocate(global_batch, min_local, max_local)
 
 
-def best_step_time(per_sample, overhead, global_batch: int) -> float:
-    """A lower bound of the step time of any vector in which ranks may take no samples:
-    the continuous optimum with no bounds but b_i >= 0."""
+def least_step_time_sitting_out(per_sample, overhead, global_batch: int) -> float:
+    """A lower bound of the step time of any vector in which ranks may sit out (take no
+    samples, and pay no a_i): the continuous optimum with no bounds but b_i >= 0."""
     c, a = np.asarray(per_sample, float), np.asarray(overhead, float)
     n = len(c)
     return _threshold(global_batch, c, a, np.zeros(n), np.full(n, np.inf))

@@ -1,9 +1,8 @@
 """Sharding: which training samples each rank reads at each step of an epoch.
 
 A pure function of (dataset size, epoch, seed, global batch, batch vector, rank); no MPI,
-no torch. `HeteroSampler` serves these shards to a torch DataLoader (as its batch_sampler).
-For the parameter server, `Cursor` hands the samples out one piece of work at a time, and
-`group_size` and `in_rounds` say how its gradients are grouped into updates.
+no torch. `HeteroSampler` serves these shards to a torch DataLoader (as its batch_sampler);
+the parameter server's Cursor (parameter_server/work.py) hands out the same permutation.
 
 Every epoch the training set is permuted with a generator seeded by (seed, epoch).
 Step s of the epoch consumes the next global batch of that permutation,
@@ -51,16 +50,20 @@ def step_batch_sizes(num_samples: int, global_batch: int, batch_sizes, drop_last
     return table
 
 
+def shard_slice(step: int, row, global_batch: int, rank: int) -> slice:
+    """Where `rank`'s local batch of `step` lies in the epoch's permutation: after the
+    global batches of the steps before it and the local batches of ranks 0..rank-1 in the
+    step's row, b_rank long."""
+    start = step * global_batch + int(row[:rank].sum())
+    return slice(start, start + int(row[rank]))
+
+
 def epoch_shard(num_samples: int, epoch: int, seed: int, global_batch: int, batch_sizes, rank: int,
                 drop_last: bool = False) -> list[np.ndarray]:
     """Index arrays, one per step, of the samples `rank` reads in `epoch`."""
     perm = epoch_permutation(num_samples, epoch, seed)
     table = step_batch_sizes(num_samples, global_batch, batch_sizes, drop_last)
-    out = []
-    for s, row in enumerate(table):
-        start = s * global_batch + int(row[:rank].sum())
-        out.append(perm[start:start + int(row[rank])])
-    return out
+    return [perm[shard_slice(s, row, global_batch, rank)] for s, row in enumerate(table)]
 
 
 def eval_shard(num_samples: int, rank: int, world_size: int) -> slice:
@@ -127,10 +130,8 @@ class HeteroSampler:
         rank, global_batch = self.balancer.rank, self.balancer.global_batch
         for s in range(first, len(table)):
             b.hand_out(s)                   # from here on, dbs leaves step s's vector alone
-            row = table[s]
-            start = s * global_batch + int(row[:rank].sum())
-            count = int(row[rank])
-            yield perm[start:start + count] if count else perm[s * global_batch:s * global_batch + 1]
+            part = shard_slice(s, table[s], global_batch, rank)
+            yield perm[part] if part.stop > part.start else perm[s * global_batch:s * global_batch + 1]
 
     def _check_new_epoch(self, epoch: int, balancer) -> None:
         """Warn (once, rank 0) where an epoch that already ended begins again: the loop
@@ -160,73 +161,3 @@ class HeteroSampler:
             raise ValueError(f"HeteroSampler: the state was saved with seed {state['seed']}, this sampler has "
                              f"seed {self.seed}")
         self.epoch, self._first_step, self._loaded = int(state["epoch"]), int(state["step"]), True
-
-
-def group_size(strategy: str, workers: int, softsync_n: int) -> int:
-    """c: gradients per update of the parameter server. asgd and dbs-sgd: 1; nsoftsync:
-    floor(lambda / n) (at least 1)."""
-    if strategy == "nsoftsync":
-        return max(1, workers // softsync_n)
-    return 1
-
-
-def in_rounds(strategy: str, softsync_wait: bool, softsync_n: int, workers: int) -> bool:
-    """Rounds (hardsync): nsoftsync waiting for its updates with c = lambda, every worker's
-    gradient in every update (the Cursor's rounds mode)."""
-    return strategy == "nsoftsync" and bool(softsync_wait) and group_size(strategy, workers, softsync_n) == workers
-
-
-class Cursor:
-    """Hands out the training samples: the budget, counted at the server.
-
-    `take(w)` returns (epoch, start, count): worker w reads perm_epoch[start:start+count].
-    Epoch e's samples are all handed out before any of epoch e+1. `begin_epoch(vector)`
-    is called by the server whenever `needs_epoch` is true, with the local batches
-    (over workers) to use in that epoch. Rounds mode follows the synchronous path's
-    steps exactly (take must then be called for workers 0..lambda-1 in order)."""
-
-    def __init__(self, num_samples: int, global_batch: int, epochs: int, drop_last: bool, workers: int,
-                 rounds: bool):
-        self.num_samples, self.global_batch, self.epochs = num_samples, global_batch, epochs
-        self.drop_last, self.workers, self.rounds = drop_last, workers, rounds
-        steps = steps_per_epoch(num_samples, global_batch, drop_last)
-        self.per_epoch = min(num_samples, steps * global_batch)   # samples handed out per epoch
-        self.epoch, self.pos, self.row, self.next_worker = 0, 0, 0, 0
-        self.started = -1                                         # last epoch begin_epoch was called for
-        self.vector = None
-        self.table = None
-
-    @property
-    def done(self) -> bool:
-        return self.epoch >= self.epochs
-
-    @property
-    def needs_epoch(self) -> bool:
-        return not self.done and self.started < self.epoch
-
-    def begin_epoch(self, vector) -> None:
-        self.vector = np.asarray(vector, dtype=np.int64)
-        self.started = self.epoch
-        if self.rounds:
-            self.table = step_batch_sizes(self.num_samples, self.global_batch, self.vector, self.drop_last)
-
-    def take(self, worker: int) -> tuple[int, int, int]:
-        assert not self.done and self.started == self.epoch
-        epoch = self.epoch
-        if self.rounds:
-            if worker != self.next_worker:
-                raise RuntimeError(f"rounds: work for worker {worker} out of turn (expected {self.next_worker})")
-            row = self.table[self.row]
-            start, count = self.row * self.global_batch + int(row[:worker].sum()), int(row[worker])
-            self.next_worker = (worker + 1) % self.workers
-            if self.next_worker == 0:
-                self.row += 1
-                if self.row == len(self.table):
-                    self.epoch, self.row = self.epoch + 1, 0
-            return epoch, start, count
-        start = self.pos
-        count = min(int(self.vector[worker]), self.per_epoch - self.pos)
-        self.pos += count
-        if self.pos == self.per_epoch:
-            self.epoch, self.pos = self.epoch + 1, 0
-        return epoch, start, count

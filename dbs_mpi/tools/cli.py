@@ -164,7 +164,7 @@ def cmd_train(comm, argv) -> int:
 def _check_world_size(state, world_size):
     """Any number of ranks, except into or out of rounds (hardsync), whose updates take
     every worker's gradient: the position in the data would not be a round's."""
-    from ..planning.sharding import in_rounds
+    from ..parameter_server.groups import in_rounds
     cfg = state["config"]
     before, now = (in_rounds(cfg["strategy"], cfg.get("softsync_wait"), cfg.get("softsync_n", 1), world - 1)
                    for world in (state["world_size"], world_size))

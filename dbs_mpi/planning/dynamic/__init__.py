@@ -25,4 +25,4 @@ from .estimate import (CHANGE_Z, FIXED_MAX, MAD_SIGMA, MEDIAN_SE, NOISE_FLOOR, O
 from .per_epoch import DBSController  # noqa: F401
 from .probe import PROBE_BELOW, PROBE_BUDGET, PROBE_FIRST, PROBE_MAX, PROBE_STEPS, Probes  # noqa: F401
 from .within_epoch import (DEFAULT_INTERVAL, GAIN_Z, Proposal, Replanner, StepPlanner, Switch,  # noqa: F401
-                           best_step_time, switch_step)
+                           least_step_time_every_rank, switch_step)

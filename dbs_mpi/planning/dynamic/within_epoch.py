@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..allocation import SpeedModel
-from ..participation import allocate_for, best_step_time as best_with_participation
+from ..participation import allocate_for, least_step_time_sitting_out
 from .estimate import RECENT, REFIT, REFIT_STEADY, TINY_SHARE, WINDOW, StepTimeEstimator
 from .probe import PROBE_STEPS, Probes
 
@@ -39,9 +39,10 @@ DEFAULT_INTERVAL = 1  # steps between re-plans (chosen by measurement: docs/meth
 GAIN_Z = 3.0          # a new vector must gain at least this many standard errors of the estimate
 
 
-def best_step_time(model: SpeedModel, global_batch: int) -> float:
-    """A lower bound of the step time any vector can reach: the continuous optimum with
-    no bounds, sum_i (t - a_i) / c_i = B."""
+def least_step_time_every_rank(model: SpeedModel, global_batch: int) -> float:
+    """A lower bound of the step time of any vector in which every rank takes part (and
+    pays its a_i): the continuous optimum with no bounds, sum_i (t - a_i) / c_i = B.
+    (participation.least_step_time_sitting_out is the bound where ranks may sit out.)"""
     inverse = 1.0 / np.asarray(model.per_sample, float)
     return float((global_batch + np.sum(np.asarray(model.overhead, float) * inverse)) / np.sum(inverse))
 
@@ -130,8 +131,8 @@ class StepPlanner:
         """The model's vector if its predicted step time is at most `target` (None if not,
         or if no vector can be: the continuous optimum is the bound)."""
         auto = self.participation == "auto"
-        bound = best_with_participation(model.per_sample, model.overhead, self.global_batch) if auto else \
-            best_step_time(model, self.global_batch)
+        bound = least_step_time_sitting_out(model.per_sample, model.overhead, self.global_batch) if auto else \
+            least_step_time_every_rank(model, self.global_batch)
         if bound >= target:
             return None                                    # no vector can pass the dead band
         limit = self._growth_limit(current, model)

@@ -4,10 +4,11 @@ A discrete-event model of a run, step by step, built from the engine's own parts
 allocation and the DBS controller (allocation.py, dynamic/), the epoch's table of
 local batches (sharding.step_batch_sizes), the calibration's batches and fit
 (allocation.py), the emulator's slow-downs and random sleeps (heterogeneity.Emulator),
-and for the parameter server its Cursor and group rule (sharding.py). None of them
-needs torch, and neither does the simulator: a projection answers at once, on a login
-node too. What it models instead of running is in the files' docstrings (docs/simulator.md
-has the formulas and what limits them). One idea a file:
+and for the parameter server its Cursor and group rule (parameter_server/work.py,
+groups.py). None of them needs torch, and neither does the simulator: a projection
+answers at once, on a login node too. What it models instead of running is in the
+files' docstrings (docs/simulator.md has the formulas and what limits them). One idea a
+file:
 
     network.py           the alpha-beta network: Network, buckets, NETWORKS
     cluster.py           the cluster and the compute model: Cluster, processor_sharing,

@@ -9,6 +9,8 @@ import heapq
 
 import numpy as np
 
+from ...parameter_server.groups import group_size
+from ...parameter_server.work import Cursor
 from ...planning import allocation, sharding
 from .cluster import Cluster, Compute, emulators, free_running_rate
 from .job import Job, Result
@@ -18,17 +20,17 @@ from .sync import dbs_controller, simulated_calibration
 
 class ServerSim:
     """The parameter server's bookkeeping in simulated time: the engine's Cursor hands out
-    the samples, gradients are applied in groups of c (sharding.group_size), an
+    the samples, gradients are applied in groups of c (groups.group_size), an
     epoch closes when all its samples are applied, dbs-sgd re-plans at every epoch with the
     engine's DBSController. Checkpoint boundaries drain the workers (every one finishes its
     step and waits; the clock stops), as the engine does."""
 
     def __init__(self, job: Job, workers: int, vector, controller, checkpoint_every: int):
         self.job, self.workers, self.controller, self.every = job, workers, controller, checkpoint_every
-        self.c = sharding.group_size(job.strategy, workers, job.softsync_n)
+        self.c = group_size(job.strategy, workers, job.softsync_n)
         self.wait_mode = job.strategy == "nsoftsync" and job.softsync_wait
-        self.cursor = sharding.Cursor(job.samples, job.global_batch, job.epochs, job.drop_last, workers,
-                                      self.wait_mode and self.c == workers)
+        self.cursor = Cursor(job.samples, job.global_batch, job.epochs, job.drop_last, workers,
+                             self.wait_mode and self.c == workers)
         self.vector = np.asarray(vector, dtype=np.int64)
         self.version, self.group, self.vectors = 0, [], []
         self.applied = np.zeros(job.epochs, dtype=np.int64)
