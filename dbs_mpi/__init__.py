@@ -76,7 +76,7 @@ _API = {
     "UserError": "options",
     "select_device": "mpi.devices",
     "sample_weighted": "training.ddp", "sample_weighted_hook": "training.ddp", "SampleWeightedState": "training.ddp",
-    "init_process_group": "mpi.process_group",
+    "init_process_group": "mpi.process_group", "destroy_process_group": "mpi.process_group",
 }
 __all__ = sorted([*_API, "save_checkpoint", "load_checkpoint"])
 
@@ -85,9 +85,9 @@ def __getattr__(name):
     if name in ("save_checkpoint", "load_checkpoint"):
         from .training import checkpoint
         return checkpoint.save if name == "save_checkpoint" else checkpoint.load
-    if name == "ddp":                    # documented as dbs_mpi.ddp.sample_weighted(...)
-        import importlib
-        return importlib.import_module(".training.ddp", __name__)
+    if name == "ddp":                    # the name the README used up to 0.4.0; one name now, the flat one
+        raise AttributeError("module 'dbs_mpi' has no attribute 'ddp': its functions are dbs_mpi.sample_weighted, "
+                             "dbs_mpi.init_process_group and dbs_mpi.destroy_process_group")
     if name in _API:
         import importlib
         return getattr(importlib.import_module(f".{_API[name]}", __name__), name)

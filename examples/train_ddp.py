@@ -56,4 +56,4 @@ for epoch in range(args.epochs):
         print(f"epoch {epoch + 1}: test loss {test_loss:.4f}  accuracy {100 * accuracy:.1f}%  "
               f"time {stats.duration:.2f} s  local batches {stats.batch_sizes.tolist()} -> "
               f"{stats.next_batch_sizes.tolist()}", flush=True)
-dbs_mpi.ddp.destroy_process_group()
+dbs_mpi.destroy_process_group()

@@ -9,14 +9,16 @@ to stop after the same step, write a checkpoint and exit with status 3. Started 
 with the same checkpoint path, it continues from that step; with the ssgd policy the
 final model is the one an uninterrupted run ends with, bit for bit, and so with static,
 which keeps the vector it calibrated at the first start (a run started separately
-calibrates a vector of its own: the two then agree up to float rounding).
+calibrates a vector of its own: the two then agree up to float rounding without dropout,
+and are another model with torch's Dropout, whose masks follow the vector; see
+docs/reliability.md, "Reproducibility: what holds").
 
 Started again on another number of ranks (the requeued job got another allocation), it
 continues the same run: the model, the optimizer and the position are the same for any
 world; each rank's balancer takes the position from rank 0's part (a state saved by
 another world gives nothing per rank) and the new ranks are calibrated. The parameters
 at the end equal the uninterrupted run's up to float rounding (the vector, hence the
-order of summation, differs).
+order of summation, differs; with dropout, where it is keyed by sample: convert_dropout).
 
     mpirun -n 3 python examples/train_resumable.py --checkpoint results/run.ckpt   # 2 ranks wrote it
 """

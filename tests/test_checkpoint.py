@@ -609,3 +609,42 @@ def test_a_loop_with_persistent_workers_exits_after_its_last_line(tmp_path, rank
     assert exited < 15, exited
     if ending == "SIGTERM":
         assert checkpoint.load(tmp_path / "loop.ckpt")["model"]
+
+
+def test_two_static_launches_from_one_calibration_train_bit_for_bit_alike(tmp_path):
+    """static with dropout (torch's) at 1:0.5: a second launch that plans from the first's
+    recorded calibration (--calibration-from) gets its vector, so the two train alike, bit
+    for bit (two calibrations give two vectors, and dropout's masks follow the vector)."""
+    (tmp_path / "dropnet.py").write_text(DROPOUT_MODEL)
+    run = [*RUN, "--model", f"{tmp_path / 'dropnet.py'}:build", "--strategy", "static", "--speeds", "1,0.5"]
+    first, second = tmp_path / "first.h5", tmp_path / "second.h5"
+    proc = run_cli(["train", *run, "--out", str(first)], ranks=2, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli(["train", *run, "--calibration-from", str(first), "--out", str(second)], ranks=2, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert_same_run(first, second)
+    np.testing.assert_array_equal(read_run(first)["data"]["epoch/batch_sizes"],
+                                  read_run(second)["data"]["epoch/batch_sizes"])
+    one = tmp_path / "one.h5"
+    proc = run_cli(["train", *run, "--speeds", "1", "--calibration-from", str(first), "--out", str(one)], ranks=1,
+                   timeout=120)
+    assert proc.returncode != 0 and "timed 2 rank(s); this job has 1" in proc.stderr, proc.stderr
+    assert not one.exists()                                                 # refused before anything is written
+
+
+def test_dropout_keyed_by_sample_trains_uneven_ranks_as_one_process(tmp_path):
+    """dbs at 1:0.5 with --sample-dropout (its vector follows measured speed, so no two
+    launches share a vector history) ends as one process with the same seed, up to float
+    rounding: the masks follow the samples, not the ranks."""
+    (tmp_path / "dropnet.py").write_text(DROPOUT_MODEL)
+    run = [*RUN, "--model", f"{tmp_path / 'dropnet.py'}:build", "--sample-dropout", "true",
+           "--participation", "all"]                                    # rank 1 computes every step
+    alone, split = tmp_path / "alone.h5", tmp_path / "split.h5"
+    proc = run_cli(["train", *run, "--out", str(alone)], ranks=1, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli(["train", *run, "--strategy", "dbs", "--speeds", "1,0.5", "--out", str(split)], ranks=2,
+                   timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    vectors = read_run(split)["data"]["epoch/batch_sizes"]
+    assert (vectors[:, 0] > vectors[:, 1]).all(), vectors                   # uneven
+    assert rel_difference(model_of(str(alone) + ".ckpt"), model_of(str(split) + ".ckpt")) < 1e-4

@@ -49,6 +49,8 @@ def test_toml_then_command_line(tmp_path):
     (["--compile", "--compile-backend", "fastest"], "compile_backend"),
     (["--lr-schedule", "cosine", "--strategy", "asgd"], "lr_schedule"),
     (["--warmup-epochs", "1", "--strategy", "dbs-sgd"], "lr_schedule"),
+    (["--sample-dropout", "--strategy", "asgd"], "sample_dropout"),
+    (["--calibration-from", "run.h5", "--strategy", "ssgd"], "calibration_from"),
 ])
 def test_bad_values_name_the_field(argv, field):
     with pytest.raises(ConfigError, match=f"^{field}: "):

@@ -1,4 +1,4 @@
-"""dbs_mpi.ddp under MPI (pytest-mpi): torch DistributedDataParallel on gloo, started
+"""dbs_mpi.sample_weighted (training/ddp.py) under MPI (pytest-mpi): torch DistributedDataParallel on gloo, started
 from the MPI communicator, with the sample-weighted comm hook. Every test holds for any
 number of ranks (run at 1, 2 and 4):
 

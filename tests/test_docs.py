@@ -18,13 +18,30 @@ def tracked(*patterns):
 
 
 def slug(heading: str) -> str:
-    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
-    text = re.sub(r"[`*_]", "", heading.strip().lower())
-    return re.sub(r"\s", "-", re.sub(r"[^\w\- ]", "", text))
+    """GitHub's anchor for a heading (its slugger): the text as rendered (code marks and
+    emphasis stars dropped), lower case, every character but letters, digits, spaces,
+    hyphens and underscores dropped (underscores are kept: dbs_mpi stays dbs_mpi), each
+    space a hyphen."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
+    return re.sub(r" ", "-", re.sub(r"[^\w\- ]", "", text))
 
 
 def anchors(path):
-    return {slug(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", path.read_text(), re.M)}
+    """Every heading's anchor; a repeated one gets -1, -2, ... as on GitHub."""
+    found, seen = set(), {}
+    for m in re.finditer(r"^#+\s+(.*)$", path.read_text(), re.M):
+        base = slug(m.group(1))
+        found.add(base if base not in seen else f"{base}-{seen[base]}")
+        seen[base] = seen.get(base, 0) + 1
+    return found
+
+
+def test_the_anchors_follow_githubs_rules():
+    assert slug("DistributedDataParallel: `dbs_mpi.sample_weighted(ddp_model, balancer=None)`") == \
+        "distributeddataparallel-dbs_mpisample_weightedddp_model-balancernone"
+    assert slug("`dbs_mpi.DistributedOptimizer(optimizer, model, balancer, ...)`") == \
+        "dbs_mpidistributedoptimizeroptimizer-model-balancer-"
+    assert slug("1. Sample-weighted gradients") == "1-sample-weighted-gradients"
 
 
 MARKDOWN = tracked("*.md")

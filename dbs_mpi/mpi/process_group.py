@@ -83,10 +83,10 @@ def _existing_group(backend: "str | None", world: int, rank: int) -> bool:
     if have_world != world or have_rank != rank:
         raise RuntimeError(f"torch.distributed is already initialised as rank {have_rank} of {have_world}, but "
                            f"this is rank {rank} of a communicator of {world}: call "
-                           f"dbs_mpi.ddp.destroy_process_group() first, or pass the communicator it was made from")
+                           f"dbs_mpi.destroy_process_group() first, or pass the communicator it was made from")
     if backend is not None and backend.lower() != have_backend.lower():
         raise RuntimeError(f"torch.distributed is already initialised with backend {have_backend}, not {backend}: "
-                           f"call dbs_mpi.ddp.destroy_process_group() first, or ask for {have_backend}")
+                           f"call dbs_mpi.destroy_process_group() first, or ask for {have_backend}")
     return True
 
 

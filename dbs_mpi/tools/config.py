@@ -70,6 +70,7 @@ class Config:
     compile_backend: str = "inductor"  # torch.compile's backend: inductor (torch's default: generated kernels) | aot_eager | eager (Dynamo's tracing alone) | cudagraphs
     micro_batch: int = 0             # gradient accumulation: each rank runs its local batch in micro-batches of at most this many samples, one exchange a step (0: all at once); not with sync_bn
     amp: str = "none"                # mixed precision (synchronous strategies): none | bf16 (autocast in bfloat16, CPU and GPU) | fp16 (autocast in float16 with loss scaling, torch.amp.GradScaler; every rank on a GPU)
+    sample_dropout: bool = False     # the model's nn.Dropout layers draw masks keyed by sample (dbs_mpi.SampleDropout): the same masks at any vector, so runs with dropout agree across launches, resumes and rank counts up to float rounding; synchronous strategies
     augment: bool = False            # cifar10 training only: random crop (padding 4) and horizontal flip, seeded
     epochs: int = 3                  # passes over the training set
     global_batch: int = 512          # B: samples per step, summed over all ranks
@@ -91,6 +92,7 @@ class Config:
     min_local_batch: int = 1         # smallest local batch any rank gets (full steps)
     max_local_batch: int = 0         # memory bound: the most samples a rank computes at once (0 = no bound); a larger share runs in micro-batches of this size (with sync_bn and the asynchronous strategies, which cannot accumulate, the largest share)
     participation: str = "auto"      # auto: static and dbs leave out a rank whose least share would slow every step (local batch 0, no forward or backward; dbs probes it and takes it back when it pays) | all: every rank takes part
+    calibration_from: str = ""       # static, dbs: plan from the start-up calibration recorded in this result file (its startup/*, same number of ranks) instead of timing the ranks; two static launches from one file train alike, bit for bit
     benchmark_steps: int = 5         # start-up benchmark: timed steps at each of two local batch sizes
     benchmark_warmup: int = 2        # start-up benchmark: untimed steps first
     dbs_model: str = "affine"        # affine: step time a_i + b/v_i | proportional: b/v_i (the DBS paper's rule)
@@ -317,6 +319,11 @@ def _check_choices(c: Config) -> None:
     if c.micro_batch and (c.sync_bn or c.strategy in ASYNC_STRATEGIES):
         _fail("micro_batch", "SyncBatchNorm normalises over the step's global batch, which micro-batches would cut "
                              f"into parts; and it runs with the synchronous strategies {', '.join(SYNC_STRATEGIES)} only")
+    if c.sample_dropout and c.strategy in ASYNC_STRATEGIES:
+        _fail("sample_dropout", f"keys masks by the position in a synchronous step's global batch: strategies "
+                                f"{', '.join(SYNC_STRATEGIES)} only (got {c.strategy})")
+    if c.calibration_from and c.strategy not in ("static", "dbs"):
+        _fail("calibration_from", f"static and dbs plan from a calibration; {c.strategy} has none to reuse")
     choice("compile_backend", COMPILE_BACKENDS)
     choice("amp", AMPS)
     if c.amp != "none" and c.strategy in ASYNC_STRATEGIES:

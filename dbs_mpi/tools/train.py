@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -33,7 +34,8 @@ from ..training.batches import InMemoryLoader, first_samples, sample_shape_and_c
 from ..training.checkpoint import EXIT_STOPPED, StopRequest, Stopped
 from ..training.evaluation import evaluate
 from ..training.optimizer import DistributedOptimizer, make_optimizer
-from ..training.results import Recorder, default_path
+from ..training.results import Recorder, default_path, read_run
+from ..training.sample_dropout import convert_dropout
 from . import plugins
 from .config import ASYNC_STRATEGIES, Config, check_world
 from .data import load_dataset
@@ -70,6 +72,7 @@ class Run:
     device_names: list = field(default_factory=list)   # ... and its name (GPU model, CPU)
     threads: list = field(default_factory=list)   # every rank's torch threads
     exchange: str = "host"                        # the gradient exchange agreed by all ranks (transport.py)
+    calibration: dict | None = None               # a recorded start-up calibration to plan from (calibration_from)
 
     def evaluate(self) -> tuple[float, float, float]:
         """(test loss, test accuracy, seconds) of the model on the test set, all ranks together."""
@@ -106,9 +109,29 @@ def setup(comm, cfg: Config) -> Run:
     if cfg.sync_bn and not sync_batchnorm.unsynchronised(model):
         raise UserError(f"sync_bn: the model {cfg.model} has no BatchNorm layer to synchronise"
                         + (" (resnet20: set norm = \"batch\")" if cfg.model == "resnet20" else ""))
+    if cfg.sample_dropout and not any(type(m) is torch.nn.Dropout for m in model.modules()):
+        raise UserError(f"sample_dropout: the model {cfg.model} has no torch.nn.Dropout layer to key by sample")
     loss_fn = plugins.build_loss(cfg.loss)
     plugins.check_loss(loss_fn, model, *first_samples(train_set, 1), cfg.loss)
-    return Run(comm, cfg, train_set, test_set, model, loss_fn)
+    calibration = recorded_calibration(cfg.calibration_from) if cfg.calibration_from else None
+    if calibration is not None and len(calibration["step_time"]) != comm.Get_size():
+        raise UserError(f"calibration_from: {cfg.calibration_from} timed {len(calibration['step_time'])} rank(s); "
+                        f"this job has {comm.Get_size()} (a recorded calibration is reused on a world of its size)")
+    return Run(comm, cfg, train_set, test_set, model, loss_fn, calibration=calibration)
+
+
+def recorded_calibration(path: str) -> dict:
+    """The start-up calibration a result file recorded (startup/local_batch, startup/step_time)."""
+    if not Path(path).is_file():
+        raise UserError(f"calibration_from: no result file {path}")
+    try:
+        data = read_run(path)["data"]
+    except Exception as exc:                 # h5py raises several kinds for a foreign or damaged file
+        raise UserError(f"calibration_from: {path} is not a readable result file ({type(exc).__name__})") from None
+    if len(data.get("startup/step_time", ())) == 0:
+        raise UserError(f"calibration_from: {path} recorded no start-up calibration (ssgd, or a resumed run's "
+                        f"file: use the file of the launch that calibrated)")
+    return {"local_batch": data["startup/local_batch"], "step_time": data["startup/step_time"]}
 
 
 def place(run: Run) -> list:
@@ -267,12 +290,17 @@ class SyncTrainer:
     def train(self) -> None:
         run, cfg = self.run, self.cfg
         balancer = Balancer.from_config(self.comm, cfg)
+        if cfg.sample_dropout:
+            convert_dropout(run.model, balancer, cfg.seed)
         sampler = HeteroSampler(run.train_set, balancer, seed=cfg.seed, drop_last=cfg.drop_last)
         loader = make_loader(run, sampler)
         if run.state is None:
             startup.phase("calibration", backstop=True)
-            balancer.calibrate_model(run.model, run.loss_fn, run.train_set, cfg.benchmark_steps, cfg.benchmark_warmup,
-                                     cfg.micro_size)
+            if run.calibration is not None:
+                balancer.use_calibration(run.calibration)
+            else:
+                balancer.calibrate_model(run.model, run.loss_fn, run.train_set, cfg.benchmark_steps,
+                                         cfg.benchmark_warmup, cfg.micro_size)
             run.recorder.startup(balancer)
         optimizer = DistributedOptimizer(make_optimizer(cfg.optimizer, run.model.parameters(), cfg), run.model,
                                          balancer, aggregation=cfg.aggregation, wait_policy=cfg.wait_policy,

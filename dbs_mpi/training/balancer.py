@@ -358,8 +358,34 @@ class BatchPolicy:
         and the balancer must know the device (`on_device`; calibrate_model tells it). largest:
         the most samples a rank computes at once (0: any; a loop that accumulates larger shares)."""
         small, large = self.calibration_batches(largest)
-        fit, times = calibrate(self.comm, step, small, large, steps=steps, warmup=warmup,
-                               stretch=self.emulator.stretch, affine=self.affine, timeout=self.timeout)
+        # The timed steps draw (dropout) from random streams of their own: training's masks
+        # are then the same whether this launch calibrated or reused a calibration.
+        cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=cuda):
+            fit, times = calibrate(self.comm, step, small, large, steps=steps, warmup=warmup,
+                                   stretch=self.emulator.stretch, affine=self.affine, timeout=self.timeout)
+        return self._plan_from(fit, small, large, times)
+
+    def use_calibration(self, startup: dict) -> np.ndarray:
+        """Plan from a calibration recorded before (a result file's startup/*: `local_batch`,
+        the two local batches, and `step_time`, every rank's median step times at them)
+        instead of timing the ranks again: the same fit, so the same vector, as the launch
+        that recorded it (two launches of static then train alike, bit for bit). Every rank
+        must pass the same calibration, of a world of this size (checked). Returns the vector."""
+        small, large = (int(n) for n in np.asarray(startup["local_batch"]).reshape(-1)[:2])
+        times = np.asarray(startup["step_time"], dtype=np.float64)
+        if times.shape != (self.world_size, 2):
+            raise UserError(f"calibration: it timed {times.shape[0] if times.ndim else 0} rank(s); this job has "
+                            f"{self.world_size} (a recorded calibration is reused on a world of its size)")
+        mpi.agree_settings(self.comm, dict(calibration=[small, large, *times.ravel().tolist()]), self.timeout,
+                           "Balancer.use_calibration")
+        n = self.world_size
+        fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1],
+                                        affine=self.affine)
+        return self._plan_from(fit, small, large, times)
+
+    def _plan_from(self, fit, small: int, large: int, times: np.ndarray) -> np.ndarray:
+        """The calibration's plan: the speed model, (static, dbs) the vector, the controllers."""
         self.speed_model = fit
         if self.policy != "ssgd":
             self.batch_sizes = participation.allocate_for(fit, self.global_batch, self.min_local, self.max_local,

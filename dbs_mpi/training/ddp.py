@@ -52,10 +52,10 @@ Usage (a plain torch optimizer; every rank):
 
     comm = dbs_mpi.init()
     device = dbs_mpi.select_device(comm)
-    dbs_mpi.ddp.init_process_group(comm, device=device)   # nccl: a GPU per rank; else gloo
+    dbs_mpi.init_process_group(comm, device=device)   # nccl: a GPU per rank; else gloo
     model = DDP(net)                                # device_ids=[local gpu] on GPUs
     balancer = dbs_mpi.Balancer(comm, global_batch=512, policy="dbs")
-    dbs_mpi.ddp.sample_weighted(model, balancer=balancer)
+    dbs_mpi.sample_weighted(model, balancer=balancer)
     sampler = dbs_mpi.HeteroSampler(ds, balancer, seed=0)
     loader = DataLoader(ds, batch_sampler=sampler)
     for epoch in range(epochs):
@@ -66,7 +66,7 @@ Usage (a plain torch optimizer; every rank):
             optimizer.step()
         balancer.end_epoch()
 
-(With any other uneven sampler: `dbs_mpi.ddp.sample_weighted(model)`, counted.)
+(With any other uneven sampler: `dbs_mpi.sample_weighted(model)`, counted.)
 
 Collectives are issued in the same order on every rank (B first, then the buckets in
 order), and each bucket's division waits for B, so gloo's out-of-order completion cannot
@@ -297,7 +297,7 @@ class SampleWeightedState:
         if not self._armed:
             raise RuntimeError("sample_weighted: DDP is reducing gradients, but no training forward of the DDP model "
                                "(model.train(), grad enabled) was seen since the last backward, so this rank's "
-                               "local batch is unknown. Register the hook with dbs_mpi.ddp.sample_weighted(model) "
+                               "local batch is unknown. Register the hook with dbs_mpi.sample_weighted(model) "
                                "(it adds the forward pre-hook that counts), and run one forward of the DDP model "
                                "before each backward, or set state.local_batch by hand")
         self._armed = self._by_hand = False
@@ -382,7 +382,7 @@ def sample_weighted(ddp_model, process_group=None, *, balancer=None,
         raise ValueError(f"sample_weighted: the balancer's communicator (rank {balancer.rank} of "
                          f"{balancer.world_size}) is not the DDP process group (rank {dist.get_rank(group)} of "
                          f"{dist.get_world_size(group)}): make both from the same communicator "
-                         f"(dbs_mpi.ddp.init_process_group(comm), Balancer(comm, ...))")
+                         f"(dbs_mpi.init_process_group(comm), Balancer(comm, ...))")
     late = None
     if balancer is not None:
         device = model_device(ddp_model)
