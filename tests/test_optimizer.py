@@ -96,7 +96,7 @@ def test_step_keeps_grad_mode_hooks_and_closure():
 
 PROBE = """
 import sys, torch
-from dbs_mpi.training.optimizer import make_optimizer
+from dbs_mpi.training.named_optimizers import make_optimizer
 from types import SimpleNamespace
 cfg = SimpleNamespace(lr=0.1, momentum=0.9, weight_decay=0.0)
 for name in ("sgd", "adam", "adamw"):

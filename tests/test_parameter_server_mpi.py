@@ -73,7 +73,7 @@ def test_hardsync_matches_synchronous_sgd(comm, shared_tmp, monkeypatch, separat
                        synthetic_samples=10 * workers * local + 10, epochs=2, weight_decay=1e-3)
     numel = sum(p.numel() for p in LeNet5().parameters())
     steps = []                  # on the server: (weights before, gradient applied, weights after)
-    from dbs_mpi.training.optimizer import SGD              # the command line's (torch's SGD)
+    from dbs_mpi.training.named_optimizers import SGD       # the command line's (torch's SGD)
     sgd_step = SGD.step
 
     def recording_step(self, *args, **kwargs):

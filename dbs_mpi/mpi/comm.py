@@ -653,9 +653,11 @@ def threads_per_rank(comm: MPI.Comm, places=None, timeout: float = 600.0) -> int
 # --- environment ---------------------------------------------------------------
 
 def placement(comm: MPI.Comm, timeout: float = 600.0) -> list[tuple[str, tuple[int, ...]]]:
-    """(host, the cores this rank may run on) of every rank of comm, in rank order."""
-    return allgather_object(comm, (socket.gethostname(), tuple(sorted(affinity()))), timeout,
-                            "gathering every rank's host and cores")
+    """(host, the cores this rank may run on) of every rank of comm, in rank order:
+    gathered once per communicator (cached.py)."""
+    from .cached import cached
+    return cached(comm, "placement", lambda: allgather_object(
+        comm, (socket.gethostname(), tuple(sorted(affinity()))), timeout, "gathering every rank's host and cores"))
 
 
 def node_cores(places) -> dict[str, int]:

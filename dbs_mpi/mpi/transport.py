@@ -52,6 +52,7 @@ from mpi4py import MPI
 
 from ..options import EXCHANGES, UserError
 from . import comm as mpi
+from .cached import cached
 from .devices import gpu_identity, mpi_cuda_aware
 from .process_group import init_process_group
 
@@ -114,6 +115,13 @@ class HostMPI(_Gated):
         self.side = torch.cuda.Stream(flat.device) if flat.is_cuda else None
         self.deferred = self.side is not None      # a GPU's buckets begin once their host copy is done
         self._setup_events(len(bounds))            # CUDA: bucket b's host copy is complete
+
+    def share_host_copy(self, other: "HostMPI") -> None:
+        """Stage into `other`'s host copy (a group's transport over the same buffer: one
+        pinned copy of the gradients, not one per group)."""
+        if self.staged:
+            self.host, self.array = other.host, other.array
+            self.views = [other.array[start:stop] for start, stop in self.bounds]
 
     def stage(self, b: int) -> None:
         if not self.staged:
@@ -366,8 +374,6 @@ def choose(requested: str, gpus: list, nccl: bool, cuda_aware: list) -> str:
     one GPU have the same). nccl: torch has NCCL on every GPU rank. cuda_aware: per rank,
     whether its MPI library is CUDA-aware (True, False, None: unknown). Raises UserError
     for a request the job cannot honour. One rank: "local" (nothing to sum)."""
-    if requested == "local" and len(gpus) == 1:        # what auto gave one rank (train() agrees before the optimizer)
-        return "local"
     if requested not in EXCHANGES:
         raise UserError(f"exchange: must be one of {', '.join(EXCHANGES)}; got {requested!r}")
     on_gpu = [g is not None for g in gpus]
@@ -412,7 +418,13 @@ def _check_nccl(on_gpu: list, shared: list, nccl: bool) -> None:
 
 
 def agree(comm, requested: str, device: torch.device, timeout: float = 600.0) -> str:
-    """Collective: the exchange every rank uses (see `choose`); fails on every rank together."""
+    """Collective: the exchange every rank uses (see `choose`); fails on every rank together.
+    Agreed once per communicator, request and device (cached.py): a launcher that checks it
+    early and the optimizer built later share one agreement."""
+    return cached(comm, ("transport", requested, str(device)), lambda: _agree(comm, requested, device, timeout))
+
+
+def _agree(comm, requested: str, device: torch.device, timeout: float) -> str:
     cuda = device.type == "cuda"
     report = (gpu_identity(device) if cuda else None,
               cuda and torch.distributed.is_available() and torch.distributed.is_nccl_available(),

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from ..training.optimizer import SGD, make_optimizer
+from ..training.named_optimizers import SGD, make_optimizer
 from .groups import group_size, in_rounds
 from .protocol import bind_gradients
 

@@ -33,7 +33,8 @@ from ..training.balancer import Balancer, steps_before_resume
 from ..training.batches import InMemoryLoader, first_samples, sample_shape_and_classes
 from ..training.checkpoint import EXIT_STOPPED, StopRequest, Stopped
 from ..training.evaluation import evaluate
-from ..training.optimizer import DistributedOptimizer, make_optimizer
+from ..training.named_optimizers import make_optimizer
+from ..training.optimizer import DistributedOptimizer
 from ..training.results import Recorder, default_path, read_run
 from ..training.sample_dropout import convert_dropout
 from . import plugins
@@ -305,7 +306,7 @@ class SyncTrainer:
         optimizer = DistributedOptimizer(make_optimizer(cfg.optimizer, run.model.parameters(), cfg), run.model,
                                          balancer, aggregation=cfg.aggregation, wait_policy=cfg.wait_policy,
                                          bucket_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb,
-                                         timeout=cfg.comm_timeout, exchange=run.exchange,
+                                         timeout=cfg.comm_timeout, exchange=cfg.exchange,     # agreed in place()
                                          leave_exchange=cfg.amp != "fp16")    # GradScaler: every rank's gradient
         run.recorder.writer.set_attrs(exchange=optimizer.exchange.transport.name)
         self.precision = Precision(cfg.amp, run.device)

@@ -60,8 +60,12 @@ def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int
               affine: bool = True, timeout: float = 600.0) -> tuple[allocation.SpeedModel, np.ndarray]:
     """Collective: every rank times step(small) and step(large); returns the fitted
     speed model of every rank and the (ranks x 2) median step times."""
-    t_small = time_step(step, small, steps, warmup, stretch)
-    t_large = time_step(step, large, steps, warmup, stretch)
+    # The timed steps draw (dropout) from random streams of their own: training's draws are
+    # then the same whether a launch calibrated or reused a calibration (use_calibration).
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        t_small = time_step(step, small, steps, warmup, stretch)
+        t_large = time_step(step, large, steps, warmup, stretch)
     times = mpi.allgather_array(comm, [t_small, t_large], timeout)
     n = comm.Get_size()
     fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1], affine=affine)
@@ -309,43 +313,11 @@ def _within_epoch(comm, policy: str, interval, global_batch: int, min_local: int
                              participation=rule["participation"])
 
 
-class BatchPolicy:
-    """The batch vector of a policy on one rank and what sets it: the start-up calibration
-    (static and dbs allocate from its fit), dbs's re-planning (dynamic.DBSController once
-    per epoch, dynamic.Replanner within it) and the emulated speeds that every timing sees.
-    Balancer (its arguments are documented there) adds the epochs. A base class, so that
-    every step reads the vector, replanner and emulator as the balancer's own attributes."""
+class Calibration:
+    """The start-up calibration of a BatchPolicy (its base class: the same attributes):
+    time every rank at two local batches (or reuse a timing recorded before), fit every
+    rank's step time, and (static, dbs) allocate the vector from the fit."""
 
-    def __init__(self, comm, global_batch: int, policy: str, min_local_batch: int, max_local_batch: int,
-                 dbs_model: str, rule: dict, interval, window: int, speeds, emulator: Emulator | None,
-                 timeout: float):
-        _check_settings(comm, timeout, policy=policy, global_batch=global_batch, min_local_batch=min_local_batch,
-                        max_local_batch=max_local_batch, dbs_model=dbs_model, interval=interval, window=window, **rule)
-        self.comm, self.rank, self.world_size = comm, comm.Get_rank(), comm.Get_size()
-        allocation.check_feasible(global_batch, self.world_size, min_local_batch, max_local_batch or None)
-        self.policy, self.global_batch = policy, int(global_batch)
-        self.min_local, self.max_local = int(min_local_batch), int(max_local_batch) or None
-        self.affine, self.timeout = dbs_model == "affine", float(timeout)
-        self.participation = rule["participation"]
-        self.damping = {k: v for k, v in rule.items() if k != "participation"}     # smoothing, follow, min_gain
-        self.interval = parse_interval(interval)                  # None: once per epoch
-        self.replanner = _within_epoch(comm, policy, self.interval, self.global_batch, self.min_local, self.max_local,
-                                       window, rule)
-        self.emulator = _emulator(speeds, emulator, self.rank, self.world_size)
-        self.batch_sizes = allocation.equal(self.global_batch, self.world_size, self.min_local, self.max_local)
-        self.speed_model: allocation.SpeedModel | None = None
-        self.controller: dynamic.DBSController | None = None
-        self.startup: dict | None = None      # the calibration: local_batch (2,), step_time (R, 2), batch_sizes
-        self._heard = False                   # within-epoch dbs: step times arrived in the open epoch
-        self._warned = False                  # ... and the warning that none did was given
-        self._settlers = []                   # clocks that record steps late (settle_with)
-
-    @property
-    def local_batch(self) -> int:
-        """This rank's local batch of a full step."""
-        return int(self.batch_sizes[self.rank])
-
-    # --- calibration --------------------------------------------------------------
     def calibration_batches(self, largest: int = 0) -> tuple[int, int]:
         return allocation.calibration_batches(self.global_batch, self.world_size, self.min_local,
                                               min([n for n in (self.max_local, largest) if n], default=None))
@@ -358,12 +330,8 @@ class BatchPolicy:
         and the balancer must know the device (`on_device`; calibrate_model tells it). largest:
         the most samples a rank computes at once (0: any; a loop that accumulates larger shares)."""
         small, large = self.calibration_batches(largest)
-        # The timed steps draw (dropout) from random streams of their own: training's masks
-        # are then the same whether this launch calibrated or reused a calibration.
-        cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-        with torch.random.fork_rng(devices=cuda):
-            fit, times = calibrate(self.comm, step, small, large, steps=steps, warmup=warmup,
-                                   stretch=self.emulator.stretch, affine=self.affine, timeout=self.timeout)
+        fit, times = calibrate(self.comm, step, small, large, steps=steps, warmup=warmup,
+                               stretch=self.emulator.stretch, affine=self.affine, timeout=self.timeout)
         return self._plan_from(fit, small, large, times)
 
     def use_calibration(self, startup: dict) -> np.ndarray:
@@ -404,6 +372,44 @@ class BatchPolicy:
         self.on_device(model_device(model))
         inputs, targets = first_samples(dataset, self.calibration_batches(largest)[1])
         return self.calibrate(model_step(model, loss_fn, inputs, targets), steps, warmup, largest)
+
+
+
+class BatchPolicy(Calibration):
+    """The batch vector of a policy on one rank and what sets it: the start-up calibration
+    (static and dbs allocate from its fit), dbs's re-planning (dynamic.DBSController once
+    per epoch, dynamic.Replanner within it) and the emulated speeds that every timing sees.
+    Balancer (its arguments are documented there) adds the epochs. A base class, so that
+    every step reads the vector, replanner and emulator as the balancer's own attributes."""
+
+    def __init__(self, comm, global_batch: int, policy: str, min_local_batch: int, max_local_batch: int,
+                 dbs_model: str, rule: dict, interval, window: int, speeds, emulator: Emulator | None,
+                 timeout: float):
+        _check_settings(comm, timeout, policy=policy, global_batch=global_batch, min_local_batch=min_local_batch,
+                        max_local_batch=max_local_batch, dbs_model=dbs_model, interval=interval, window=window, **rule)
+        self.comm, self.rank, self.world_size = comm, comm.Get_rank(), comm.Get_size()
+        allocation.check_feasible(global_batch, self.world_size, min_local_batch, max_local_batch or None)
+        self.policy, self.global_batch = policy, int(global_batch)
+        self.min_local, self.max_local = int(min_local_batch), int(max_local_batch) or None
+        self.affine, self.timeout = dbs_model == "affine", float(timeout)
+        self.participation = rule["participation"]
+        self.damping = {k: v for k, v in rule.items() if k != "participation"}     # smoothing, follow, min_gain
+        self.interval = parse_interval(interval)                  # None: once per epoch
+        self.replanner = _within_epoch(comm, policy, self.interval, self.global_batch, self.min_local, self.max_local,
+                                       window, rule)
+        self.emulator = _emulator(speeds, emulator, self.rank, self.world_size)
+        self.batch_sizes = allocation.equal(self.global_batch, self.world_size, self.min_local, self.max_local)
+        self.speed_model: allocation.SpeedModel | None = None
+        self.controller: dynamic.DBSController | None = None
+        self.startup: dict | None = None      # the calibration: local_batch (2,), step_time (R, 2), batch_sizes
+        self._heard = False                   # within-epoch dbs: step times arrived in the open epoch
+        self._warned = False                  # ... and the warning that none did was given
+        self._settlers = []                   # clocks that record steps late (settle_with)
+
+    @property
+    def local_batch(self) -> int:
+        """This rank's local batch of a full step."""
+        return int(self.batch_sizes[self.rank])
 
     def on_device(self, device) -> None:
         """This rank computes on `device`: on a GPU, emulated speeds stretch the step's wall

@@ -13,9 +13,12 @@ while writing leaves the previous checkpoint intact.
 
 Stop requests: SIGUSR1 (what a job script asks the scheduler to send before a time
 limit: Slurm's `--signal=B:USR1@120`) and SIGTERM (what `scancel`, `qdel` and a
-preemption send) set a flag. The ranks agree on it at every step boundary with a
-one-integer non-blocking allreduce that overlaps the step, so all ranks stop after the
-same step, write the checkpoint and exit with EXIT_STOPPED. The result file then says
+preemption send) set a flag. The ranks agree on it at every step boundary, so all ranks
+stop after the same step, write the checkpoint and exit with EXIT_STOPPED. The flag
+rides the step's own collective where a DistributedOptimizer over the same
+communicator runs the step (two slots of its tail: `flags`, `carried`); elsewhere (a
+DDP loop, a loop of one's own) a one-integer non-blocking allreduce that overlaps the
+step agrees on it. The result file then says
 `interrupted` (SIGUSR1: to be continued) or `cancelled` (SIGTERM from any rank: a
 user's cancel; resumable by hand, never requeued by the job scripts).
 """
@@ -227,6 +230,8 @@ class StopRequest:
         self._buffer = np.zeros(1, dtype=np.int64)
         self._request = None
         self._previous = {}
+        self._rides = False         # a step's collective has carried the flag (start() posts nothing then)
+        self._carried = None        # the agreed flag a step carried since the last agreed(), if any
 
     def __enter__(self):
         for name in self.SIGNALS:
@@ -235,10 +240,13 @@ class StopRequest:
         self.requested = self.requested or startup.EARLY_STOP[0]     # one that came during the start-up
         _register_exit_hook()
         _ACTIVE[0] += 1
+        _ENTERED.append(self)
         return self
 
     def __exit__(self, *exc):
         _ACTIVE[0] -= 1
+        if self in _ENTERED:
+            _ENTERED.remove(self)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         return False
@@ -250,18 +258,51 @@ class StopRequest:
     # parameter server reads `requested` directly (workers send it with their gradients).
 
     def start(self) -> None:
-        """Begin the step's agreement (non-blocking; every rank calls it at the same step)."""
+        """Begin the step's agreement (non-blocking; every rank calls it at the same step).
+        Nothing to begin where the step's own collective carries the flag."""
+        if self._rides:
+            return
         self._buffer[0] = self.requested
         if self.comm.Get_size() > 1:
             self._request = self.comm.Iallreduce(MPI.IN_PLACE, self._buffer, op=MPI.MAX)
 
     def agreed(self) -> int:
-        """Finish the agreement (starting it first if start() was not called): the signal
-        number if any rank was asked to stop, else 0. Collective: every rank calls it at
-        the same step and gets the same answer."""
-        if self._request is None:
+        """Finish the agreement: the signal number if any rank was asked to stop, else 0.
+        Collective: every rank calls it at the same step and gets the same answer. Where
+        the step's collective carried the flag, that is the answer (with the one start()
+        posted before the first such step, if any); else the agreement is begun now if
+        start() did not."""
+        carried, self._carried = self._carried, None
+        if carried is None and self._request is None:
             self.start()
         if self._request is not None:
             mpi.wait(self._request, self.timeout, "stop-request agreement")
             self._request = None
-        return int(self._buffer[0])
+            carried = max(carried or 0, int(self._buffer[0]))
+        return int(carried or 0)
+
+    # What a step's collective carries: two slots, summed over the ranks (a sum can say
+    # whether any rank was asked to stop and by which signal; SIGTERM wins, as with MAX).
+    FLAGS = 2
+
+    def flags(self) -> list[float]:
+        """This rank's slots: [SIGTERM received, SIGUSR1 received]."""
+        return [float(self.requested == signal.SIGTERM), float(self.requested == signal.SIGUSR1)]
+
+    def carried(self, sums) -> None:
+        """The step's collective summed every rank's flags(): the agreed signal."""
+        self._rides = True
+        self._carried = max(self._carried or 0, int(signal.SIGTERM) if sums[0] > 0 else
+                            int(signal.SIGUSR1) if sums[1] > 0 else 0)
+
+
+_ENTERED: list = []      # StopRequests entered and not yet left, innermost last
+
+
+def riding(comm) -> StopRequest | None:
+    """The innermost active StopRequest over `comm` (the same communicator), whose flag a
+    step's collective over comm can carry; None if there is none."""
+    for request in reversed(_ENTERED):
+        if request.comm == comm:
+            return request
+    return None

@@ -95,48 +95,42 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..mpi.devices import model_device, synchronize
+from ..mpi.devices import model_device
 from ..mpi.process_group import destroy_process_group, init_process_group  # noqa: F401 (documented here too)
 from . import sync_batchnorm
 from .event_clock import LateSteps
 from .optimizer import _reads_late, batch_length
+from .step_clock import StepClock
 
 # --- the sample-weighted comm hook --------------------------------------------------
 
-class StepClock:
-    """A step's times at the balancer (balancer mode): data from the last step's end to
-    the first forward; compute from there to the last bucket, stretched there to the
-    emulated speed; collective until the last bucket's future completes, when the step
-    is recorded (the optimizer's update shows in the next step's data time). On NCCL a
-    future completes when its work is queued, so the collective reads about 0 and the
-    wait for slower ranks shows in the next step's data time; compute, what DBS
-    allocates from, is measured on the compute stream either way: by waiting for it at
-    the last bucket, or, where nothing else needs the host to wait (optimizer._reads_late:
-    NCCL, no emulation, no re-planning within the epoch), by CUDA events read one or more
-    steps later (`late`, event_clock.LateSteps), which then also time the collective."""
+class HookClock:
+    """The DDP hook's use of the step clock (step_clock.StepClock, DistributedOptimizer's
+    too), in balancer mode: data from the last step's end to the first forward; compute
+    from there to the last bucket, stretched there to the emulated speed; the collective
+    until the last bucket's future completes, when the step is recorded (the optimizer's
+    update shows in the next step's data time). On NCCL a future completes when its work
+    is queued, so the collective reads about 0 and the wait for slower ranks shows in the
+    next step's data time; compute, what DBS allocates from, is measured on the compute
+    stream either way: by waiting for it at the last bucket, or, where nothing else needs
+    the host to wait (optimizer._reads_late: NCCL, no emulation, no re-planning within the
+    epoch), by CUDA events read one or more steps later (event_clock.LateSteps)."""
 
-    def __init__(self, balancer, late: LateSteps | None = None):
-        self.balancer, self.late = balancer, late
-        self.begin = (0.0, 0.0)         # perf_counter and process_time at the step's first forward
+    def __init__(self, balancer, device: torch.device, late: LateSteps | None = None):
+        self.balancer = balancer
+        self.clock = StepClock([], device, late)
+        self.began = (0.0, None, 0.0)   # the compute's start, CPU seconds and SyncBatchNorm seconds
         self.pre_end = 0.0
-        self.last_end = time.perf_counter()
-        self.marks = []                 # late: the step's events so far
 
     def start(self) -> None:
-        self.begin = (time.perf_counter(), time.process_time())
-        if self.late is not None:
-            self.marks = [self.late.mark()]
+        self.clock.forward()
 
-    def end_compute(self, device: torch.device) -> None:
-        """On a GPU the compute ends when the device is done (not when backward's last
-        kernel was launched), and emulated speeds stretch that wall time (the balancer
-        knows the device: sample_weighted tells it)."""
-        start, cpu = self.begin
-        if self.late is not None:
-            self.marks.append(self.late.mark())
-        else:
-            synchronize(device)                  # the compute stream, not NCCL's queued buckets
-            self.balancer.stretch(time.perf_counter() - start, time.process_time() - cpu)
+    def end_compute(self) -> None:
+        """At the last bucket: the compute ends when the device is done (not when backward's
+        last kernel was launched), and emulated speeds stretch that wall time."""
+        end = self.clock.boundary()
+        self.began = began, cpu, in_sync = self.clock.compute(True)
+        self.balancer.stretch(end - began - in_sync, cpu)
         self.pre_end = time.perf_counter()
 
     def telemetry(self, device: torch.device, group):
@@ -144,7 +138,7 @@ class StepClock:
         (its compute time of this step, its sampler's position, rank 0's proposal); None
         where the balancer needs none. Issued with the last bucket, in the same order on
         every rank."""
-        values = self.balancer.telemetry(self.pre_end - self.begin[0])
+        values = self.balancer.telemetry(self.pre_end - self.began[0] - self.began[2])
         if values is None:
             return None
         tensor = torch.tensor(values, device=device)          # a copy: the all_reduce works in place
@@ -154,15 +148,11 @@ class StepClock:
         """The step is over (its last bucket's future completed): record it, with the sum of
         telemetry if any. DDP waits for this before backward() returns, so a new vector is
         in the balancer's table before the loop asks the sampler for more."""
-        end, start, b = time.perf_counter(), self.begin[0], self.balancer
         summed = None if telemetry is None else telemetry.wait()[0].cpu().numpy()
-        if self.late is not None:        # the callback's stream waits for the bucket: the collective's end
-            self.late.push(self.marks)
-        b.record_step(max(start - self.last_end, 0.0), self.pre_end - start, end - self.pre_end, 0.0,
-                      telemetry=summed)
-        self.last_end = end
-        if self.late is not None:
-            self.late.amend()
+        began, _, in_sync = self.began
+        times = self.clock.phases(began, self.pre_end, in_sync)
+        self.clock.record(self.balancer, time.perf_counter(), times, float("nan"), summed, update=False)
+        self.clock.restart(self.clock.last_end)
 
 
 class SampleWeightedState:
@@ -175,10 +165,11 @@ class SampleWeightedState:
     when the step's last bucket is reduced (see the module's docstring). check_batch:
     with a balancer, check the forward's batch length against the table."""
 
-    def __init__(self, process_group=None, balancer=None, check_batch: bool = True, late: LateSteps | None = None):
+    def __init__(self, process_group=None, balancer=None, check_batch: bool = True, late: LateSteps | None = None,
+                 device: torch.device = torch.device("cpu")):
         self.process_group = process_group
         self.balancer, self.check_batch = balancer, bool(check_batch)
-        self.clock = StepClock(balancer, late) if balancer is not None else None
+        self.clock = HookClock(balancer, device, late) if balancer is not None else None
         self._local = None            # b_i of the step under way
         self._total = None            # B (balancer) or, from the first bucket on, the future of its all_reduce
         self._armed = False           # a counted forward (or a hand-set local_batch) since the last backward
@@ -344,7 +335,7 @@ def sample_weighted_hook(state: SampleWeightedState, bucket: dist.GradBucket) ->
     clock = state.clock if bucket.is_last() else None
     telemetry = None
     if clock is not None:
-        clock.end_compute(buffer.device)
+        clock.end_compute()
         telemetry = clock.telemetry(buffer.device, group)
     if state.local_batch:
         buffer.mul_(state.local_batch)
@@ -390,7 +381,7 @@ def sample_weighted(ddp_model, process_group=None, *, balancer=None,
         backend = "nccl" if dist.get_backend(group) == "nccl" else "other"
         synced = bool(sync_batchnorm.layers(ddp_model.module)) and balancer.world_size > 1
         late = LateSteps(balancer, device) if _reads_late(device, backend, balancer, synced) else None
-    state = SampleWeightedState(group, balancer, check_batch, late)
+    state = SampleWeightedState(group, balancer, check_batch, late, model_device(ddp_model))
     state._model = weakref.ref(ddp_model)
     if balancer is not None and sync_batchnorm.layers(ddp_model.module):
         state.batchnorm = sync_batchnorm.StepShare()

@@ -13,19 +13,75 @@ views are `GradientBuffer`'s, the order in which a step's buckets start during b
 `BucketSchedule`'s); a transport (transport.py) moves the bytes (MPI from host memory,
 CUDA-aware MPI, or torch.distributed). Its waits are comm's bounded ones, with comm's
 two wait policies (see comm.py).
+
+The buffer (GradientBuffer) holds every gradient, bucket after bucket in launch order,
+then one slot for the step's loss and `extra` slots that any rank may fill (the
+balancer's telemetry, the stop flags: they reach every rank in the same allreduce, no
+extra collective). A .grad that something replaced is taken over in the parameter's hook
+or at the latest in `reduce`, so every form of zero_grad gives the right gradient.
+
+A step (GradientExchange) is `zero_grad(weight)` (or `arm(weight, route)` on already
+zeroed gradients), `backward(loss)` (or loss.backward()), `reduce(weight, route, ...)`.
+Weighting: `backward(loss)` seeds autograd with the weight, so the gradients arrive
+already multiplied by b_i/B and nothing is scaled afterwards; after a plain
+loss.backward() every bucket is scaled (one pass over its bytes) just before its
+allreduce starts.
+
+* Overlap (BucketSchedule). With several buckets and several ranks, a bucket's
+  non-blocking Iallreduce starts from autograd hooks as soon as backward has filled it,
+  strictly in bucket order; every bucket is reduced by the same kind of call on every
+  rank (non-final buckets: Iallreduce; the final bucket: blocking Allreduce), so no rank
+  can mismatch another.
+* The final bucket carries the loss slot, so it starts in `reduce`, when the loss is
+  known; everything not started yet (a rank with no samples runs no backward; a
+  parameter unused in this step fires no hook; zero_grad() was called without a weight)
+  starts there too, in bucket order. With one bucket (LeNet-5 and the MLP at the default
+  caps) a step is one blocking Allreduce, no hooks; on this 2-core machine overlap did
+  not pay even with small buckets (see bench overlap), so the DDP caps are the default.
+* Waiting. "spin": blocking Allreduce of the final bucket, then Waitall. "sleep": first
+  a sleeping Ibarrier (posted after the buckets' Iallreduces, so MPI_Test on it
+  progresses them too) until every rank has arrived, then the same calls, which spin
+  only while bytes move. Every rank must wait alike: the caller agrees the policy
+  (DistributedOptimizer does, with its other settings).
+
+A step's buckets go by a `Route`: the world's (every rank; the step's tail, the loss,
+the balancer's telemetry and the stop flags, rides the final bucket) or a group's (the
+ranks taking part, participants.py: the gradients alone, and the tail summed over the
+world by `sum_tail`). `reduce` is the one routine that completes a step over either.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
 from ..mpi import transport as transports
-from ..mpi.comm import SUPERVISOR, allgather_object, wait
+from ..mpi.comm import SUPERVISOR, wait
 
 MIB = 2 ** 20
 BUCKET_BYTES = 25 * MIB        # PyTorch DDP's bucket cap
 FIRST_BUCKET_BYTES = 1 * MIB   # PyTorch DDP's first-bucket cap (the last layers: ready first)
+WHAT = "the gradient allreduce"
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a step's buckets are summed: a transport over the ranks of `comm`; `tail`:
+    the loss and extra slots ride the final bucket (the world's route only)."""
+    transport: object
+    comm: MPI.Comm
+    tail: bool = False
+
+
+@dataclass(frozen=True)
+class StepSums:
+    """What a step's exchange summed besides the gradient: the global mean loss (a float, or
+    a 0-dim tensor on the buffer's device: nothing waited for it) and the extra slots' sums
+    (numpy; None where there are none)."""
+    loss: object
+    extra: np.ndarray | None
 
 
 def bucket_layout(numels, bucket_bytes: int = BUCKET_BYTES, first_bucket_bytes: int = FIRST_BUCKET_BYTES,
@@ -135,8 +191,7 @@ class BucketSchedule:
 
     def __init__(self, buffer: GradientBuffer, transport, overlap: bool):
         self.buckets = buffer.bucket_views       # what the weighting pass scales
-        self.transport = transport
-        self.gated = transport.deferred          # its requests may begin late (their data on a GPU)
+        self.world = transport                   # the step's transport unless route() gave another
         self.sizes = [len(indices) for indices in buffer.layout]
         self.last = len(buffer.layout) - 1       # the final bucket
         self.hooks = [p.register_post_accumulate_grad_hook(self._hook_for(buffer, index))
@@ -152,6 +207,14 @@ class BucketSchedule:
         self.next = 0                            # next bucket to start
         self.requests = []                       # in flight: buckets 0 .. self.next - 1
         self.oldest = 0                          # first request not known to be complete
+        self.route(self.world)
+
+    def route(self, transport) -> None:
+        """The step's buckets go through `transport` (before any has started)."""
+        if self.requests and transport is not self.transport:
+            raise RuntimeError("a step's route changed after its first bucket had started")
+        self.transport = transport
+        self.gated = transport.deferred          # its requests may begin late (their data on a GPU)
 
     def _hook_for(self, buffer: GradientBuffer, index: int):
         bucket = buffer.bucket_of[index]
@@ -205,37 +268,10 @@ class BucketSchedule:
 
 
 class GradientExchange(GradientBuffer):
-    """Sample-weighted gradient allreduce over flat buckets that the .grad tensors view.
-
-    The buffer (GradientBuffer) holds every gradient, bucket after bucket in launch order,
-    then one slot for the step's loss and `extra` slots that any rank may fill (the
-    balancer's telemetry: every rank's step time reaches every rank in the same
-    allreduce, no extra collective). A .grad that something replaced is taken over in the
-    parameter's hook or at the latest in `allreduce`, so every form of zero_grad gives the
-    right gradient.
-
-    A step is `zero_grad(weight)` (or `arm(weight)` on already zeroed gradients),
-    `backward(loss)` (or loss.backward()), `allreduce(weight, loss_share)`. Weighting:
-    `backward(loss)` seeds autograd with the weight, so the gradients arrive already
-    multiplied by b_i/B and nothing is scaled afterwards; after a plain loss.backward()
-    every bucket is scaled (one pass over its bytes) just before its allreduce starts.
-
-    * Overlap (BucketSchedule). With several buckets and several ranks, a bucket's
-      non-blocking Iallreduce starts from autograd hooks as soon as backward has filled
-      it, strictly in bucket order; every bucket is reduced by the same kind of call on
-      every rank (non-final buckets: Iallreduce; the final bucket: blocking Allreduce),
-      so no rank can mismatch another.
-    * The final bucket carries the loss slot, so it starts in `allreduce`, when the
-      loss is known; everything not started yet (a rank with no samples runs no
-      backward; a parameter unused in this step fires no hook; zero_grad() was called
-      without a weight) starts there too, in bucket order. With one bucket (LeNet-5 and
-      the MLP at the default caps) a step is one blocking Allreduce, no hooks; on
-      this 2-core machine overlap did not pay even with small buckets (see bench
-      overlap), so the DDP caps are the default.
-    * Waiting. "spin": blocking Allreduce of the final bucket, then Waitall. "sleep":
-      first a sleeping Ibarrier (posted after the buckets' Iallreduces, so MPI_Test on
-      it progresses them too) until every rank has arrived, then the same calls, which
-      spin only while bytes move. The choice is agreed by all ranks at construction."""
+    """Sample-weighted gradient allreduce over flat buckets that the .grad tensors view
+    (the module's docstring: a step, overlap, the final bucket, waiting). A step is
+    `zero_grad(weight)` (or `arm(weight, route)` on zeroed gradients), `backward(loss)`
+    (or loss.backward()), then `reduce` (or `allreduce`) over the step's route."""
 
     def __init__(self, comm: MPI.Comm, params, timeout: float = 600.0, sleep_while_waiting: bool = False,
                  bucket_bytes: int = BUCKET_BYTES, first_bucket_bytes: int = FIRST_BUCKET_BYTES,
@@ -245,16 +281,15 @@ class GradientExchange(GradientBuffer):
         self.world_size = comm.Get_size()
         params = [p for p in params if p.requires_grad]
         device = _one_float32_device(params)
-        # Every rank must take the same waiting path (the Ibarrier is a collective).
-        self.sleep_while_waiting = bool(any(allgather_object(comm, bool(sleep_while_waiting), timeout,
-                                                             "agreeing on the wait policy"))) \
-            if self.world_size > 1 else False
+        # Every rank must take the same waiting path (the Ibarrier is a collective): the
+        # caller agrees it (DistributedOptimizer does, with its other settings).
+        self.sleep_while_waiting = bool(sleep_while_waiting) and self.world_size > 1
         layout = bucket_layout([p.numel() for p in params], bucket_bytes, first_bucket_bytes)
         self.extra_slots = int(extra)
         super().__init__(params, layout, 1 + self.extra_slots, device)
         self.transport = transports.make(transport, comm, self.flat, self.bounds, timeout, stage,
                                          1 + self.extra_slots)
-        self.extra = None                # the sum of the last step's extra slots (numpy), if there are any
+        self.world = Route(self.transport, comm, tail=True)
         # On a GPU the hooks run on autograd's device thread: MPI calls from there need
         # MPI_THREAD_MULTIPLE (mpi4py's default); without it every bucket starts in allreduce().
         self.overlap = bool(overlap) and self.world_size > 1 and len(self.layout) > 1 and (
@@ -282,25 +317,37 @@ class GradientExchange(GradientBuffer):
 
     # --- a step ---------------------------------------------------------------
     def zero_grad(self, weight: float | None = None) -> None:
-        """Zero all gradients and begin a step. With this rank's weight (b_i/B, 1/n for
-        plain averaging), buckets start as soon as backward has filled them; without,
-        everything starts in allreduce()."""
+        """Zero all gradients and begin a step. With this rank's weight (b_i/B), buckets
+        start as soon as backward has filled them; without, everything starts in reduce()."""
         schedule = self._schedule
         if schedule.requests:
-            raise RuntimeError("zero_grad() while gradient buckets are still being reduced: call allreduce() "
-                               "(strategy.reduce) once after every backward")
+            raise RuntimeError("zero_grad() while gradient buckets are still being reduced: call reduce() once "
+                               "after every backward")
         schedule.reset()
         self.flat.zero_()
         schedule.weight = None if weight is None else float(weight)
 
-    def arm(self, weight: float) -> None:
-        """Begin a step on gradients that are already zero (the buffer was zeroed after
-        the last step): buckets may start during backward, weighted by `weight`."""
+    def arm(self, weight: float, route: Route | None = None) -> None:
+        """Begin a step on zeroed gradients: buckets may start during backward, weighted
+        by `weight`, over `route` (default: the world's)."""
         schedule = self._schedule
         if schedule.requests:
             raise RuntimeError("arm() while gradient buckets are still being reduced: call allreduce() once "
                                "after every backward")
+        schedule.route((route or self.world).transport)
         schedule.weight = float(weight)
+
+    def route_over(self, sub: MPI.Comm) -> Route:
+        """A route over `sub`, a sub-communicator of this exchange's ranks: the gradients
+        alone (the step's tail goes over the world: sum_tail), through MPI on host memory
+        (one rank: nothing to sum), staged into the world's host copy."""
+        tail = 1 + self.extra_slots
+        if sub.Get_size() == 1:
+            return Route(transports.Local(self.flat, tail), sub)
+        bounds = [*self.bounds[:-1], (self.bounds[-1][0], self.numel)]     # the tail stays out
+        part = transports.HostMPI(sub, self.flat, bounds, self.transport.staged, tail)
+        part.share_host_copy(self.transport)
+        return Route(part, sub)
 
     def hold(self, holding: bool) -> None:
         """Gradient accumulation (accumulation.py): while holding, backward's hooks start
@@ -308,11 +355,9 @@ class GradientExchange(GradientBuffer):
         self._schedule.holding = bool(holding)
 
     def backward(self, loss: torch.Tensor, share: float = 1.0) -> None:
-        """loss.backward(), seeded with this rank's weight (given to zero_grad): autograd
-        then produces weight * gradient directly, so no bucket needs a scaling pass
-        (the seed multiplies only the scalar at the root of the graph). Without a
-        weight it is plain loss.backward() and allreduce() scales. share: a
-        micro-batch's part of the local batch, which multiplies the seed."""
+        """loss.backward(), seeded with this rank's weight (armed): autograd produces weight *
+        gradient, no bucket needs a scaling pass (without a weight, reduce() scales).
+        share: a micro-batch's part of the local batch, which multiplies the seed."""
         schedule = self._schedule
         # (loss * seed).backward() rather than loss.backward(seed): the same gradients, bit
         # for bit, without autograd's check of a given seed (its first call imports sympy, ~2 s)
@@ -326,56 +371,82 @@ class GradientExchange(GradientBuffer):
         (loss * (schedule.weight * share)).backward()
 
     def allreduce(self, weight: float, loss_share: float, extra=None) -> float:
-        """flat <- sum over ranks of weight_r * grad_r; returns sum_r loss_share_r.
+        """reduce() over the world; returns the global mean loss alone."""
+        return self.reduce(weight, self.world, loss_share, extra).loss
 
-        weight is b_i/B for sample-weighted aggregation (1/n for plain averaging);
-        loss_share is loss_i * b_i/B, so the returned value is the global mean loss (a
-        0-dim tensor on the buffer's device where loss_share is one: nothing waits for it).
-        extra: this rank's values of the extra slots (float32, `extra` of them at
-        construction), summed over ranks into self.extra. Waits for every bucket:
-        afterwards the .grad tensors hold the reduced gradient."""
+    def reduce(self, weight: float, route: Route | None = None, loss_share=0.0, extra=None) -> StepSums | None:
+        """The one routine that completes a step: .grad <- the sum over `route`'s ranks
+        (default: the world's) of weight_r * grad_r, weight being b_i/B (1/n: plain
+        averaging) as armed. The world's route carries the tail in its final bucket:
+        loss_share (loss_i b_i/B: its sum is the global mean loss) and `extra`; returns
+        their sums. A group's route sums the gradient alone (None; then sum_tail)."""
+        route = route or self.world
         weight = float(weight)
         schedule = self._schedule
         if schedule.weight is not None and weight != schedule.weight:
             raise RuntimeError(f"allreduce(weight={weight:g}) but zero_grad was given weight {schedule.weight:g}: "
                                f"the buckets already started were scaled by that")
+        if route.tail and self.extra_slots and (extra is None or len(extra) != self.extra_slots):
+            raise ValueError(f"allreduce: {self.extra_slots} extra values expected (the balancer's telemetry, the "
+                             f"stop flags)")
         last = schedule.last
         self.adopt_grads()
         try:
+            schedule.route(route.transport)
             while schedule.next < last:    # not started yet (no backward, unused parameters, no weight given)
                 schedule.start(schedule.next, weight)
             if weight != 1.0 and not schedule.prescaled:
                 scale(self.final_grads, weight)
-            transport = self.transport
+            transport = route.transport
             transport.stage(last)
-            if self.extra_slots and (extra is None or len(extra) != self.extra_slots):
-                raise ValueError(f"allreduce: {self.extra_slots} extra values expected (the balancer's telemetry)")
-            transport.set_tail(loss_share, extra if self.extra_slots else None)
-            if self.world_size > 1:
+            if route.tail:
+                transport.set_tail(loss_share, extra if self.extra_slots else None)
+            if route.comm.Get_size() > 1:
                 # Every bucket's collective is under way before the barrier (on a GPU some
                 # wait for their data): all ranks call the collectives in the same order.
                 transport.begin_all(schedule.requests)
                 if self.sleep_while_waiting:
-                    wait(self.comm.Ibarrier(), self.timeout, "the gradient allreduce (waiting for the other ranks)")
-                SUPERVISOR.arm(self.comm, self.timeout, "the gradient allreduce")
+                    wait(route.comm.Ibarrier(), self.timeout, f"{WHAT} (waiting for the other ranks)")
+                SUPERVISOR.arm(self.comm, self.timeout, WHAT)
                 try:
                     transport.reduce(last, schedule.requests)
                     transport.wait(schedule.requests)
-                    transport.finish()
-                    return self._sums(transport, isinstance(loss_share, torch.Tensor))
                 finally:
                     SUPERVISOR.disarm()
             transport.finish()
-            return self._sums(transport, isinstance(loss_share, torch.Tensor))
+            return _tail_sums(self, transport, isinstance(loss_share, torch.Tensor)) if route.tail else None
         finally:
             schedule.reset()
 
-    def _sums(self, transport, on_device: bool = False):
-        """The loss slot's sum (a float; on_device: a 0-dim tensor, read by nothing: after
-        finish() every transport has the sums in the buffer) and the extra slots' (self.extra)."""
-        if self.extra_slots:
-            self.extra = transport.extra()
-        return self.flat[self.numel].clone() if on_device else transport.loss()
+    def sum_tail(self, loss_share: float, extra=None) -> StepSums:
+        """The step's tail alone summed over the world (a step whose gradient went over a
+        group, or over none on this rank): sleeping or spinning as the wait policy says."""
+        tail = np.array([float(loss_share), *(() if extra is None else extra)], dtype=np.float32)
+        if self.world_size > 1:
+            if self.sleep_while_waiting:
+                wait(self.comm.Iallreduce(MPI.IN_PLACE, tail, op=MPI.SUM), self.timeout,
+                     f"{WHAT} (the step's loss and times)")
+            else:
+                SUPERVISOR.arm(self.comm, self.timeout, WHAT)
+                try:
+                    self.comm.Allreduce(MPI.IN_PLACE, tail, op=MPI.SUM)
+                finally:
+                    SUPERVISOR.disarm()
+        return StepSums(float(tail[0]), tail[1:].copy() if self.extra_slots else None)
+
+    def drop_step(self) -> None:
+        """This rank sums no gradient in this step (it is out of the step's group)."""
+        if self._schedule.requests:
+            raise RuntimeError("a rank out of the step's group started gradient buckets")
+        self._schedule.reset()
+
+
+
+def _tail_sums(exchange: GradientExchange, transport, on_device: bool = False) -> StepSums:
+    """The loss slot's sum (a float; on_device: a 0-dim tensor, read by nothing: after
+    finish() every transport has the sums in the buffer) and the extra slots'."""
+    loss = exchange.flat[exchange.numel].clone() if on_device else transport.loss()
+    return StepSums(loss, transport.extra() if exchange.extra_slots else None)
 
 
 def _one_float32_device(params) -> torch.device:

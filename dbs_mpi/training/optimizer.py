@@ -46,16 +46,19 @@ import time
 import warnings
 import weakref
 import zlib
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..mpi import comm as mpi, devices, startup, transport
+from ..mpi import comm as mpi, startup, transport
 from ..options import user_stacklevel
 from . import sync_batchnorm
 from .accumulation import MicroBatches
+from .checkpoint import StopRequest, riding
 from .clipping import LocalEdits, clip_grad_norm_  # noqa: F401 (clip_grad_norm_: documented here too)
 from .event_clock import LateSteps
+from .step_clock import StepClock
 from .exchange import GradientExchange
 from .loss_scaling import skip_update
 from .participants import Participants
@@ -74,6 +77,74 @@ _NO_HOOK_WITH_SYNC_BN = (
     "the model's SyncBatchNorm layers learn each step's local batch from DistributedOptimizer's forward hook, "
     "which did not run in this step (a torch.compile'd model runs without it): their gradient would be weighted "
     "wrongly; run the model eagerly, or compile its parts without SyncBatchNorm")
+
+
+class StepPlanner:
+    """The plan of the step under way (StepPlan), read from the balancer once: at the end
+    of the step before it (where the epoch goes on: a rank that sat out catches up then,
+    before the forward), else at the step's first forward, which arms the exchange with
+    it, else at the exchange."""
+
+    def __init__(self, balancer, participants, aggregation: str):
+        self.balancer, self.participants, self.aggregation = balancer, participants, aggregation
+        self.reset()
+
+    def reset(self) -> None:
+        self.plan = None
+        self.armed = False                 # the step's first forward armed the exchange
+
+    def current(self) -> StepPlan:
+        """The step's plan (raises, saying what to do, when no epoch is open)."""
+        b, plan = self.balancer, self.plan
+        if plan is not None and not self.armed and (plan.epoch, plan.step) != (b.open_epoch, b.step):
+            plan = None                    # planned ahead, and the balancer was moved since (a state loaded)
+        if plan is None:
+            self.plan = plan = StepPlan.read(b, self.participants, self.aggregation)
+        return plan
+
+    def arm(self, exchange, share) -> None:
+        """At the step's first forward: buckets may start during backward, over its route."""
+        plan = self.current()
+        self.armed = True
+        self.rearm(exchange)
+        share.local, share.weight = plan.local, plan.weight
+
+    def rearm(self, exchange) -> None:
+        if self.armed and self.plan.route is not None:
+            exchange.arm(self.plan.weight, self.plan.route)
+
+
+def _tail(telemetry, stop) -> np.ndarray:
+    """The extra slots of a step's collective: the balancer's telemetry (dbs within the
+    epoch), then the StopRequest's flags (zeros where none rides it)."""
+    return np.array([*(() if telemetry is None else telemetry), *(stop.flags() if stop else (0.0, 0.0))],
+                    dtype=np.float32)
+
+
+def _after_tail(sums: np.ndarray, telemetry, stop):
+    """Hand the summed stop flags to the StopRequest; returns the telemetry's sums (None: none)."""
+    if stop is not None:
+        stop.carried(sums[len(sums) - StopRequest.FLAGS:])
+    return None if telemetry is None else sums[:len(sums) - StopRequest.FLAGS]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A step's facts, read from the balancer once and carried through the step."""
+    epoch: int                  # the balancer's open epoch and step when it was read
+    step: int
+    row: np.ndarray             # the step's local batches, every rank's
+    local: int                  # this rank's
+    weight: float               # this rank's share of the step's gradient (step_weight)
+    route: object               # where its buckets are summed (participants.py; None: out of the sum)
+
+    @classmethod
+    def read(cls, balancer, participants, aggregation: str) -> "StepPlan":
+        """The balancer's step now (raises, saying what to do, when no epoch is open); its
+        route from the participants (collective where the group changes)."""
+        row = balancer.step_batch_sizes()
+        return cls(balancer.open_epoch, balancer.step, row, int(row[balancer.rank]),
+                   step_weight(row, balancer.rank, aggregation), participants.plan(row))
 
 
 def step_weight(row, rank: int, aggregation: str = "weighted") -> float:
@@ -179,12 +250,12 @@ class StepChecks:
             f"batch; pass check_batch=False if the model's first input is not batch-first")
 
     @staticmethod
-    def same_step(row, armed_row, synced_batchnorm: bool) -> None:
-        """The step's local batches are the ones its forward armed (armed_row; None: the
+    def same_step(plan, balancer, armed: bool, synced_batchnorm: bool) -> None:
+        """The step exchanged is the one planned (its forward armed it; not armed: the
         forward hook did not run, as in a torch.compile'd model, which SyncBatchNorm needs)."""
-        if armed_row is not None and not np.array_equal(row, armed_row):
+        if (plan.epoch, plan.step) != (balancer.open_epoch, balancer.step):
             raise RuntimeError("the balancer's step changed during this step")
-        if armed_row is None and synced_batchnorm:
+        if not armed and synced_batchnorm:
             raise RuntimeError(_NO_HOOK_WITH_SYNC_BN)
 
     def batchnorm(self, row, rank: int) -> None:
@@ -231,95 +302,6 @@ class _WrappedOptimizer(torch.optim.Optimizer):
         return f"DistributedOptimizer({self.optimizer!r}, aggregation={self.aggregation!r})"
 
 
-class StepClock:
-    """A step's phase clocks (profiling.py): data from the end of the last step to the
-    model's first training forward, compute from there to the exchange, the collective
-    after it. What SyncBatchNorm's collectives spent inside forward and backward, waiting
-    for the slowest rank, is communication, not this rank's compute: it moves from
-    compute to the collective, so that neither dbs nor the emulation sees it.
-
-    On a GPU the compute ends when the device is done, not when its kernels were
-    launched: either the clock waits for the device at each boundary (`late` None), or,
-    where nothing else on the step needs the host to wait, it marks CUDA events there
-    (`late`, an event_clock.LateSteps) whose device times replace the step's records
-    one or more steps later (DistributedOptimizer's `_reads_late`)."""
-
-    def __init__(self, channels, device: torch.device, late: LateSteps | None = None):
-        self.channels = channels           # the model's SyncBatchNorm channels: their seconds in collectives
-        self.device, self.cuda = device, device.type == "cuda"
-        self.late = late
-        self.restart(time.perf_counter())
-
-    def restart(self, now: float) -> None:
-        self.last_end = now                # end of the last step: data time runs from here
-        self.last_cpu = time.process_time()
-        self.compute_start = None          # the model's first training forward of this step
-        self.compute_cpu = None            # the process's CPU time then
-        self.sync_start = 0.0              # SyncBatchNorm seconds before this step's first forward
-        self.marks = []                    # late: the step's events so far
-
-    def forward(self) -> bool:
-        """At a training forward: True if it is the step's first (its compute starts now)."""
-        if self.compute_start is not None:
-            return False
-        self.compute_start, self.compute_cpu = time.perf_counter(), time.process_time()
-        self.sync_start = self.sync_seconds()
-        if self.late is not None:
-            self.marks.append(self.late.mark())
-        return True
-
-    def compute(self, ran: bool = True) -> tuple[float, float | None, float]:
-        """At the end of the step's compute: when it began, its CPU seconds, and the
-        seconds SyncBatchNorm's collectives took of it. Where no forward was seen, the
-        compute is empty if the rank had no samples (ran False), and otherwise (a
-        torch.compile'd model runs without the hook) began at the end of the last step,
-        data loading included."""
-        if self.compute_start is None:
-            if not ran:
-                return time.perf_counter(), None, 0.0
-            return self.last_end, time.process_time() - self.last_cpu, 0.0
-        return self.compute_start, time.process_time() - self.compute_cpu, self.sync_seconds() - self.sync_start
-
-    def phases(self, began: float, pre_end: float, in_sync: float) -> tuple[float, float, float]:
-        """(data, compute, collective) seconds of a step whose exchange, begun at pre_end, ended now."""
-        now = time.perf_counter() if self.late is None else self.boundary()     # late: the collective's end
-        return began - self.last_end, pre_end - began - in_sync, now - pre_end + in_sync
-
-    def boundary(self) -> float:
-        """A phase boundary (compute end, collective end, update end): perf_counter() once
-        the device has run everything launched so far, or, reading late, an event here and
-        perf_counter() at once."""
-        if self.late is None:
-            return self.now()
-        if not self.marks:                 # no forward was seen: the compute is empty
-            self.marks.append(self.late.mark())
-        self.marks.append(self.late.mark())
-        return time.perf_counter()
-
-    def now(self) -> float:
-        """perf_counter() once the device has run everything launched so far."""
-        if self.cuda:
-            devices.synchronize(self.device)
-        return time.perf_counter()
-
-    def sync_seconds(self) -> float:
-        """Seconds the model's SyncBatchNorm collectives have taken so far."""
-        return sum(channel.seconds for channel in self.channels)
-
-    def record(self, balancer, update_start: float, times: tuple, loss, telemetry) -> None:
-        """The step's (data, compute, collective) `times`, its update and loss into the
-        balancer: now, or, reading late, provisional host times now and the device's own
-        once its events have been passed (LateSteps)."""
-        late = self.late
-        end = self.now() if late is None else time.perf_counter()   # late: push() marks the update's end
-        if late is not None:
-            late.push(self.marks, loss if isinstance(loss, torch.Tensor) else None)
-        balancer.record_step(*times, end - update_start, loss if late is None else float("nan"), telemetry)
-        self.last_end = end
-        if late is not None:
-            late.amend()
-
-
 def _trainable(model, optimizer) -> list:
     """The model's trainable parameters; the optimizer may hold no other."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -328,6 +310,31 @@ def _trainable(model, optimizer) -> list:
         raise ValueError("DistributedOptimizer: the optimizer holds a parameter that is not one of the model's "
                          "trainable parameters")
     return params
+
+
+def build_exchange(comm, params, device, extra: int, timeout: float, settings: dict):
+    """Collective: the optimizer's exchange, with what its ranks agree once, here: the
+    settings every rank must share (aggregation, wait policy, bucket caps, ...), the
+    transport (transport.agree: cached on the communicator, so a launcher that checked it
+    early shares the agreement) and the placement (gathered once per communicator), hence
+    the wait policy. Returns (the GradientExchange, whether a node is oversubscribed)."""
+    if settings["aggregation"] not in AGGREGATIONS:
+        raise ValueError(f"aggregation: must be one of {', '.join(AGGREGATIONS)}; got {settings['aggregation']!r}")
+    mpi.agree_settings(comm, settings, timeout, "DistributedOptimizer")
+    places = mpi.placement(comm, timeout)
+    name = transport.agree(comm, settings["exchange"], device, timeout)
+    exchange = GradientExchange(comm, params, timeout, mpi.sleep_while_waiting(settings["wait_policy"], places),
+                                bucket_bytes=int(settings["bucket_mb"] * MIB),
+                                first_bucket_bytes=int(settings["first_bucket_mb"] * MIB), transport=name, extra=extra)
+    return exchange, mpi.oversubscribed(places)
+
+
+def _step_clock(model, device, exchange, balancer) -> StepClock:
+    """The optimizer's clock: the model's SyncBatchNorm channels (their waits are not
+    compute), and CUDA events read late where nothing needs the host to wait."""
+    channels = list({id(layer.channel): layer.channel for layer in sync_batchnorm.layers(model)}.values())
+    late = _reads_late(device, exchange.transport.name, balancer, bool(channels) and exchange.world_size > 1)
+    return StepClock(channels, device, LateSteps(balancer, device) if late else None)
 
 
 def _reads_late(device: torch.device, exchange: str, balancer, synced_batchnorm: bool) -> bool:
@@ -390,76 +397,6 @@ def broadcast_state(comm, model, state: dict, params, root: int, timeout: float)
     return float(mpi.allgather_array(comm, [drift], timeout).max())
 
 
-# --- the command line's optimizers ---------------------------------------------------
-# torch.optim's methods carry wrappers that keep a compiler from tracing into them, and
-# these import torch._dynamo when first called (Optimizer.__init__ already calls one):
-# about 1.3 s of CPU and 820 more modules on every rank (40% of a short run's CPU),
-# for a compiler that dbs-mpi never calls. The command line's optimizers are torch's own
-# classes with those wrappers taken off: the same code updates the parameters, so every
-# step is torch's to the bit (tests/test_optimizer.py). A user's own optimizer is left as
-# it is.
-
-def _dynamo_wrapper_codes() -> frozenset:
-    """The code objects of torch.optim's wrappers that import torch._dynamo (and of the
-    profiling hook that Optimizer.__init__ puts around a class's step, which a subclass gets
-    anew); empty where this torch has other names, which leaves the methods as they are."""
-    try:
-        from torch._compile import _disable_dynamo
-        from torch.optim.optimizer import _use_grad_for_differentiable
-        probes = (_disable_dynamo(lambda: None), _use_grad_for_differentiable(lambda: None),
-                  torch.optim.Optimizer.profile_hook_step(lambda: None))
-    except (ImportError, AttributeError, TypeError):
-        return frozenset()
-    return frozenset(probe.__code__ for probe in probes)
-
-
-_WRAPPERS = _dynamo_wrapper_codes()
-
-
-def _unwrapped(fn):
-    while getattr(fn, "__wrapped__", None) is not None and getattr(fn, "__code__", None) in _WRAPPERS:
-        fn = fn.__wrapped__
-    return fn
-
-
-def without_dynamo(cls: type) -> type:
-    """A subclass of the torch.optim class `cls` whose methods run torch's code without
-    the wrappers that import torch._dynamo. step() keeps what its wrapper does outside a
-    compiler: gradients off (unless the optimizer is `differentiable`)."""
-    methods = {}
-    for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
-        bare = _unwrapped(getattr(cls, name))
-        if bare is not getattr(cls, name):
-            methods[name] = bare
-    bare_step = _unwrapped(cls.step)
-    if bare_step is not cls.step:
-        def step(self, *args, **kwargs):
-            with torch.set_grad_enabled(self.defaults["differentiable"]):
-                return bare_step(self, *args, **kwargs)
-        step.__doc__ = bare_step.__doc__
-        methods["step"] = step
-    doc = f"torch.optim.{cls.__name__}, without the wrappers that import torch._dynamo (optimizer.py)."
-    return type(cls.__name__, (cls,), {"__module__": __name__, "__qualname__": cls.__name__, "__doc__": doc,
-                                       **methods})
-
-
-SGD = without_dynamo(torch.optim.SGD)
-Adam = without_dynamo(torch.optim.Adam)
-AdamW = without_dynamo(torch.optim.AdamW)
-
-
-def make_optimizer(name: str, params, cfg) -> torch.optim.Optimizer:
-    """The command line's optimizers: sgd (lr, momentum, weight_decay), adam and adamw
-    (lr, weight_decay; torch's default betas and eps)."""
-    if name == "sgd":
-        return SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    if name == "adam":
-        return Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if name == "adamw":
-        return AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    raise ValueError(f"optimizer: must be sgd, adam or adamw; got {name!r}")
-
-
 class DistributedOptimizer(_WrappedOptimizer):
     """Wraps `optimizer` (any torch.optim.Optimizer over `model`'s parameters) so that
     step() applies the sample-weighted gradient of all ranks of `balancer.comm` (the
@@ -477,8 +414,6 @@ class DistributedOptimizer(_WrappedOptimizer):
                  exchange: str = "auto", broadcast_buffers: bool = True, leave_exchange: bool = True):
         if isinstance(optimizer, DistributedOptimizer) or not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer; got {type(optimizer).__name__}")
-        if aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation: must be one of {', '.join(AGGREGATIONS)}; got {aggregation!r}")
         self.optimizer, self.model, self.balancer = optimizer, model, balancer
         self.comm, self.aggregation = balancer.comm, aggregation
         self.timeout = balancer.timeout if timeout is None else float(timeout)
@@ -486,28 +421,24 @@ class DistributedOptimizer(_WrappedOptimizer):
         self.device = params[0].device if params else torch.device("cpu")
         balancer.on_device(self.device)
         check_same_parameters(self.comm, params, self.timeout)
-        places = mpi.placement(self.comm, self.timeout)
-        self.oversubscribed = mpi.oversubscribed(places)
-        self.exchange = GradientExchange(self.comm, params, self.timeout,
-                                         mpi.sleep_while_waiting(wait_policy, places),
-                                         bucket_bytes=int(bucket_mb * MIB), first_bucket_bytes=int(first_bucket_mb * MIB),
-                                         transport=transport.agree(self.comm, exchange, self.device, self.timeout),
-                                         extra=balancer.telemetry_size)
+        self.exchange, self.oversubscribed = build_exchange(
+            self.comm, params, self.device, balancer.telemetry_size + StopRequest.FLAGS, self.timeout,
+            dict(aggregation=aggregation, wait_policy=wait_policy, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
+                 broadcast_buffers=bool(broadcast_buffers), leave_exchange=bool(leave_exchange), exchange=exchange))
         self.sleep_while_waiting = self.exchange.sleep_while_waiting
         self._share = _attach_batchnorm(model, self.comm, self.exchange.transport, self.timeout)
-        channels = {id(layer.channel): layer.channel for layer in sync_batchnorm.layers(model)}
-        late = _reads_late(self.device, self.exchange.transport.name, balancer, bool(channels) and
-                           self.comm.Get_size() > 1)
-        self._clock = StepClock(list(channels.values()), self.device,
-                                LateSteps(balancer, self.device) if late else None)
+        self._clock = _step_clock(model, self.device, self.exchange, balancer)
+        channels = self._clock.channels
         self.checks = StepChecks(model, check_batch)
         self._micro = MicroBatches(self.exchange, bool(channels))
+        # ranks leave the sum only over MPI on host memory (the same name on every rank)
         self._part = Participants(self.comm, self.exchange, model, optimizer, balancer.global_batch, self.timeout,
-                                  leave_exchange and not channels)
+                                  leave_exchange and not channels and self.exchange.transport.name == "host")
         self._buffers = [b for b in model.buffers() if b.is_floating_point()] \
             if broadcast_buffers and self.comm.Get_size() > 1 else []
         self._hook = model.register_forward_pre_hook(_ForwardHook(self), with_kwargs=True)
         self._edits = LocalEdits(model, self.exchange.params)
+        self._steps = StepPlanner(balancer, self._part, aggregation)      # the step's facts, read once
         self._new_step(time.perf_counter())
 
     # --- a step ---------------------------------------------------------------------
@@ -515,7 +446,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         self._clock.restart(now)
         self.checks.reset()
         self._synced = False
-        self._row = None                   # the step's local batches, once known
+        self._steps.reset()
         self._loss = float("nan")
         self._telemetry = None             # the sum of the ranks' balancer.telemetry() (dbs within the epoch)
 
@@ -523,10 +454,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         if module is not self.model or not module.training or not torch.is_grad_enabled():
             return
         if self._clock.forward() and self.balancer.step_pending:
-            self._row = self.balancer.step_batch_sizes()
-            weight = step_weight(self._row, self.comm.Get_rank(), self.aggregation)
-            self._part.arm(self._row, weight)
-            self._share.local, self._share.weight = int(self._row[self.comm.Get_rank()]), weight
+            self._steps.arm(self.exchange, self._share)
         self.checks.forward(args, kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -536,14 +464,14 @@ class DistributedOptimizer(_WrappedOptimizer):
             raise RuntimeError("zero_grad() after backward() and before step() would drop gradients already being "
                                "reduced; call it before the forward pass (or after step())")
         self.exchange.adopt_grads()
-        self.exchange.zero_grad(self.exchange.armed_weight)
+        self.exchange.zero_grad()
+        self._steps.rearm(self.exchange)    # zeroed after the forward: armed again
 
     @property
     def sits_out(self) -> bool:
         """No samples for this rank in the coming step and no SyncBatchNorm layer needs its forward: the
         loop may skip forward and backward and call step() alone (docs/api.md)."""
-        balancer = self.balancer
-        return not self._clock.channels and balancer.step_pending and balancer.step_batch_sizes()[balancer.rank] == 0
+        return not self._clock.channels and self.balancer.step_pending and self._steps.current().local == 0
 
     def micro_batches(self, tensors, size: int):
         """Gradient accumulation (accumulation.py): `tensors` in micro-batches of at most
@@ -562,24 +490,24 @@ class DistributedOptimizer(_WrappedOptimizer):
         loss = self._micro.step_loss(loss)
         self._edits.check()                 # warns once where the loop changed its local gradient in place
         start = self._clock.boundary()      # the step's compute ends when the device is done, not its launches
-        rank = self.comm.Get_rank()
         try:
-            row = self.balancer.step_batch_sizes()
-            self.checks.same_step(row, self._row, bool(self._clock.channels))
-            self.checks.samples_match(rank, int(row[rank]), row, self.balancer)
-            self.checks.batchnorm(row, rank)
+            plan = self._steps.current()
+            self.checks.same_step(plan, self.balancer, self._steps.armed, bool(self._clock.channels))
+            self.checks.samples_match(self.balancer.rank, plan.local, plan.row, self.balancer)
+            self.checks.batchnorm(plan.row, self.balancer.rank)
         except Exception:
             self._new_step(self._clock.last_end)    # a refused step leaves nothing behind for the next one
             raise
-        began, cpu, in_sync = self._clock.compute(int(row[rank]) > 0)     # less SyncBatchNorm's waits (StepClock)
+        began, cpu, in_sync = self._clock.compute(plan.local > 0)     # less SyncBatchNorm's waits (StepClock)
         self.balancer.stretch(start - began - in_sync, cpu)     # nothing where the clock reads late (full speed)
         pre_end = time.perf_counter()
-        share = _loss_share(loss, int(row[rank]), row, self.device if self._clock.late is not None else None)
-        telemetry = self.balancer.telemetry(pre_end - began - in_sync)   # dbs: every rank's step time, in the buffer
-        global_loss = self._part.allreduce(row, step_weight(row, rank, self.aggregation), share, telemetry)
-        self._telemetry = None if telemetry is None else self.exchange.extra
-        self._loss = global_loss if loss is not None else float("nan")
-        self._times, self._step_row = self._clock.phases(began, pre_end, in_sync), row
+        share = _loss_share(loss, plan.local, plan.row, self.device if self._clock.late is not None else None)
+        telemetry = self.balancer.telemetry(pre_end - began - in_sync)   # dbs: every rank's step time
+        stop = riding(self.comm)            # a StopRequest's flag rides the same collective
+        sums = self._part.reduce(plan.route, plan.weight, share, _tail(telemetry, stop))
+        self._telemetry = _after_tail(sums.extra, telemetry, stop)
+        self._loss = sums.loss if loss is not None else float("nan")
+        self._times = self._clock.phases(began, pre_end, in_sync)
         self._synced = True
         return self._loss
 
@@ -598,12 +526,13 @@ class DistributedOptimizer(_WrappedOptimizer):
         start = time.perf_counter()
         if self._part.updates(grad_scaler) and not skip_update(self, grad_scaler, self.exchange):
             self.optimizer.step()
-        self._part.updated(self.balancer, self._buffers, self._step_row)   # buffers; the epoch's end: catch-up
+        self._part.updated(self.balancer, self._buffers, self._steps.plan.row)   # buffers; stale ranks; the epoch's end
         self.exchange.flat.zero_()          # the gradients are applied: the next step starts from zero
         self._clock.record(self.balancer, start, self._times, self._loss, self._telemetry)
-        self._part.after_step(self.balancer)     # a rank that sat out and takes part next catches up
         global_loss = self._loss
         self._new_step(self._clock.last_end)
+        if self.balancer.step_pending:      # the next step's plan now: a rank that sat out catches up before it
+            self._steps.current()
         return global_loss
 
     _step_supports_amp_scaling = True      # GradScaler.step(optimizer) hands step() the scaler

@@ -33,31 +33,30 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..mpi import comm as mpi, transport as transports
-from ..mpi.comm import SUPERVISOR, wait
-from .exchange import scale
+from ..mpi import comm as mpi
+from ..mpi.comm import SUPERVISOR
+from .exchange import Route, StepSums
 
-WHAT = "the gradient allreduce"
 CACHED = 8            # communicators kept (the sets a run moves between)
 
 
 class Participants:
     """The group of ranks whose gradients a step sums (all ranks unless some sit out) and
-    the ranks that fell behind while they were out of it."""
+    the ranks that fell behind while they were out of it. It decides who takes part and
+    when; the exchange (exchange.py) sums over the route it is given.
+
+    enabled: ranks may leave the sum (agreed by the caller: the same on every rank)."""
 
     def __init__(self, comm, exchange, model, optimizer, global_batch: int, timeout: float, enabled: bool):
         self.comm, self.rank, self.timeout = comm, comm.Get_rank(), float(timeout)
         self.global_batch = int(global_batch)
         self.exchange, self.model, self.optimizer = exchange, model, optimizer
-        self.world = exchange.transport
         self.everyone = tuple(range(comm.Get_size()))
-        # (agreed: a job that mixes CPU and GPU ranks may give them different transports)
-        self.enabled = len(self.everyone) > 1 and bool(mpi.allgather_array(
-            comm, [float(bool(enabled) and self.world.name == "host")], timeout).min())
+        self.enabled = len(self.everyone) > 1 and bool(enabled)
         self.group, self.member = self.everyone, True
         self.stale: set[int] = set()             # ranks whose state missed updates
         self.used = False                        # a step has run in a group smaller than the world
-        self._groups: dict[tuple, tuple] = {}    # group -> (communicator or None, transport or None)
+        self._routes: dict[tuple, tuple] = {}    # group -> (communicator or None, route or None)
 
     def group_of(self, row) -> tuple:
         """Rank 0 and the ranks with samples; an epoch's partial last step (fewer samples
@@ -67,36 +66,31 @@ class Participants:
         keep = self.group if int(np.sum(row)) < self.global_batch else ()
         return tuple(r for r in self.everyone if r == 0 or row[r] > 0 or r in keep)
 
-    def begin(self, row) -> None:
-        """The step with local batches `row` begins (collective where the group changes)."""
+    def plan(self, row) -> Route | None:
+        """The route of the step with local batches `row` (None: this rank is out of its
+        sum). Collective where the group changes: a new group's communicator (created
+        once), and the stale ranks that take part again catch up first."""
         group = self.group_of(row)
-        if group == self.group:
-            return
-        if self.stale.intersection(group):
-            self.catch_up()
-        self.group, self.member = group, self.rank in group
-        _use(self.exchange, self.world if group == self.everyone else self._transport(group) or self.world)
-        self.used = self.used or group != self.everyone
+        if group != self.group:
+            if self.stale.intersection(group):
+                self.catch_up()
+            self.group, self.member = group, self.rank in group
+            self.used = self.used or group != self.everyone
+        if group == self.everyone:
+            return self.exchange.world
+        return self._route(group) if self.member else None
 
-    def arm(self, row, weight: float) -> None:
-        """At the step's first forward: its group, and the buckets may start during backward."""
-        self.begin(row)
-        if self.member:
-            self.exchange.arm(weight)
-
-    def allreduce(self, row, weight: float, loss_share, extra) -> float:
-        """The step's exchange (GradientExchange.allreduce's contract): the world's, or
-        the group's gradient sum and the world's sum of the extra values."""
-        self.begin(row)
-        if self.group == self.everyone:
-            return self.exchange.allreduce(weight, loss_share, extra)
-        if self.member:
-            _group_sum(self.exchange, weight, self.timeout)
-        self.exchange._schedule.reset()
-        tail = np.array([float(loss_share), *(() if extra is None else extra)], dtype=np.float32)
-        self._world_sum(tail)
-        self.exchange.extra = tail[1:].copy() if self.exchange.extra_slots else None
-        return float(tail[0])
+    def reduce(self, route: Route | None, weight: float, loss_share, extra) -> StepSums:
+        """The step's exchange over its route: the world's (gradient and tail in one
+        collective), or the group's gradient sum (nothing out of it) and the world's sum of
+        the tail (the loss, the telemetry, the stop flags)."""
+        if route is self.exchange.world:
+            return self.exchange.reduce(weight, route, loss_share, extra)
+        if route is not None:
+            self.exchange.reduce(weight, route)
+        else:
+            self.exchange.drop_step()
+        return self.exchange.sum_tail(loss_share, extra)
 
     def updates(self, grad_scaler) -> bool:
         """Whether this rank applies the step's update (a rank out of the group does not)."""
@@ -110,24 +104,19 @@ class Participants:
 
     def updated(self, balancer, buffers, row) -> None:
         """Right after the step's update (its time is the update's): the model's buffers
-        become those of the first rank that computed, and after an epoch's last step every
-        rank that fell behind catches up (evaluation and checkpoints see one model)."""
+        become those of the first rank that computed; the ranks out of the step's group fell
+        behind, and after an epoch's last step they catch up (evaluation and checkpoints
+        see one model); one that takes part in the next step catches up when that step is
+        planned (the optimizer plans it right after this one)."""
         if buffers:
             computed = np.flatnonzero(row)
             mpi.broadcast_flat(buffers, self.comm, int(computed[0]) if len(computed) else 0, self.timeout)
-        if self.group != self.everyone and balancer.step + 1 >= len(balancer.epoch_table):
-            self.stale.update(r for r in self.everyone if r not in self.group)
-            self.catch_up()
-            self.group, self.member = self.everyone, True
-            _use(self.exchange, self.world)
-
-    def after_step(self, balancer) -> None:
-        """After the step's record: the ranks out of its group fell behind; one taking part in
-        the next step catches up now, before its forward."""
         if self.group == self.everyone:
             return
         self.stale.update(r for r in self.everyone if r not in self.group)
-        self.begin(balancer.step_batch_sizes())
+        if balancer.step + 1 >= len(balancer.epoch_table):
+            self.catch_up()
+            self.group, self.member = self.everyone, True
 
     def same_everywhere(self, value):
         """rank 0's `value` (a gradient's norm, a 0-dim tensor) on every rank where ranks are
@@ -153,70 +142,14 @@ class Participants:
             self.optimizer.load_state_dict(state["optimizer"])
         self.stale.clear()
 
-    def _transport(self, group: tuple):
-        """The group's transport on this rank (None out of it): created once, collectively."""
-        if group not in self._groups:
-            if len(self._groups) >= CACHED:
-                sub, _ = self._groups.pop(next(iter(self._groups)))
+    def _route(self, group: tuple) -> Route | None:
+        """The group's route on this rank (None out of it): created once, collectively."""
+        if group not in self._routes:
+            if len(self._routes) >= CACHED:
+                sub, _ = self._routes.pop(next(iter(self._routes)))
                 if sub is not None:
                     sub.Free()
             with SUPERVISOR.deadline(self.comm, self.timeout, "creating the communicator of the ranks taking part"):
                 sub = self.comm.Split(0 if self.rank in group else MPI.UNDEFINED, self.rank)
-            self._groups[group] = (None, None) if sub == MPI.COMM_NULL else (sub, self._make(sub))
-        return self._groups[group][1]
-
-    def _make(self, sub):
-        x, world = self.exchange, self.world
-        if sub.Get_size() == 1:
-            return transports.Local(x.flat, 1 + x.extra_slots)
-        bounds = [*x.bounds[:-1], (x.bounds[-1][0], x.numel)]      # the gradients: the extra values go world-wide
-        part = transports.HostMPI(sub, x.flat, bounds, world.staged, 1 + x.extra_slots)
-        if world.staged:                 # one pinned host copy of the gradients, not one per group
-            part.host, part.array = world.host, world.array
-            part.views = [world.array[start:stop] for start, stop in bounds]
-        return part
-
-    def _world_sum(self, tail: np.ndarray) -> None:
-        if self.exchange.sleep_while_waiting:
-            wait(self.comm.Iallreduce(MPI.IN_PLACE, tail, op=MPI.SUM), self.timeout, f"{WHAT} (the step's loss "
-                                                                                        f"and times)")
-            return
-        SUPERVISOR.arm(self.comm, self.timeout, WHAT)
-        try:
-            self.comm.Allreduce(MPI.IN_PLACE, tail, op=MPI.SUM)
-        finally:
-            SUPERVISOR.disarm()
-
-
-def _use(exchange, transport) -> None:
-    """The exchange's buckets go through `transport` from the next one started."""
-    exchange.transport = exchange._schedule.transport = transport
-    exchange._schedule.gated = transport.deferred
-
-
-def _group_sum(exchange, weight: float, timeout: float) -> None:
-    """The step's gradient summed over the group (its transport is the exchange's now):
-    GradientExchange.allreduce's steps without the extra values."""
-    schedule, transport = exchange._schedule, exchange.transport
-    last = schedule.last
-    exchange.adopt_grads()
-    try:
-        while schedule.next < last:
-            schedule.start(schedule.next, weight)
-        if weight != 1.0 and not schedule.prescaled:
-            scale(exchange.final_grads, weight)
-        transport.stage(last)
-        sub = getattr(transport, "comm", None)
-        if sub is not None:
-            transport.begin_all(schedule.requests)
-            if exchange.sleep_while_waiting:
-                wait(sub.Ibarrier(), timeout, f"{WHAT} (waiting for the other ranks)")
-            SUPERVISOR.arm(exchange.comm, timeout, WHAT)
-            try:
-                transport.reduce(last, schedule.requests)
-                transport.wait(schedule.requests)
-            finally:
-                SUPERVISOR.disarm()
-        transport.finish()
-    finally:
-        schedule.reset()
+            self._routes[group] = (None, None) if sub == MPI.COMM_NULL else (sub, self.exchange.route_over(sub))
+        return self._routes[group][1]

@@ -1,0 +1,73 @@
+"""The command line's optimizers, by name: torch's SGD, Adam and AdamW without the
+wrappers that import torch._dynamo.
+
+torch.optim's methods carry wrappers that keep a compiler from tracing into them, and
+these import torch._dynamo when first called (Optimizer.__init__ already calls one):
+about 1.3 s of CPU and 820 more modules on every rank (40% of a short run's CPU), for a
+compiler that dbs-mpi never calls. The command line's optimizers are torch's own classes
+with those wrappers taken off: the same code updates the parameters, so every step is
+torch's to the bit (tests/test_optimizer.py). A user's own optimizer is left as it is.
+"""
+from __future__ import annotations
+
+import torch
+
+def _dynamo_wrapper_codes() -> frozenset:
+    """The code objects of torch.optim's wrappers that import torch._dynamo (and of the
+    profiling hook that Optimizer.__init__ puts around a class's step, which a subclass gets
+    anew); empty where this torch has other names, which leaves the methods as they are."""
+    try:
+        from torch._compile import _disable_dynamo
+        from torch.optim.optimizer import _use_grad_for_differentiable
+        probes = (_disable_dynamo(lambda: None), _use_grad_for_differentiable(lambda: None),
+                  torch.optim.Optimizer.profile_hook_step(lambda: None))
+    except (ImportError, AttributeError, TypeError):
+        return frozenset()
+    return frozenset(probe.__code__ for probe in probes)
+
+
+_WRAPPERS = _dynamo_wrapper_codes()
+
+
+def _unwrapped(fn):
+    while getattr(fn, "__wrapped__", None) is not None and getattr(fn, "__code__", None) in _WRAPPERS:
+        fn = fn.__wrapped__
+    return fn
+
+
+def without_dynamo(cls: type) -> type:
+    """A subclass of the torch.optim class `cls` whose methods run torch's code without
+    the wrappers that import torch._dynamo. step() keeps what its wrapper does outside a
+    compiler: gradients off (unless the optimizer is `differentiable`)."""
+    methods = {}
+    for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
+        bare = _unwrapped(getattr(cls, name))
+        if bare is not getattr(cls, name):
+            methods[name] = bare
+    bare_step = _unwrapped(cls.step)
+    if bare_step is not cls.step:
+        def step(self, *args, **kwargs):
+            with torch.set_grad_enabled(self.defaults["differentiable"]):
+                return bare_step(self, *args, **kwargs)
+        step.__doc__ = bare_step.__doc__
+        methods["step"] = step
+    doc = f"torch.optim.{cls.__name__}, without the wrappers that import torch._dynamo (named_optimizers.py)."
+    return type(cls.__name__, (cls,), {"__module__": __name__, "__qualname__": cls.__name__, "__doc__": doc,
+                                       **methods})
+
+
+SGD = without_dynamo(torch.optim.SGD)
+Adam = without_dynamo(torch.optim.Adam)
+AdamW = without_dynamo(torch.optim.AdamW)
+
+
+def make_optimizer(name: str, params, cfg) -> torch.optim.Optimizer:
+    """The command line's optimizers: sgd (lr, momentum, weight_decay), adam and adamw
+    (lr, weight_decay; torch's default betas and eps)."""
+    if name == "sgd":
+        return SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if name == "adam":
+        return Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if name == "adamw":
+        return AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    raise ValueError(f"optimizer: must be sgd, adam or adamw; got {name!r}")
