@@ -1,4 +1,4 @@
-"""The command line's optimizers (training/optimizer.py): torch's SGD, Adam and AdamW
+"""The command line's optimizers (training/named_optimizers.py): torch's SGD, Adam and AdamW
 without the wrappers that import torch._dynamo. Every update and state is torch's to the
 bit, hooks and grad mode behave as torch's, and no training launch imports torch._dynamo."""
 import subprocess
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import ROOT, mpiexec
-from dbs_mpi.training import optimizer as optim
+from dbs_mpi.training import named_optimizers as optim
 
 CASES = [(optim.SGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=1e-3)),
          (optim.SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, dampening=0.0)),

@@ -50,6 +50,7 @@ from mpi4py import MPI
 from ..about import AFFINITY_AT_IMPORT
 from ..options import UserError
 from . import startup
+from .cached import cached
 
 if TYPE_CHECKING:   # imported where tensors move (see init and start)
     import torch
@@ -655,7 +656,6 @@ def threads_per_rank(comm: MPI.Comm, places=None, timeout: float = 600.0) -> int
 def placement(comm: MPI.Comm, timeout: float = 600.0) -> list[tuple[str, tuple[int, ...]]]:
     """(host, the cores this rank may run on) of every rank of comm, in rank order:
     gathered once per communicator (cached.py)."""
-    from .cached import cached
     return cached(comm, "placement", lambda: allgather_object(
         comm, (socket.gethostname(), tuple(sorted(affinity()))), timeout, "gathering every rank's host and cores"))
 
