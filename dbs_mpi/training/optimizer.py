@@ -42,6 +42,7 @@ What users expect, and what fails loudly:
 """
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 import weakref
@@ -68,12 +69,6 @@ MIB = 2 ** 20
 # other contract (found_inf attributes set before step) checks each rank's own gradient,
 # which ranks disagree on, so this one is used, and its notice is not shown every run.
 warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
-
-
-_NO_HOOK_WITH_SYNC_BN = (
-    "the model's SyncBatchNorm layers learn each step's local batch from DistributedOptimizer's forward hook, "
-    "which did not run in this step (a torch.compile'd model runs without it): their gradient would be weighted "
-    "wrongly; run the model eagerly, or compile its parts without SyncBatchNorm")
 
 
 def step_weight(row, rank: int, aggregation: str = "weighted") -> float:
@@ -179,13 +174,12 @@ class StepChecks:
             f"batch; pass check_batch=False if the model's first input is not batch-first")
 
     @staticmethod
-    def same_step(row, armed_row, synced_batchnorm: bool) -> None:
+    def same_step(row, armed_row) -> None:
         """The step's local batches are the ones its forward armed (armed_row; None: the
-        forward hook did not run, as in a torch.compile'd model, which SyncBatchNorm needs)."""
+        forward hook did not run, as in a torch.compile'd model; SyncBatchNorm layers read
+        the row themselves, sync_batchnorm.StepShare)."""
         if armed_row is not None and not np.array_equal(row, armed_row):
             raise RuntimeError("the balancer's step changed during this step")
-        if armed_row is None and synced_batchnorm:
-            raise RuntimeError(_NO_HOOK_WITH_SYNC_BN)
 
     def batchnorm(self, row, rank: int) -> None:
         """Warn once, on rank 0 (once a job), if plain BatchNorm layers see uneven local batches."""
@@ -341,10 +335,12 @@ def _reads_late(device: torch.device, exchange: str, balancer, synced_batchnorm:
         and balancer.telemetry_size == 0 and not synced_batchnorm
 
 
-def _attach_batchnorm(model, comm, exchange_transport, timeout: float) -> sync_batchnorm.StepShare:
-    """One StepShare for the model's SyncBatchNorm layers, which must span comm's ranks;
-    they move to the exchange's torch.distributed group when it has one (nccl, gloo)."""
-    share = sync_batchnorm.StepShare()
+def _attach_batchnorm(model, comm, exchange_transport, balancer, aggregation: str) -> sync_batchnorm.StepShare:
+    """One StepShare for the model's SyncBatchNorm layers, which must span comm's ranks:
+    they read each step's row from the balancer and weigh by the exchange's rule, without
+    a hook (a compiled model runs none). They move to the exchange's torch.distributed
+    group when it has one (nccl, gloo)."""
+    share = sync_batchnorm.StepShare(balancer, functools.partial(step_weight, aggregation=aggregation))
     for layer in sync_batchnorm.layers(model):
         if layer.channel is None or not layer.channel.same_ranks(comm):
             raise ValueError("DistributedOptimizer: the model's SyncBatchNorm layers were not converted over this "
@@ -494,7 +490,7 @@ class DistributedOptimizer(_WrappedOptimizer):
                                          transport=transport.agree(self.comm, exchange, self.device, self.timeout),
                                          extra=balancer.telemetry_size)
         self.sleep_while_waiting = self.exchange.sleep_while_waiting
-        self._share = _attach_batchnorm(model, self.comm, self.exchange.transport, self.timeout)
+        self._share = _attach_batchnorm(model, self.comm, self.exchange.transport, balancer, aggregation)
         channels = {id(layer.channel): layer.channel for layer in sync_batchnorm.layers(model)}
         late = _reads_late(self.device, self.exchange.transport.name, balancer, bool(channels) and
                            self.comm.Get_size() > 1)
@@ -526,7 +522,6 @@ class DistributedOptimizer(_WrappedOptimizer):
             self._row = self.balancer.step_batch_sizes()
             weight = step_weight(self._row, self.comm.Get_rank(), self.aggregation)
             self._part.arm(self._row, weight)
-            self._share.local, self._share.weight = int(self._row[self.comm.Get_rank()]), weight
         self.checks.forward(args, kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -565,7 +560,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         rank = self.comm.Get_rank()
         try:
             row = self.balancer.step_batch_sizes()
-            self.checks.same_step(row, self._row, bool(self._clock.channels))
+            self.checks.same_step(row, self._row)
             self.checks.samples_match(rank, int(row[rank]), row, self.balancer)
             self.checks.batchnorm(row, rank)
         except Exception:
