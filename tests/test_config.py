@@ -39,7 +39,7 @@ def test_toml_then_command_line(tmp_path):
     (["--synthetic-shape", "3,32"], "synthetic_shape"),
     (["--sync-bn", "--strategy", "asgd"], "sync_bn"),
     (["--sync-bn", "sometimes"], "sync_bn"),
-    (["--compile", "--sync-bn", "--model", "resnet20", "--norm", "batch"], "compile"),
+    (["--compile", "--sync-bn", "--micro-batch", "8"], "micro_batch"),     # compiled or not: SyncBatchNorm's batch
     (["--compile", "--strategy", "asgd"], "compile"),
     (["--amp", "fp8"], "amp"),
     (["--micro-batch", "-1"], "micro_batch"),

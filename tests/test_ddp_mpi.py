@@ -298,6 +298,40 @@ def test_a_compiled_ddp_model_gives_the_union_gradient(comm, group):
 
 
 @pytest.mark.mpi(min_size=1)
+def test_a_compiled_ddp_model_with_sync_batchnorm_gives_the_union_gradient(comm, group):
+    """torch.compile of a DDP model with dbs_mpi's SyncBatchNorm and sample_weighted(balancer=):
+    the layers read each step's row from the balancer when they run, so every step's
+    gradient and running statistics are one process's on the union batch, the step where
+    every rank but rank 0 feeds a placeholder sample (6 samples, all rank 0's) included."""
+    from test_sync_batchnorm_mpi import BNNet, buffers
+    torch._dynamo.reset()
+    n, data, global_batch = comm.Get_size(), Pairs(150), 48
+    balancer = dbs_mpi.Balancer(comm, global_batch, "ssgd", timeout=TIMEOUT)
+    balancer.batch_sizes = np.array([global_batch - 2 * (n - 1)] + [2] * (n - 1))
+    sampler = dbs_mpi.HeteroSampler(data, balancer, seed=1)
+    torch.manual_seed(0)
+    net = BNNet()
+    reference = copy.deepcopy(net)
+    model = DDP(dbs_mpi.convert_sync_batchnorm(net, comm, TIMEOUT))
+    ddp.sample_weighted(model, balancer=balancer)
+    compiled = torch.compile(model, backend="eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    sampler.set_epoch(0)
+    perm = torch.from_numpy(epoch_permutation(len(data), 0, 1))
+    for s, (x, y) in enumerate(DataLoader(data, batch_sampler=sampler)):
+        optimizer.zero_grad()
+        F.cross_entropy(compiled(x), y).backward()
+        union = perm[s * global_batch:(s + 1) * global_batch]
+        for p, e in zip(model.module.parameters(), reference_grads(reference, data.x[union], data.y[union])):
+            torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(buffers(model.module), buffers(reference), rtol=1e-5, atol=1e-6)
+        step_and_align((optimizer, ref_optimizer), model, reference)
+    table = balancer.end_epoch().table
+    assert table[-1].tolist() == [6] + [0] * (n - 1), table
+
+
+@pytest.mark.mpi(min_size=1)
 def test_a_batch_that_is_not_the_sampler_s_is_refused_before_the_forward(comm, group):
     data = Pairs(64)
     balancer = uneven_balancer(comm, 16, "ssgd")

@@ -210,3 +210,54 @@ def test_waiting_in_sync_batchnorm_is_communication_not_compute():
     stats = balancer.end_epoch()
     assert stats.steps == 3 and (stats.step_pre[:, 0] < 0.025).all(), stats.step_pre
     assert (stats.step_comm[:, 0] + stats.step_wait[:, 0] >= 0.03).all()
+
+
+class Step:
+    """What a layer reads of a balancer: rank 0's row of the step under way."""
+    rank, step_pending = 0, True
+
+    def __init__(self, row):
+        self.row = row
+
+    def step_batch_sizes(self):
+        import numpy as np
+        return np.asarray(self.row)
+
+
+class WithOther(OwnRows):
+    """'Rank 0' of two: rank 1's row holds 4 samples of mean 0 and variance 1; what this rank sends is kept."""
+
+    def gather(self, row):
+        self.sent = row
+        other = torch.cat([torch.tensor([4.0], dtype=row.dtype), torch.zeros((len(row) - 1) // 2, dtype=row.dtype),
+                           torch.ones((len(row) - 1) // 2, dtype=row.dtype)])
+        return torch.stack([row, other])
+
+    def sum(self, values):
+        self.summed = values
+        return values
+
+
+def test_a_placeholder_sample_read_from_the_balancer_counts_0_and_weighs_0():
+    """The layer reads the step's row when it runs (no hook: a compiled model runs none):
+    rank 0's local batch is 0, so its one input sample joins the statistics with n = 0 and
+    its backward sends zero sums; a rank with samples sends its count and its weight's sums."""
+    for row, count, weight in (([0, 4], 0.0, 0.0), ([4, 4], 4.0 * 25, 0.5)):
+        channel = WithOther()
+        layer = sync_batchnorm._convert(nn.BatchNorm2d(4), channel)
+        layer.share = sync_batchnorm.StepShare(Step(row))
+        x = torch.randn(max(row[0], 1), 4, 5, 5, requires_grad=True)
+        layer(x).sum().backward()                                    # dy = 1: sum dy = the count per channel
+        assert float(channel.sent[0]) == count
+        torch.testing.assert_close(channel.summed[:4], torch.full((4,), count * weight, dtype=torch.float64))
+        assert x.grad.abs().max() == 0 if not count else x.grad.abs().max() > 0
+
+
+def test_convert_gives_the_layers_the_balancer_of_a_loop_of_ones_own():
+    balancer = dbs_mpi.Balancer(MPI.COMM_SELF, 8, "ssgd")
+    model = dbs_mpi.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3)), MPI.COMM_SELF,
+                                           balancer=balancer)
+    assert {id(layer.share.balancer) for layer in sync_batchnorm.layers(model)} == {id(balancer)}
+    assert copy.deepcopy(model)[0].share is model[0].share          # an EMA copy runs the same steps
+    import pickle
+    assert pickle.loads(pickle.dumps(model))[0].share.balancer is None     # the communicator stays behind

@@ -66,7 +66,7 @@ class Config:
     loader_workers: int = 0          # DataLoader worker processes per rank (0: load in the training process)
     norm: str = "group"              # resnet20's normalisation: group (consistent across uneven local batches) | batch
     sync_bn: bool = False            # BatchNorm layers normalise over the step's global batch (dbs_mpi.SyncBatchNorm; synchronous strategies)
-    compile: bool = False            # torch.compile the model's forward (default mode; the first steps compile it); not with sync_bn
+    compile: bool = False            # torch.compile the model's forward (default mode; the first steps compile it)
     compile_backend: str = "inductor"  # torch.compile's backend: inductor (torch's default: generated kernels) | aot_eager | eager (Dynamo's tracing alone) | cudagraphs
     micro_batch: int = 0             # gradient accumulation: each rank runs its local batch in micro-batches of at most this many samples, one exchange a step (0: all at once); not with sync_bn
     amp: str = "none"                # mixed precision (synchronous strategies): none | bf16 (autocast in bfloat16, CPU and GPU) | fp16 (autocast in float16 with loss scaling, torch.amp.GradScaler; every rank on a GPU)
@@ -313,9 +313,9 @@ def _check_choices(c: Config) -> None:
     if c.sync_bn and c.strategy in ASYNC_STRATEGIES:
         _fail("sync_bn", f"synchronises BatchNorm over the ranks of a step: strategies {', '.join(SYNC_STRATEGIES)} "
                          f"only (got {c.strategy})")
-    if c.compile and (c.sync_bn or c.strategy in ASYNC_STRATEGIES):
-        _fail("compile", "a compiled model runs without DistributedOptimizer's forward hook, which sync_bn needs, "
-                         f"and with the synchronous strategies {', '.join(SYNC_STRATEGIES)} only")
+    if c.compile and c.strategy in ASYNC_STRATEGIES:
+        _fail("compile", f"a compiled model runs with the synchronous strategies {', '.join(SYNC_STRATEGIES)} only "
+                         f"(got {c.strategy})")
     if c.micro_batch and (c.sync_bn or c.strategy in ASYNC_STRATEGIES):
         _fail("micro_batch", "SyncBatchNorm normalises over the step's global batch, which micro-batches would cut "
                              f"into parts; and it runs with the synchronous strategies {', '.join(SYNC_STRATEGIES)} only")

@@ -83,7 +83,8 @@ unweighted loss gradients, which is the sample-weighted gradient only when every
 equal; and it refuses CPU tensors ("SyncBatchNorm expected input tensor to be on GPU",
 torch 2.x, so a gloo job cannot use it at all). dbs_mpi.convert_sync_batchnorm(model,
 comm) before DDP(model) gives the exact weighted backward on any device (its statistics
-travel over MPI, sync_batchnorm.py); with balancer=, a placeholder sample counts 0.
+travel over MPI, sync_batchnorm.py); with balancer=, the layers read the step's row from
+it when they run (a placeholder sample counts 0), so a torch.compile'd model gets it too.
 
 `init_process_group(comm)` starts torch.distributed over the ranks of an MPI
 communicator (rank 0 hosts the TCPStore, its address and port travel by MPI), failing
@@ -175,7 +176,7 @@ class SampleWeightedState:
         self._armed = False           # a counted forward (or a hand-set local_batch) since the last backward
         self._pending = 0             # samples of this step's forwards under no_sync() (accumulated micro-batches)
         self._by_hand = False         # local_batch was set by hand for this step
-        self.batchnorm = None         # the model's SyncBatchNorm layers' StepShare (placeholder samples)
+        self.batchnorm = None         # the model's SyncBatchNorm layers' StepShare (they read the balancer's row)
         self._model = None            # a weak reference to the DDP model (micro_batches)
 
     @property
@@ -238,8 +239,6 @@ class SampleWeightedState:
         if self.check_batch and seen is not None and seen != (local or 1):
             raise RuntimeError(self._mismatch(seen, local, row, "by the forward that DDP reduces"))
         self._local, self._total = local, int(row.sum())
-        if self.batchnorm is not None:
-            self.batchnorm.local = local          # 0: the input is a placeholder sample
 
     def _mismatch(self, seen: int, local: int, row, when: str) -> str:
         b = self.balancer
@@ -384,7 +383,7 @@ def sample_weighted(ddp_model, process_group=None, *, balancer=None,
     state = SampleWeightedState(group, balancer, check_batch, late, model_device(ddp_model))
     state._model = weakref.ref(ddp_model)
     if balancer is not None and sync_batchnorm.layers(ddp_model.module):
-        state.batchnorm = sync_batchnorm.StepShare()
+        state.batchnorm = sync_batchnorm.StepShare(balancer)      # w_i = b_i / B: the hook's weights
         for layer in sync_batchnorm.layers(ddp_model.module):
             layer.share = state.batchnorm
     ddp_model.register_forward_pre_hook(state.on_forward, with_kwargs=True)

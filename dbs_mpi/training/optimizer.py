@@ -42,6 +42,7 @@ What users expect, and what fails loudly:
 """
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 import weakref
@@ -73,12 +74,6 @@ MIB = 2 ** 20
 warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 
 
-_NO_HOOK_WITH_SYNC_BN = (
-    "the model's SyncBatchNorm layers learn each step's local batch from DistributedOptimizer's forward hook, "
-    "which did not run in this step (a torch.compile'd model runs without it): their gradient would be weighted "
-    "wrongly; run the model eagerly, or compile its parts without SyncBatchNorm")
-
-
 class StepPlanner:
     """The plan of the step under way (StepPlan), read from the balancer once: at the end
     of the step before it (where the epoch goes on: a rank that sat out catches up then,
@@ -102,12 +97,11 @@ class StepPlanner:
             self.plan = plan = StepPlan.read(b, self.participants, self.aggregation)
         return plan
 
-    def arm(self, exchange, share) -> None:
+    def arm(self, exchange) -> None:
         """At the step's first forward: buckets may start during backward, over its route."""
-        plan = self.current()
+        self.current()
         self.armed = True
         self.rearm(exchange)
-        share.local, share.weight = plan.local, plan.weight
 
     def rearm(self, exchange) -> None:
         if self.armed and self.plan.route is not None:
@@ -250,13 +244,11 @@ class StepChecks:
             f"batch; pass check_batch=False if the model's first input is not batch-first")
 
     @staticmethod
-    def same_step(plan, balancer, armed: bool, synced_batchnorm: bool) -> None:
-        """The step exchanged is the one planned (its forward armed it; not armed: the
-        forward hook did not run, as in a torch.compile'd model, which SyncBatchNorm needs)."""
+    def same_step(plan, balancer) -> None:
+        """The step exchanged is the one planned (SyncBatchNorm layers read the balancer's
+        row themselves: sync_batchnorm.StepShare)."""
         if (plan.epoch, plan.step) != (balancer.open_epoch, balancer.step):
             raise RuntimeError("the balancer's step changed during this step")
-        if not armed and synced_batchnorm:
-            raise RuntimeError(_NO_HOOK_WITH_SYNC_BN)
 
     def batchnorm(self, row, rank: int) -> None:
         """Warn once, on rank 0 (once a job), if plain BatchNorm layers see uneven local batches."""
@@ -348,10 +340,12 @@ def _reads_late(device: torch.device, exchange: str, balancer, synced_batchnorm:
         and balancer.telemetry_size == 0 and not synced_batchnorm
 
 
-def _attach_batchnorm(model, comm, exchange_transport, timeout: float) -> sync_batchnorm.StepShare:
-    """One StepShare for the model's SyncBatchNorm layers, which must span comm's ranks;
-    they move to the exchange's torch.distributed group when it has one (nccl, gloo)."""
-    share = sync_batchnorm.StepShare()
+def _attach_batchnorm(model, comm, exchange_transport, balancer, aggregation: str) -> sync_batchnorm.StepShare:
+    """One StepShare for the model's SyncBatchNorm layers, which must span comm's ranks:
+    they read each step's row from the balancer and weigh by the exchange's rule, without
+    a hook (a compiled model runs none). They move to the exchange's torch.distributed
+    group when it has one (nccl, gloo)."""
+    share = sync_batchnorm.StepShare(balancer, functools.partial(step_weight, aggregation=aggregation))
     for layer in sync_batchnorm.layers(model):
         if layer.channel is None or not layer.channel.same_ranks(comm):
             raise ValueError("DistributedOptimizer: the model's SyncBatchNorm layers were not converted over this "
@@ -426,7 +420,7 @@ class DistributedOptimizer(_WrappedOptimizer):
             dict(aggregation=aggregation, wait_policy=wait_policy, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                  broadcast_buffers=bool(broadcast_buffers), leave_exchange=bool(leave_exchange), exchange=exchange))
         self.sleep_while_waiting = self.exchange.sleep_while_waiting
-        self._share = _attach_batchnorm(model, self.comm, self.exchange.transport, self.timeout)
+        self._share = _attach_batchnorm(model, self.comm, self.exchange.transport, balancer, aggregation)
         self._clock = _step_clock(model, self.device, self.exchange, balancer)
         channels = self._clock.channels
         self.checks = StepChecks(model, check_batch)
@@ -454,7 +448,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         if module is not self.model or not module.training or not torch.is_grad_enabled():
             return
         if self._clock.forward() and self.balancer.step_pending:
-            self._steps.arm(self.exchange, self._share)
+            self._steps.arm(self.exchange)
         self.checks.forward(args, kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -492,7 +486,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         start = self._clock.boundary()      # the step's compute ends when the device is done, not its launches
         try:
             plan = self._steps.current()
-            self.checks.same_step(plan, self.balancer, self._steps.armed, bool(self._clock.channels))
+            self.checks.same_step(plan, self.balancer)
             self.checks.samples_match(self.balancer.rank, plan.local, plan.row, self.balancer)
             self.checks.batchnorm(plan.row, self.balancer.rank)
         except Exception:

@@ -14,7 +14,11 @@ channel c, the statistics of the union of the local batches:
 from every rank's count n_i (local samples times spatial positions), local mean mu_i and
 local biased variance var_i (one allgather of 2C + 1 numbers per layer and step,
 combined in float64 in rank order, so every rank gets the same bits). A rank without
-samples in a partial step (HeteroSampler's placeholder sample) joins with n_i = 0.
+samples in a partial step (HeteroSampler's placeholder sample) joins with n_i = 0: the
+one thing its input cannot tell, which the layer reads, when it runs, from the
+balancer's row of the step (StepShare), not from a hook, so a torch.compile'd model
+(which runs no forward hook) trains the same. The training step is a graph break
+(torch.compiler.disable): its collectives are Python, run eagerly at every call.
 Running statistics are updated as torch does, with the unbiased variance var N / (N - 1),
 momentum or (momentum=None) the cumulative average; eval mode uses them and sends nothing.
 
@@ -117,14 +121,38 @@ class TorchChannel:
 
 
 class StepShare:
-    """What a step's layers need to know beyond their input, set by DistributedOptimizer
-    (or the DDP hook) before the step's forward: this rank's true local batch (its input
-    holds one placeholder sample when it is 0) and its weight w_i in the exchange. None:
-    the input's length, and w_i = n_i / N (the weighted rule)."""
+    """What a step's layers need to know beyond their input, read when they run (so a
+    torch.compile'd model, which skips forward hooks, gets it too): whether the input is a
+    placeholder sample (a rank whose local batch is 0 gets one, which must count 0), and
+    this rank's weight w_i in the exchange. Both come from the balancer's row of the step
+    under way (the one HeteroSampler served), given by DistributedOptimizer,
+    sample_weighted(balancer=) or convert_sync_batchnorm(balancer=); `weigh(row, rank)` is
+    the exchange's rule for w_i (None: the weighted rule b_i / B). `local` and `weight`
+    set by hand win over the balancer. Without either: the input's length is the local
+    batch, and w_i = n_i / N from the gathered counts."""
 
-    def __init__(self):
+    def __init__(self, balancer=None, weigh=None):
+        self.balancer, self.weigh = balancer, weigh
         self.local: int | None = None
         self.weight: float | None = None
+
+    def step(self) -> tuple[int | None, float | None]:
+        """(local batch, weight) of the step under way; None where it is not known."""
+        local, weight, b = self.local, self.weight, self.balancer
+        if b is not None and (local is None or weight is None) and b.step_pending:
+            row = b.step_batch_sizes()
+            if local is None:
+                local = int(row[b.rank])
+            if weight is None:
+                weight = self.weigh(row, b.rank) if self.weigh is not None else \
+                    (row[b.rank] / float(np.sum(row)) if row[b.rank] else 0.0)
+        return local, weight
+
+    def __deepcopy__(self, memo):
+        return self          # a copy of the model (an EMA) runs the same steps: it shares the balancer
+
+    def __reduce__(self):
+        return (StepShare, ())       # a pickled model leaves the balancer (and its communicator) behind
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -159,8 +187,17 @@ class SyncBatchNorm(_BatchNorm):
         running_var = self.running_var if tracked else None
         if not self.training or self.channel is None or self.channel.size == 1:
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, batch_stats, factor, self.eps)
-        return _SyncBatchNormFunction.apply(input, self.weight, self.bias, running_mean, running_var, self.eps,
-                                            factor, self.channel, self.share)
+        return _synchronised(input, self.weight, self.bias, running_mean, running_var, self.eps, factor,
+                             self.channel, self.share)
+
+
+@torch.compiler.disable
+def _synchronised(*args):
+    """The layer's training step over all ranks, always run eagerly: in a torch.compile'd
+    model it is a graph break, so its collectives (mpi4py, or torch.distributed) and the
+    step's row (StepShare) are Python that runs at every call, never traced into a graph
+    nor guarded on."""
+    return _SyncBatchNormFunction.apply(*args)
 
 
 def _per_channel(t: torch.Tensor, dims: int) -> torch.Tensor:
@@ -192,7 +229,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, factor, channel, share):
         x = x.contiguous()
-        placeholder = share.local == 0 or x.shape[0] == 0     # this rank has no samples in this step
+        local, own_weight = share.step()
+        placeholder = local == 0 or x.shape[0] == 0     # this rank has no samples in this step
         count = 0 if placeholder else x.numel() // x.shape[1]
         # Under autocast the input may be bf16 or fp16 while the parameters stay float32:
         # the statistics are taken in float32 (at least) and kept in the parameters' dtype,
@@ -213,7 +251,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         y = F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)     # (x - mean) / sqrt(var + eps) w + b
         ctx.save_for_backward(x, weight, mean, var)
         ctx.channel, ctx.total, ctx.count, ctx.eps = channel, total, count, eps
-        ctx.own_weight = float(share.weight if share.weight is not None else count / total)
+        ctx.own_weight = float(own_weight if own_weight is not None else count / total)
         ctx.has_bias = bias is not None
         return y
 
@@ -267,13 +305,24 @@ def _input_gradient(partial, x, gain, mean, var, eps, sums, scale):
     return torch.addcmul(partial, x, _per_channel(b.to(x.dtype), x.dim())).add_(_per_channel(c.to(x.dtype), x.dim()))
 
 
-def convert_sync_batchnorm(module: nn.Module, comm: MPI.Comm, timeout: float = 600.0) -> nn.Module:
+def convert_sync_batchnorm(module: nn.Module, comm: MPI.Comm, timeout: float = 600.0, balancer=None) -> nn.Module:
     """`module` with every torch BatchNorm layer (BatchNorm1d/2d/3d, torch's SyncBatchNorm)
     replaced by a SyncBatchNorm over the ranks of `comm`, keeping its parameters, buffers,
     training mode and requires_grad. Collective (the layers share one duplicate of comm).
-    Returns the module (a new one if `module` itself is a BatchNorm layer)."""
+    balancer: the one whose HeteroSampler feeds the model, for the layers to read each
+    step's row from (a placeholder sample counts 0) in a loop of one's own;
+    DistributedOptimizer and sample_weighted(balancer=) give it anyway. Returns the module
+    (a new one if `module` itself is a BatchNorm layer)."""
     channel = MPIChannel(comm, timeout)
-    return _convert(module, channel)
+    if balancer is not None and not channel.same_ranks(balancer.comm):
+        raise ValueError("convert_sync_batchnorm: the balancer's communicator is not `comm`: the layers read "
+                         "this rank's local batch from the balancer's row of the step")
+    module = _convert(module, channel)
+    share = StepShare(balancer)
+    for layer in layers(module):
+        if layer.channel is channel:
+            layer.share = share
+    return module
 
 
 def _convert(module: nn.Module, channel) -> nn.Module:
