@@ -63,7 +63,7 @@ from .about import __version__  # noqa: F401 (first: it reads the cores before t
 # The public API, imported on first use (so that `import dbs_mpi.tools.config` stays light and
 # nothing initialises MPI before it is needed).
 _API = {
-    "init": "mpi.comm", "broadcast_parameters": "mpi.comm", "AgreedError": "mpi.comm",
+    "init": "mpi.comm", "broadcast_parameters": "mpi.collectives", "AgreedError": "mpi.agreement",
     "Balancer": "training.balancer", "EpochStats": "training.balancer", "Change": "training.balancer",
     "HeteroSampler": "planning.sharding",
     "DistributedOptimizer": "training.optimizer", "clip_grad_norm_": "training.clipping",

@@ -33,8 +33,10 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..mpi import comm as mpi, transport as transports
-from ..mpi.comm import SUPERVISOR, wait
+from ..mpi import transport as transports
+from ..mpi.collectives import allgather_array, bcast_object, broadcast_flat
+from ..mpi.supervisor import SUPERVISOR
+from ..mpi.waits import wait
 from .exchange import scale
 
 WHAT = "the gradient allreduce"
@@ -52,7 +54,7 @@ class Participants:
         self.world = exchange.transport
         self.everyone = tuple(range(comm.Get_size()))
         # (agreed: a job that mixes CPU and GPU ranks may give them different transports)
-        self.enabled = len(self.everyone) > 1 and bool(mpi.allgather_array(
+        self.enabled = len(self.everyone) > 1 and bool(allgather_array(
             comm, [float(bool(enabled) and self.world.name == "host")], timeout).min())
         self.group, self.member = self.everyone, True
         self.stale: set[int] = set()             # ranks whose state missed updates
@@ -114,7 +116,7 @@ class Participants:
         rank that fell behind catches up (evaluation and checkpoints see one model)."""
         if buffers:
             computed = np.flatnonzero(row)
-            mpi.broadcast_flat(buffers, self.comm, int(computed[0]) if len(computed) else 0, self.timeout)
+            broadcast_flat(buffers, self.comm, int(computed[0]) if len(computed) else 0, self.timeout)
         if self.group != self.everyone and balancer.step + 1 >= len(balancer.epoch_table):
             self.stale.update(r for r in self.everyone if r not in self.group)
             self.catch_up()
@@ -135,7 +137,7 @@ class Participants:
         if self.group == self.everyone:
             return value
         number = np.array([float(value)])
-        mpi.wait(self.comm.Ibcast(number, root=0), self.timeout, "broadcasting the gradient's norm")
+        wait(self.comm.Ibcast(number, root=0), self.timeout, "broadcasting the gradient's norm")
         return torch.tensor(number[0], dtype=value.dtype if isinstance(value, torch.Tensor) else torch.float32)
 
     def catch_up(self) -> None:
@@ -145,8 +147,8 @@ class Participants:
             buffer = io.BytesIO()
             torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, buffer)
             payload = buffer.getvalue()
-        payload = mpi.bcast_object(self.comm, payload, 0, self.timeout, "bringing the ranks that sat out the run's "
-                                                                        "state")
+        payload = bcast_object(self.comm, payload, 0, self.timeout, "bringing the ranks that sat out the run's "
+                                                                    "state")
         if self.rank in self.stale:
             state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
             self.model.load_state_dict(state["model"])
