@@ -31,7 +31,12 @@ checks that):
     schedule.py       learning-rate schedules over the run's steps
   mpi/              the ranks and the machine: nothing here knows about training
     startup.py        a bounded start-up: the watchdog process that ends a stalled launch
-    comm.py           bounded, non-spinning waits and collectives, failing together, init()
+    waits.py          bounded, non-spinning waits (CommTimeout), the wait policies
+    collectives.py    bounded collectives: barrier, sums, gathers, broadcasts
+    supervisor.py     failing together: the watchdog, rank 0 records the failure, abort
+    agreement.py      set-up steps that fail on every rank together (AgreedError)
+    placement.py      where ranks run: hosts, cores, oversubscription, threads per rank
+    comm.py           init() and start(): the communicator, the fail-together hook
     devices.py        each rank's device (CPU or GPU), thread shares, a clock true on GPUs
     process_group.py  torch.distributed over the ranks of an MPI communicator
     transport.py      how buckets are summed: host-staged MPI, CUDA-aware MPI, NCCL, gloo
@@ -63,7 +68,7 @@ from .about import __version__  # noqa: F401 (first: it reads the cores before t
 # The public API, imported on first use (so that `import dbs_mpi.tools.config` stays light and
 # nothing initialises MPI before it is needed).
 _API = {
-    "init": "mpi.comm", "broadcast_parameters": "mpi.comm", "AgreedError": "mpi.comm",
+    "init": "mpi.comm", "broadcast_parameters": "mpi.collectives", "AgreedError": "mpi.agreement",
     "Balancer": "training.balancer", "EpochStats": "training.balancer", "Change": "training.balancer",
     "HeteroSampler": "planning.sharding",
     "DistributedOptimizer": "training.optimizer", "clip_grad_norm_": "training.clipping",

@@ -4,7 +4,7 @@ this process was given when dbs_mpi was first imported.
 The cores are read here, before torch can be imported (dbs_mpi/__init__.py imports this
 module first): with OMP_PROC_BIND set, OpenMP pins the main thread to its first core
 when torch loads, and a script that imports torch first sees only that core
-(mpi/comm.affinity takes the union).
+(mpi/placement.affinity takes the union).
 """
 import os
 

@@ -21,12 +21,12 @@ import time
 CRASH = textwrap.dedent("""
     import sys, time
     from mpi4py import MPI
-    from dbs_mpi.mpi import comm as mpi
+    from dbs_mpi.mpi.comm import abort_on_uncaught
     from dbs_mpi.training.exchange import GradientExchange
     from dbs_mpi.tools.models import LeNet5
     import torch, torch.nn.functional as F
     comm = MPI.COMM_WORLD
-    mpi.abort_on_uncaught(comm)
+    abort_on_uncaught(comm)
     model = LeNet5()
     exchange = GradientExchange(comm, model.parameters(), timeout=60)
     x, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))

@@ -19,7 +19,8 @@ from contextlib import redirect_stdout
 import pytest
 from mpi4py import MPI
 
-from dbs_mpi.mpi.comm import allgather_object, launch_mismatch
+from dbs_mpi.mpi.collectives import allgather_object
+from dbs_mpi.mpi.comm import launch_mismatch
 
 comm = MPI.COMM_WORLD
 # Another MPI library's mpirun (or srun without PMI) starts N processes that this library

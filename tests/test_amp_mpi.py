@@ -12,7 +12,7 @@ from mpi4py import MPI
 from torch.utils.data import DataLoader
 
 import dbs_mpi
-from dbs_mpi.mpi import comm as mpi
+from dbs_mpi.mpi.collectives import allgather_array
 from dbs_mpi.planning import allocation
 from test_api_mpi import Pairs, UserNet, flat_params, speeds_for
 
@@ -61,7 +61,7 @@ def train(comm, scaled=True, poison=None, unscale_first=False, epochs=2, device=
 
 def same_everywhere(comm, values) -> bool:
     mine = np.asarray(values, dtype=np.float64)
-    return bool(np.all(mpi.allgather_array(comm, mine, TIMEOUT) == mine))
+    return bool(np.all(allgather_array(comm, mine, TIMEOUT) == mine))
 
 
 @pytest.mark.mpi(min_size=1)

@@ -175,11 +175,11 @@ CRASH = textwrap.dedent("""
     import sys, time
     import numpy as np, torch
     from mpi4py import MPI
-    from dbs_mpi.mpi import comm as mpi
+    from dbs_mpi.mpi.comm import abort_on_uncaught
     from dbs_mpi.training.exchange import GradientExchange
     from dbs_mpi.tools.models import LeNet5
     comm = MPI.COMM_WORLD
-    mpi.abort_on_uncaught(comm)
+    abort_on_uncaught(comm)
     exchange = GradientExchange(comm, LeNet5().parameters(), timeout=60)
     for step in range(1000):
         if comm.Get_rank() == comm.Get_size() - 1 and step == 3:

@@ -1,8 +1,8 @@
-"""How a waiting rank polls (dbs_mpi.mpi.comm.next_pause): short waits stay responsive,
+"""How a waiting rank polls (dbs_mpi.mpi.waits.next_pause): short waits stay responsive,
 long ones sleep longer so that they leave the core to the ranks that compute."""
 import pytest
 
-from dbs_mpi.mpi.comm import POLL_LONG_SHARE, POLL_SLEEP_LONG, POLL_SLEEP_MAX, POLL_SLEEP_MIN, next_pause
+from dbs_mpi.mpi.waits import POLL_LONG_SHARE, POLL_SLEEP_LONG, POLL_SLEEP_MAX, POLL_SLEEP_MIN, next_pause
 
 
 def pauses(waited_at, max_pause=POLL_SLEEP_MAX):

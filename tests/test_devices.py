@@ -155,7 +155,7 @@ def test_auto_selects_the_cpu_on_a_machine_without_gpus(comm):
 def test_a_missing_gpu_fails_on_every_rank_together(comm):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    from dbs_mpi.mpi.comm import AgreedError
+    from dbs_mpi.mpi.agreement import AgreedError
     last = comm.Get_size() - 1
     specs = ["cpu"] * last + ["cuda:0"]          # only the last rank asks for a GPU
     with pytest.raises(AgreedError, match=f"cuda:0 requested for rank {last} on") as info:
@@ -167,7 +167,7 @@ def test_a_missing_gpu_fails_on_every_rank_together(comm):
 
 @pytest.mark.mpi(min_size=1)
 def test_a_bad_binding_setting_fails_on_every_rank_together(comm, monkeypatch):
-    from dbs_mpi.mpi.comm import AgreedError
+    from dbs_mpi.mpi.agreement import AgreedError
     monkeypatch.setenv("DBS_MPI_BIND", "core")
     with pytest.raises(AgreedError, match="DBS_MPI_BIND: must be one of cpu, gpu, none"):
         devices.select(comm, "cpu")
@@ -175,7 +175,7 @@ def test_a_bad_binding_setting_fails_on_every_rank_together(comm, monkeypatch):
 
 @pytest.mark.mpi(min_size=1)
 def test_the_exchange_is_agreed_and_refused_together(comm):
-    from dbs_mpi.mpi.comm import AgreedError
+    from dbs_mpi.mpi.agreement import AgreedError
     cpu = torch.device("cpu")
     assert transport.agree(comm, "auto", cpu) == ("host" if comm.Get_size() > 1 else "local")
     assert transport.agree(comm, "cuda-aware", cpu) == "cuda-aware"     # CPU ranks then use host memory
@@ -186,18 +186,18 @@ def test_the_exchange_is_agreed_and_refused_together(comm):
 
 @pytest.mark.mpi(min_size=1)
 def test_select_gives_cpu_ranks_their_share_of_the_cores_unless_init_was_told(comm, monkeypatch):
-    from dbs_mpi.mpi import comm as mpi
+    from dbs_mpi.mpi import placement
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(7)
-        monkeypatch.setattr(mpi, "THREADS_GIVEN", True)            # dbs_mpi.init(threads=7)
+        monkeypatch.setattr(placement, "THREADS_GIVEN", True)      # dbs_mpi.init(threads=7)
         devices.select(comm, "cpu")
         assert torch.get_num_threads() == 7
-        monkeypatch.setattr(mpi, "THREADS_GIVEN", False)
+        monkeypatch.setattr(placement, "THREADS_GIVEN", False)
         devices.select(comm, "cpu")
-        places = mpi.placement(comm)
+        places = placement.placement(comm)
         assert torch.get_num_threads() == devices.cpu_threads(places, ["cpu"] * comm.Get_size(), comm.Get_rank(),
-                                                              mpi.thread_limit())
+                                                              placement.thread_limit())
     finally:
         torch.set_num_threads(before)
 
@@ -222,7 +222,7 @@ def test_resync_makes_drifted_replicas_and_their_optimizer_state_equal_again(com
             optimizer.state[p]["exp_avg"].add_(0.5 * comm.Get_rank())
     drift = optimizer.resync()
     assert drift == pytest.approx(0.5 * (comm.Get_size() - 1), rel=1e-5)     # the largest: the optimizer state's
-    from dbs_mpi.mpi.comm import allgather_object
+    from dbs_mpi.mpi.collectives import allgather_object
     mine = [t.detach().clone() for t in model.parameters()] + \
            [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()] + [model[1].running_mean.clone()]
     for other in allgather_object(comm, mine):

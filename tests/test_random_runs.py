@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from dbs_mpi.tools import config
 from dbs_mpi.tools.config import UserError
-from dbs_mpi.mpi.comm import AgreedError
+from dbs_mpi.mpi.agreement import AgreedError
 from dbs_mpi.training.results import read_run
 from dbs_mpi.tools.train import train
 

@@ -314,7 +314,7 @@ def test_simulate_refuses_a_file_that_is_no_result_file(tmp_path):
 def test_a_quick_calibration_writes_a_machine_file_that_the_simulator_reads(tmp_path):
     """`simulate calibrate --quick` at 2 ranks, end to end (~25 s on the 2-core machine):
     every constant of its file is there and sane, and a replay and a projection read it."""
-    from dbs_mpi.mpi.comm import available_cores
+    from dbs_mpi.mpi.placement import available_cores
     from dbs_mpi.tools.machine import QUICK, SHAPES
     out = tmp_path / "machine.json"
     run = run_cli(["simulate", "calibrate", "--quick", "--name", "quick test", "--out", str(out)], ranks=2,

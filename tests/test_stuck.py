@@ -89,13 +89,13 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path, strategy, poli
 LATE = """
 import sys, time
 import dbs_mpi
-from dbs_mpi.mpi import comm as mpi
+from dbs_mpi.mpi.collectives import barrier, bcast_object
 comm = dbs_mpi.init()
 if comm.Get_rank() == 1:
     if sys.argv[1] == "computing":
         time.sleep(60)
-    mpi.bcast_object(comm, None, 0, 60, "rank 1's broadcast")          # another collective than rank 0's
-mpi.barrier(comm, 3)
+    bcast_object(comm, None, 0, 60, "rank 1's broadcast")          # another collective than rank 0's
+barrier(comm, 3)
 """
 
 

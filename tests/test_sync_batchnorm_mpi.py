@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import dbs_mpi
-from dbs_mpi.mpi import comm as mpi
+from dbs_mpi.mpi.collectives import allgather_array
 from dbs_mpi.planning import allocation
 from dbs_mpi.training import ddp, sync_batchnorm
 from test_api_mpi import Pairs, flat_params, speeds_for
@@ -61,7 +61,7 @@ def spread(comm, tensor):
     """The largest difference between any rank's tensor and rank 0's (0 on one rank)."""
     mine = tensor.detach().double().numpy()
     first = comm.bcast(mine, root=0)
-    return float(mpi.allgather_array(comm, [np.abs(mine - first).max()], TIMEOUT).max())
+    return float(allgather_array(comm, [np.abs(mine - first).max()], TIMEOUT).max())
 
 
 def check_one_step(comm, device="cpu"):

@@ -51,7 +51,9 @@ import torch
 from mpi4py import MPI
 
 from ..options import DEVICE_SPEC, UserError
-from . import comm as mpi
+from . import placement
+from .agreement import collective
+from .collectives import allgather_object
 
 
 def check_spec(spec: str, what: str = "device") -> str:
@@ -141,8 +143,8 @@ def select(comm, device: str = "auto", devices=None, timeout: float = 600.0,
     None: unless dbs_mpi.init(threads=...) was given them."""
     def choose():
         specs = per_rank_specs(device, devices, comm.Get_size())
-        inventory = mpi.allgather_object(comm, (socket.gethostname(), visible_gpus()), timeout,
-                                          "gathering every rank's GPUs")
+        inventory = allgather_object(comm, (socket.gethostname(), visible_gpus()), timeout,
+                                     "gathering every rank's GPUs")
         return assign(specs, inventory)
 
     # The specs (and DBS_MPI_BIND) are checked on every rank together before anybody gathers (a rank failing
@@ -151,17 +153,17 @@ def select(comm, device: str = "auto", devices=None, timeout: float = 600.0,
     def check():
         per_rank_specs(device, devices, comm.Get_size())
         return bind_mode()
-    mode = mpi.collective(comm, check, timeout=timeout)
-    chosen = mpi.collective(comm, choose, timeout=timeout)
+    mode = collective(comm, check, timeout=timeout)
+    chosen = collective(comm, choose, timeout=timeout)
     mine = torch.device(chosen[comm.Get_rank()])
     if mine.type == "cuda":
         torch.cuda.set_device(mine)
-    places = mpi.placement(comm, timeout)          # collective on every rank, whatever each decides below
+    places = placement.placement(comm, timeout)    # collective on every rank, whatever each decides below
     cores = core_plan(places, chosen, siblings, mode)[comm.Get_rank()]
     if cores is not None:
         bind_process(cores)
-    if threads or (threads is None and not mpi.THREADS_GIVEN):
-        mpi.set_torch_threads(cpu_threads(places, chosen, comm.Get_rank(), mpi.thread_limit()))
+    if threads or (threads is None and not placement.THREADS_GIVEN):
+        placement.set_torch_threads(cpu_threads(places, chosen, comm.Get_rank(), placement.thread_limit()))
     return mine
 
 
@@ -170,21 +172,21 @@ select_device = select          # the public name (dbs_mpi.select_device)
 
 def all_devices(comm, device: torch.device, timeout: float = 600.0) -> list[dict]:
     """Every rank's `describe(device)`, in rank order (for records, thread shares, info)."""
-    return mpi.allgather_object(comm, describe(device), timeout, "gathering every rank's device")
+    return allgather_object(comm, describe(device), timeout, "gathering every rank's device")
 
 
 def cpu_threads(places, device_names: list[str], rank: int, limit: int | None = None) -> int:
     """Torch threads of `rank`: 1 on a GPU rank; on a CPU rank, the node's cores not taken
     by its GPU ranks' processes, shared out over its CPU ranks (at least 1).
 
-    places: (host, cores) per rank (comm.placement); device_names: every rank's device."""
+    places: (host, cores) per rank (placement.placement); device_names: every rank's device."""
     if device_names[rank] != "cpu":
         return 1
     host = places[rank][0]
     on_node = [r for r, (h, _) in enumerate(places) if h == host]
     gpu_ranks = sum(1 for r in on_node if device_names[r] != "cpu")
     cpu_ranks = len(on_node) - gpu_ranks
-    share = max(1, (mpi.node_cores(places)[host] - gpu_ranks) // max(cpu_ranks, 1))
+    share = max(1, (placement.node_cores(places)[host] - gpu_ranks) // max(cpu_ranks, 1))
     share = min(share, len(places[rank][1]) or share)
     return min(share, limit) if limit else share
 
@@ -207,7 +209,7 @@ def core_plan(places, device_names: list[str], smt=None, mode: str = "cpu") -> l
     CPU ranks every core no GPU rank took; only where at least one core is left per CPU
     rank. mode "cpu" (the default) leaves the GPU ranks unbound (their cores are only
     kept free of CPU ranks); "none": nobody is bound.
-    places: (host, cores) per rank (comm.placement); pure."""
+    places: (host, cores) per rank (placement.placement); pure."""
     smt = smt or (lambda core: {core})
     plan: list[set[int] | None] = [None] * len(places)
     if mode == "none":

@@ -3,7 +3,7 @@
 `init_process_group(comm)` agrees a backend on every rank (nccl where every rank has a
 GPU of its own and NCCL, else gloo; requests must agree), then rank 0 hosts a TCPStore
 on a port the operating system picks and its address and port travel by MPI, so no
-environment variable or fixed port is needed. Every step runs under comm.collective:
+environment variable or fixed port is needed. Every step runs under agreement.collective:
 a failure on one rank (a backend this build lacks, different requests, a group that
 exists already with another shape) fails every rank together, in one line. The DDP
 hook (ddp.py) and the torch.distributed transport (transport.py) both start from here.
@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 from ..options import UserError
-from . import comm as mpi
+from .agreement import AgreedError, collective
+from .collectives import allgather_object, bcast_object
+from .placement import hostnames
 from .devices import gpu_identity
 
 LOOPBACK = "127.0.0.1"
@@ -114,23 +116,23 @@ def init_process_group(comm, backend: "str | None" = None, timeout: float = 600.
     returned. A failure on any rank (a backend this build lacks, different requests, a
     different existing group) raises AgreedError on every rank."""
     rank, world = comm.Get_rank(), comm.Get_size()
-    existing = mpi.collective(comm, _existing_group, backend, world, rank, timeout=timeout)
-    flags = mpi.allgather_object(comm, existing, timeout, "agreeing whether torch.distributed is initialised")
+    existing = collective(comm, _existing_group, backend, world, rank, timeout=timeout)
+    flags = allgather_object(comm, existing, timeout, "agreeing whether torch.distributed is initialised")
     if all(flags):
         return dist.group.WORLD
     if any(flags):
-        raise mpi.AgreedError(f"torch.distributed is initialised on rank(s) {[r for r, f in enumerate(flags) if f]} "
-                              f"but not on the others: initialise it on every rank together", 0, rank == 0, world)
-    reports = mpi.allgather_object(comm, _backend_report(backend, device), timeout,
-                                   "agreeing on the torch.distributed backend")
-    backend = mpi.collective(comm, agree_backend, reports, timeout=timeout)
-    mpi.collective(comm, check_backend, backend, timeout=timeout)
-    hosts = mpi.hostnames(comm, timeout)
+        raise AgreedError(f"torch.distributed is initialised on rank(s) {[r for r, f in enumerate(flags) if f]} "
+                          f"but not on the others: initialise it on every rank together", 0, rank == 0, world)
+    reports = allgather_object(comm, _backend_report(backend, device), timeout,
+                               "agreeing on the torch.distributed backend")
+    backend = collective(comm, agree_backend, reports, timeout=timeout)
+    collective(comm, check_backend, backend, timeout=timeout)
+    hosts = hostnames(comm, timeout)
     address = master_address(hosts) if rank == 0 else None
-    store = mpi.collective(comm, lambda: _serve(address, world, timeout) if rank == 0 else None, timeout=timeout)
-    address, port = mpi.bcast_object(comm, (address, store.port if rank == 0 else None), timeout=timeout,
-                                     what="broadcasting the TCPStore address")
-    mpi.collective(comm, _join, store, address, port, backend, rank, world, timeout, timeout=timeout)
+    store = collective(comm, lambda: _serve(address, world, timeout) if rank == 0 else None, timeout=timeout)
+    address, port = bcast_object(comm, (address, store.port if rank == 0 else None), timeout=timeout,
+                                 what="broadcasting the TCPStore address")
+    collective(comm, _join, store, address, port, backend, rank, world, timeout, timeout=timeout)
     return dist.group.WORLD
 
 

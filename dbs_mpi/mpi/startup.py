@@ -1,6 +1,6 @@
 """Bounded start-up: a watchdog process ends a rank whose launch stalls.
 
-Once a run is set up, every wait of dbs-mpi is a bounded collective (comm.py). Before
+Once a run is set up, every wait of dbs-mpi is a bounded collective (waits.py). Before
 that, a rank runs code that no deadline inside the process can interrupt: Python
 imports from a shared file system that hangs, and MPI_Init, which waits for every rank
 of the job while holding the interpreter's lock (no Python thread runs meanwhile). A
@@ -17,7 +17,7 @@ closes).
 
 Phases after MPI has started (`phase(name, backstop=True)`) are bounded inside the
 process too: their collectives time out after the same limit, and the supervisor
-(comm.Supervisor) records the failure in the result file and names the ranks that did
+(supervisor.py) records the failure in the result file and names the ranks that did
 not arrive. The child then waits BACKSTOP_GRACE longer, so that it only acts when the
 whole process is stuck (a C call that holds the lock, a job of one rank).
 

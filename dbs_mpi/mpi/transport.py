@@ -51,8 +51,9 @@ import torch
 from mpi4py import MPI
 
 from ..options import EXCHANGES, UserError
-from . import comm as mpi
+from .agreement import collective
 from .cached import cached
+from .collectives import allgather_object
 from .devices import gpu_identity, mpi_cuda_aware
 from .process_group import init_process_group
 
@@ -429,10 +430,10 @@ def _agree(comm, requested: str, device: torch.device, timeout: float) -> str:
     report = (gpu_identity(device) if cuda else None,
               cuda and torch.distributed.is_available() and torch.distributed.is_nccl_available(),
               mpi_cuda_aware() if cuda else None)
-    reports = mpi.allgather_object(comm, report, timeout, "agreeing on the gradient exchange")
+    reports = allgather_object(comm, report, timeout, "agreeing on the gradient exchange")
     gpus, nccl, aware = (list(column) for column in zip(*reports))
     nccl_everywhere = all(n for g, n in zip(gpus, nccl) if g is not None)
-    return mpi.collective(comm, choose, requested, gpus, nccl_everywhere, aware, timeout=timeout)
+    return collective(comm, choose, requested, gpus, nccl_everywhere, aware, timeout=timeout)
 
 
 def make(name: str, comm, flat: torch.Tensor, bounds, timeout: float = 600.0, stage: bool | None = None,

@@ -21,7 +21,7 @@ message sent is received, so nothing is left unmatched (checked at the end: no
 receive or send pending, and no stray message on the communicator after a barrier).
 
 Waiting: the server polls its receives with MPI_Test (Testsome) and sleeps between
-polls (20 to 100 us), the workers wait with comm.wait (the same), so with more ranks
+polls (20 to 100 us), the workers wait with waits.wait (the same), so with more ranks
 than cores a waiting rank leaves its core to a computing one. Every wait is bounded by
 cfg.comm_timeout (no progress for that long raises CommTimeout, which aborts the job).
 """
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..mpi import comm as mpi
+from ..mpi.waits import CommTimeout, wait
 
 TAG_WORK = 1    # server -> worker: header + weights (WORK), or header only (STOP)
 TAG_GRAD = 2    # worker -> server: header + gradient
@@ -106,9 +106,9 @@ class ServerChannels:
         others keep the server busy: fail (CommTimeout) naming it."""
         late = [w + 1 for w, a in enumerate(self.outstanding) if a is not None and now - self.sent_at[w] > self.timeout]
         if late:
-            raise mpi.CommTimeout(f"parameter server: worker(s) {late} sent no gradient for more than "
-                                  f"{self.timeout:g} s after being given work: stuck or dead (raise comm_timeout "
-                                  f"if a step can take that long)")
+            raise CommTimeout(f"parameter server: worker(s) {late} sent no gradient for more than "
+                              f"{self.timeout:g} s after being given work: stuck or dead (raise comm_timeout "
+                              f"if a step can take that long)")
 
     def send_stop(self, w: int, held: float) -> None:
         msg = self._reply(w, held)
@@ -141,7 +141,7 @@ class ServerChannels:
         return given, timestamp, count, float(h[G_LOSS]), float(h[G_COMPUTE]), int(h[G_SIGNAL])
 
     def _reply(self, w: int, held: float) -> Message:
-        mpi.wait(self.sends[w], self.timeout, "parameter server: previous reply")   # reply buffer free again
+        wait(self.sends[w], self.timeout, "parameter server: previous reply")   # reply buffer free again
         msg = self.replies[w]
         msg.header[:] = 0.0
         msg.header[W_HELD] = held
@@ -160,4 +160,4 @@ class ServerChannels:
     def finish(self) -> None:
         """Wait until every reply has left (bounded)."""
         for send in self.sends:
-            mpi.wait(send, self.timeout, "parameter server: last reply")
+            wait(send, self.timeout, "parameter server: last reply")

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from ..mpi import comm as mpi
+from ..mpi import waits
 from ..planning import sharding
 from .protocol import END_CHECKPOINT, END_DONE, END_STOP, Assignment, ServerChannels, bind_parameters
 from .records import C_COMM, C_COMPUTE, C_WAIT, ServerRecords
@@ -81,8 +81,8 @@ class Server:
         """Take in gradients until every worker has had STOP. Bounded: every pass either
         takes in at least one gradient (at most max_messages in all) or sleeps; a worker
         that holds its work longer than comm_timeout raises CommTimeout (check_late)."""
-        pause, idle_since = mpi.POLL_SLEEP_MIN, time.perf_counter()
-        mpi.SUPERVISOR.waiting = ("the parameter server's loop", time.perf_counter())
+        pause, idle_since = waits.POLL_SLEEP_MIN, time.perf_counter()
+        waits.WAITING = ("the parameter server's loop", time.perf_counter())
         while not all(self.stopped):
             t = time.perf_counter()
             self.channels.check_late(t)
@@ -94,14 +94,14 @@ class Server:
                     raise RuntimeError("parameter server: no receive posted but workers "
                                        f"{[w + 1 for w in range(self.workers) if not self.stopped[w]]} not stopped")
                 time.sleep(pause)
-                pause = mpi.next_pause(pause, t - idle_since)
+                pause = waits.next_pause(pause, t - idle_since)
                 self.records.charge(C_WAIT, time.perf_counter() - t)
                 continue
             self.records.charge(C_COMM, time.perf_counter() - t)
             for w in done:
                 self.receive(w)
-            pause, idle_since = mpi.POLL_SLEEP_MIN, time.perf_counter()
-        mpi.SUPERVISOR.waiting = None
+            pause, idle_since = waits.POLL_SLEEP_MIN, time.perf_counter()
+        waits.WAITING = None
 
     def _stop_requested(self, signum: int, where: str) -> None:
         """From now on every worker gets STOP at its next push (drain), then all checkpoint."""

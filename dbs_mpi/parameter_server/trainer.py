@@ -37,7 +37,11 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..mpi import comm as mpi, startup
+from ..mpi import startup
+from ..mpi.agreement import collective
+from ..mpi.collectives import allgather_array, barrier
+from ..mpi.supervisor import SUPERVISOR
+from ..mpi.waits import wait
 from ..options import UserError
 from ..planning import allocation, dynamic
 from ..planning.heterogeneity import Emulator
@@ -112,17 +116,17 @@ class AsyncTrainer:
         comm, cfg = self.comm, self.cfg
         server, worker, pcomm = self._set_up()
         startup.done()                         # the first step's waits are the training's (comm_timeout)
-        mpi.barrier(comm, cfg.comm_timeout)    # everybody set up: the clocks start now
+        barrier(comm, cfg.comm_timeout)        # everybody set up: the clocks start now
         # Bounded: every segment but the last hands out at least one epoch boundary's or
         # one stop request's worth of work, and the server's budget ends the run.
         while True:
             end = server.run() if server is not None else worker.run()
             # Everybody is out of the protocol; a message still queued would be a protocol bug.
-            mpi.barrier(pcomm, cfg.comm_timeout)
+            barrier(pcomm, cfg.comm_timeout)
             stray = float(pcomm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG))
             closed = server.records.closed if server is not None else 0
             signum = max(self.stop.requested, server.signal if server is not None else 0)
-            flags = mpi.allgather_array(comm, [end or 0, closed, stray, signum], cfg.comm_timeout)
+            flags = allgather_array(comm, [end or 0, closed, stray, signum], cfg.comm_timeout)
             if flags[:, 2].any():
                 raise RuntimeError(f"parameter server protocol: unmatched message(s) on rank(s) "
                                    f"{np.flatnonzero(flags[:, 2]).tolist()}")
@@ -148,7 +152,7 @@ class AsyncTrainer:
         protocol's communicator."""
         run, comm, cfg, state = self.run, self.comm, self.cfg, self.state
         rank, workers = comm.Get_rank(), comm.Get_size() - 1
-        mpi.collective(comm, check_model, run.model, timeout=cfg.comm_timeout)
+        collective(comm, check_model, run.model, timeout=cfg.comm_timeout)
         moved = state is not None and state["world_size"] != comm.Get_size()     # another number of workers
         if state is None or moved:           # the new workers: their own vector (dbs-sgd: calibrated)
             startup.phase("calibration", backstop=True)
@@ -166,7 +170,7 @@ class AsyncTrainer:
         self.c = group_size(cfg.strategy, workers, cfg.softsync_n)
         self.mode = "immediate" if not (cfg.strategy == "nsoftsync" and cfg.softsync_wait) else (
             "rounds (hardsync)" if self.c == workers else "wait")
-        with mpi.SUPERVISOR.deadline(comm, cfg.comm_timeout, "creating the protocol's communicator"):
+        with SUPERVISOR.deadline(comm, cfg.comm_timeout, "creating the protocol's communicator"):
             pcomm = comm.Dup()          # the protocol's own context: its tags meet no other message
         server = worker = None
         if rank == 0:
@@ -191,7 +195,7 @@ class AsyncTrainer:
             return
         comm, cfg = self.comm, self.cfg
         stats = server.records.stats if server is not None else worker.stats
-        gathered = mpi.allgather_array(comm, stats, cfg.comm_timeout)      # (world, epochs, K)
+        gathered = allgather_array(comm, stats, cfg.comm_timeout)      # (world, epochs, K)
         # The model's parameters are views of the protocol buffers: evaluate in place
         # (the server's current weights are put back afterwards).
         flat = server.weights if server is not None else worker.weights.body
@@ -200,7 +204,7 @@ class AsyncTrainer:
         for e in range(self.written, closed):
             if server is not None:
                 flat.copy_(torch.from_numpy(server.records.snapshots.pop(e)))
-            mpi.wait(comm.Ibcast([flat.numpy(), MPI.FLOAT], root=0), cfg.comm_timeout, "broadcasting weights")
+            wait(comm.Ibcast([flat.numpy(), MPI.FLOAT], root=0), cfg.comm_timeout, "broadcasting weights")
             if worker is not None:
                 worker.pull()
             test_loss, test_acc, eval_time = self.run.evaluate()
@@ -225,7 +229,7 @@ class AsyncTrainer:
         host = torch.zeros(sum(p.numel() for p in params))
         flat = host if self.run.device.type == "cpu" else torch.zeros(host.shape, device=self.run.device)
         bind_parameters(params, flat)
-        mpi.wait(self.comm.Ibcast([host.numpy(), MPI.FLOAT], root=0), self.cfg.comm_timeout, "broadcasting weights")
+        wait(self.comm.Ibcast([host.numpy(), MPI.FLOAT], root=0), self.cfg.comm_timeout, "broadcasting weights")
         if flat is not host:
             flat.copy_(host)
         for p in params:

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import torch
 
-from ..mpi import comm as mpi
+from ..mpi.waits import wait
 from ..mpi.devices import model_device, to_device
 from ..planning import sharding
 from ..training.batches import fetch_batch
@@ -69,7 +69,7 @@ class Worker:
         t_push, first = time.perf_counter(), True
         # Bounded: one pass per WORK message, and the server sends at most max_messages.
         for _ in range(self.max_messages):
-            mpi.wait(recv, self.timeout, "waiting for the parameter server")
+            wait(recv, self.timeout, "waiting for the parameter server")
             exchange = time.perf_counter() - t_push
             held = exchange if first else min(float(header[W_HELD]), exchange)   # the start: all waiting
             first = False
@@ -115,7 +115,7 @@ class Worker:
             # them, then push (the server answers every push with WORK or STOP).
             t_push = time.perf_counter()
             recv = self.comm.Irecv(self.weights.whole, 0, TAG_WORK)
-            mpi.wait(self.comm.Isend(self.grad.whole, 0, TAG_GRAD), self.timeout, "pushing a gradient")
+            wait(self.comm.Isend(self.grad.whole, 0, TAG_GRAD), self.timeout, "pushing a gradient")
         raise RuntimeError(f"worker {self.comm.Get_rank()}: more than {self.max_messages} work messages")
 
     def pull(self) -> None:

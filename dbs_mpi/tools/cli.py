@@ -113,9 +113,10 @@ def collect_from_here() -> None:
 def start_torch(comm) -> None:
     """init's last step, once the input is known to be good: import torch, and give this
     rank its share of the node's cores as torch threads."""
-    from ..mpi import comm as mpi, startup
+    from ..mpi import startup
+    from ..mpi.placement import set_torch_threads, threads_per_rank
     startup.phase("torch", backstop=True)
-    mpi.set_torch_threads(mpi.threads_per_rank(comm, timeout=startup.limit()))
+    set_torch_threads(threads_per_rank(comm, timeout=startup.limit()))
 
 
 def check_before_torch(argv, world_size: int) -> None:
@@ -133,21 +134,23 @@ def check_before_torch(argv, world_size: int) -> None:
 
 
 def cmd_train(comm, argv) -> int:
-    from ..mpi import comm as mpi, startup
+    from ..mpi import startup
+    from ..mpi.agreement import agree
+    from ..mpi.collectives import bcast_object
 
     startup.keep_stop_requests()             # a warning before the time limit during the start-up is kept
     startup.phase("config", backstop=True)
     limit = startup.limit()                  # before the configuration is known: the command line's
-    mpi.agree(comm, check_before_torch, argv, comm.Get_size(), timeout=limit)
+    agree(comm, check_before_torch, argv, comm.Get_size(), timeout=limit)
     start_torch(comm)
     from .train import format_summary, train
     collect_from_here()
 
     startup.phase("config", backstop=True)
-    cfg, state, resume = mpi.agree(comm, load_train_config, argv, comm.Get_rank(), timeout=limit)
+    cfg, state, resume = agree(comm, load_train_config, argv, comm.Get_rank(), timeout=limit)
     if resume:
-        cfg, state = mpi.bcast_object(comm, (cfg, state), timeout=limit, what="broadcasting the checkpoint")
-        mpi.agree(comm, _check_world_size, state, comm.Get_size(), timeout=limit)
+        cfg, state = bcast_object(comm, (cfg, state), timeout=limit, what="broadcasting the checkpoint")
+        agree(comm, _check_world_size, state, comm.Get_size(), timeout=limit)
         if nothing_left(cfg, state):
             startup.done()
             if comm.Get_rank() == 0:
@@ -184,24 +187,27 @@ def cmd_info(comm, argv) -> int:
     import torch
     from mpi4py import MPI
 
-    from ..mpi import comm as mpi, devices
+    from ..mpi import devices
+    from ..mpi.agreement import agree
+    from ..mpi.collectives import allgather_object
+    from ..mpi.placement import available_cores, mpi_library, placement, thread_limit
     from ..training.results import versions
 
     parser = ArgumentParser(prog="dbs-mpi info", description="Print the MPI, PyTorch and device environment of every rank: "
                      "the device each rank would train on with the same --device/--devices.")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     parser.add_argument("--devices", default="", metavar="A,B,...", help="per-rank devices (overrides --device)")
-    args = mpi.agree(comm, parser.parse_args, argv)
+    args = agree(comm, parser.parse_args, argv)
     per_rank = [d for d in args.devices.replace(" ", "").split(",") if d]
     device = devices.select(comm, args.device, per_rank or None)
     described = devices.all_devices(comm, device)
-    places = mpi.placement(comm)
-    threads = devices.cpu_threads(places, [d["device"] for d in described], comm.Get_rank(), mpi.thread_limit())
+    places = placement(comm)
+    threads = devices.cpu_threads(places, [d["device"] for d in described], comm.Get_rank(), thread_limit())
     aware = devices.mpi_cuda_aware()
-    rows = mpi.allgather_object(comm, (comm.Get_rank(), socket.gethostname(), os.getpid(), mpi.available_cores(),
-                                       threads, devices.cuda_versions(), aware))
+    rows = allgather_object(comm, (comm.Get_rank(), socket.gethostname(), os.getpid(), available_cores(),
+                                   threads, devices.cuda_versions(), aware))
     if comm.Get_rank() == 0:
-        v = versions(mpi.mpi_library())
+        v = versions(mpi_library())
         print(f"MPI library:   {v['mpi_library']}")
         print(f"MPI standard:  {'.'.join(map(str, MPI.Get_version()))}   mpi4py {mpi4py.__version__}")
         print(f"CUDA-aware MPI: {_cuda_aware_text(aware)}")
@@ -241,7 +247,7 @@ def cmd_data(comm, argv) -> int:
 
 
 def cmd_close(comm, argv) -> int:
-    from ..mpi import comm as mpi
+    from ..mpi.agreement import agree
     parser = ArgumentParser(
         prog="dbs-mpi close",
         description="After a launch that ended with every rank killed (a lost node, SIGKILL): mark its result "
@@ -249,8 +255,8 @@ def cmd_close(comm, argv) -> int:
                     "state is left as it is; so is one still open by a live run. One process, without mpirun.")
     parser.add_argument("result", metavar="RESULT.h5")
     parser.add_argument("--exit-status", type=int, help="the launcher's exit status, recorded in `crashed`")
-    args = mpi.agree(comm, parser.parse_args, argv)
-    before, after = mpi.agree(comm, _close_alone, comm, args)
+    args = agree(comm, parser.parse_args, argv)
+    before, after = agree(comm, _close_alone, comm, args)
     print(f"dbs-mpi close: {args.result}: " + (f"{before} -> {after}" if after != before else f"{before}, left as it is"))
     return 0
 
@@ -306,9 +312,11 @@ def run_command(name: str, argv) -> int:
     startup.phase("mpi")
     from mpi4py import MPI
     startup.phase("imports")
-    from ..mpi import comm as mpi
+    from ..mpi.agreement import AgreedError
+    from ..mpi.comm import start
+    from ..mpi.supervisor import write_stderr
     startup.phase("init", backstop=True)
-    comm = mpi.start(MPI.COMM_WORLD, timeout=startup.limit())  # fail together; the watchdog
+    comm = start(MPI.COMM_WORLD, timeout=startup.limit())  # fail together; the watchdog
     if name != "train":                      # train checks its input first, and ends the start-up at its first step
         if any([name, *argv][:len(command)] == list(command) for command in TORCH_COMMANDS):
             start_torch(comm)
@@ -316,9 +324,9 @@ def run_command(name: str, argv) -> int:
         collect_from_here()
     try:
         return COMMANDS[name](comm, argv)
-    except mpi.AgreedError as exc:  # a mistake every rank knows about: one line, every rank exits
+    except AgreedError as exc:  # a mistake every rank knows about: one line, every rank exits
         if exc.local:
-            mpi._write_stderr(exc.report())
+            write_stderr(exc.report())
         return 2
     except SystemExit as exc:  # from agree(): every rank exits together, cleanly
         return exc.code if isinstance(exc.code, int) else 2

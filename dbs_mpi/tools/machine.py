@@ -218,7 +218,7 @@ def measure_allreduce(comm, sizes=(2 ** 10, 2 ** 14, 2 ** 17, 2 ** 19, 2 ** 21),
     = 2 alpha + m beta; and the median extra time of the sleeping wait policy."""
     import torch
 
-    from ..mpi.comm import barrier
+    from ..mpi.collectives import barrier
     from ..training.exchange import GradientExchange
     rows, times, sleeps = [], [], []
     for numel in sizes:
@@ -249,7 +249,7 @@ def measure_crowding(comm, alpha: float, beta: float, sleep_wait: float, repeats
     the ranks outnumber the cores (sleeping wait policy, as training uses there)."""
     import torch
 
-    from ..mpi.comm import barrier
+    from ..mpi.collectives import barrier
     from ..training.exchange import GradientExchange
     p, extra = comm.Get_size(), []
     for nbytes in (2 ** 14, 2 ** 18, 2 ** 20):
@@ -273,7 +273,8 @@ def calibrate(comm, name: str, effort: Effort = FULL) -> Machine:
     all of them measure crowding; rank 0 measures the models while the others sleep."""
     import torch
 
-    from ..mpi.comm import available_cores, barrier, bcast_object
+    from ..mpi.collectives import barrier, bcast_object
+    from ..mpi.placement import available_cores
     torch.set_num_threads(1)
     pair = comm.Split(0 if comm.Get_rank() < 2 else 1)
     alpha = beta = sleep_wait = 0.0

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from ..mpi import comm as mpi, devices, startup, transport
+from ..mpi import devices, placement, startup, transport
+from ..mpi.agreement import collective
+from ..mpi.collectives import allgather_object, bcast_object, broadcast_parameters
 from ..options import UserError
 from ..parameter_server import AsyncTrainer
 from ..planning import schedule
@@ -94,10 +96,10 @@ def load_data(cfg: Config):
 
 
 def setup(comm, cfg: Config) -> Run:
-    """Everything that can fail because of the user's input; run under comm.agree."""
+    """Everything that can fail because of the user's input; run under agree (mpi/agreement.py)."""
     check_world(cfg, comm.Get_size())
-    if cfg.threads and mpi.thread_limit() and cfg.threads > mpi.thread_limit():
-        raise UserError(f"threads: {cfg.threads} is more than OMP_THREAD_LIMIT={mpi.thread_limit()} in the "
+    if cfg.threads and placement.thread_limit() and cfg.threads > placement.thread_limit():
+        raise UserError(f"threads: {cfg.threads} is more than OMP_THREAD_LIMIT={placement.thread_limit()} in the "
                         f"environment allows (torch would hang)")
     train_set, test_set = load_data(cfg)
     if steps_per_epoch(len(train_set), cfg.global_batch, cfg.drop_last) == 0:
@@ -146,15 +148,16 @@ def place(run: Run) -> list:
         run.exchange = transport.agree(comm, cfg.exchange, run.device, cfg.comm_timeout)
     described = devices.all_devices(comm, run.device, cfg.comm_timeout)
     run.devices, run.device_names = [d["device"] for d in described], [d["name"] for d in described]
-    places = mpi.placement(comm, cfg.comm_timeout)
-    threads = mpi.set_torch_threads(cfg.threads or devices.cpu_threads(places, run.devices, rank, mpi.thread_limit()))
-    run.threads = mpi.allgather_object(comm, threads, cfg.comm_timeout, "gathering every rank's threads")
+    places = placement.placement(comm, cfg.comm_timeout)
+    threads = placement.set_torch_threads(
+        cfg.threads or devices.cpu_threads(places, run.devices, rank, placement.thread_limit()))
+    run.threads = allgather_object(comm, threads, cfg.comm_timeout, "gathering every rank's threads")
     if cfg.amp == "fp16" and "cpu" in run.devices:
         cpu = [r for r, d in enumerate(run.devices) if d == "cpu"]
-        mpi.collective(comm, _refuse, f"amp: fp16 needs every rank on a GPU, and rank(s) {cpu} compute on the CPU; "
-                                      f"use --amp bf16", timeout=cfg.comm_timeout)
+        collective(comm, _refuse, f"amp: fp16 needs every rank on a GPU, and rank(s) {cpu} compute on the CPU; "
+                                  f"use --amp bf16", timeout=cfg.comm_timeout)
     run.model.to(run.device)
-    mpi.broadcast_parameters(run.model, comm, timeout=cfg.comm_timeout)
+    broadcast_parameters(run.model, comm, timeout=cfg.comm_timeout)
     if cfg.sync_bn:                # BatchNorm over the global batch (setup checked there is some)
         run.model = sync_batchnorm.convert_sync_batchnorm(run.model, comm, cfg.comm_timeout)
     return places
@@ -217,19 +220,19 @@ def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state:
     the result file `out` is continued, not rewritten. Raises SystemExit(EXIT_STOPPED)
     on every rank after a stop request (SIGUSR1: interrupted, SIGTERM: cancelled) was
     checkpointed, and
-    comm.AgreedError on every rank for a mistake in the configuration or the plug-ins."""
+    AgreedError on every rank for a mistake in the configuration or the plug-ins."""
     rank = comm.Get_rank()
     log = log or (lambda msg: print(msg, flush=True) if rank == 0 else None)
     out = out or cfg.out or str(default_path(cfg.strategy))
 
     torch.manual_seed(cfg.seed)
     startup.phase("data", backstop=True)
-    run = mpi.collective(comm, setup, comm, cfg, timeout=cfg.comm_timeout)
+    run = collective(comm, setup, comm, cfg, timeout=cfg.comm_timeout)
     startup.phase("devices", backstop=True)
     places = place(run)
     threads = run.threads[rank]
-    oversubscribed = mpi.oversubscribed(places)
-    run.sleep_wait = mpi.sleep_while_waiting(cfg.wait_policy, places)
+    oversubscribed = placement.oversubscribed(places)
+    run.sleep_wait = placement.sleep_while_waiting(cfg.wait_policy, places)
     run.log, run.state = log, checkpoint_state
     run.checkpoint_path = cfg.checkpoint or str(checkpoint.default_path(out))
     run.summary = RunSummary(path=out if rank == 0 else None, model=run.model, oversubscribed=oversubscribed)
@@ -253,8 +256,8 @@ def _record(run, comm, cfg: Config, checkpoint_state, attrs: dict, out: str) -> 
                   timeout=cfg.comm_timeout) as recorder:
         run.recorder = recorder
         if checkpoint_state is not None:
-            run.summary.epochs.extend(mpi.bcast_object(comm, recorder.writer.read_epochs() if comm.Get_rank() == 0
-                                                       else None, timeout=cfg.comm_timeout))
+            run.summary.epochs.extend(bcast_object(comm, recorder.writer.read_epochs() if comm.Get_rank() == 0
+                                                   else None, timeout=cfg.comm_timeout))
             if resized(checkpoint_state, comm) and cfg.strategy not in ASYNC_STRATEGIES:
                 recorder.append_steps(steps_before_resume([part["balancer"] for part in checkpoint_state[
                     "per_rank"]], recorder.records["epochs"]))

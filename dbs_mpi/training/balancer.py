@@ -45,7 +45,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..mpi import comm as mpi
+from ..mpi.agreement import agree_settings
+from ..mpi.collectives import allgather_array
+from ..mpi.waits import wait
 from ..mpi.devices import model_device
 from ..options import UserError, parse_interval
 from ..planning import allocation, dynamic, participation, sharding
@@ -66,7 +68,7 @@ def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int
     with torch.random.fork_rng(devices=cuda):
         t_small = time_step(step, small, steps, warmup, stretch)
         t_large = time_step(step, large, steps, warmup, stretch)
-    times = mpi.allgather_array(comm, [t_small, t_large], timeout)
+    times = allgather_array(comm, [t_small, t_large], timeout)
     n = comm.Get_size()
     fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1], affine=affine)
     return fit, times
@@ -238,7 +240,7 @@ class _Epoch:
     def gather(self, comm, timeout: float) -> tuple[np.ndarray, tuple]:
         """Collective (one allgather): the table of the steps this world ran and every rank's
         phases of them (_phases)."""
-        gathered = mpi.allgather_array(comm, self.times.as_array(), timeout)     # (R, 6, S)
+        gathered = allgather_array(comm, self.times.as_array(), timeout)     # (R, 6, S)
         return self.table[self.measured_from:], _phases(gathered[:, :, self.measured_from:])
 
     def amend(self, epoch: int, step: int, pre: float, collective: float, update: float, loss: float) -> None:
@@ -276,7 +278,7 @@ def _check_settings(comm, timeout: float, **settings) -> None:
     """Collective: every rank's balancer has the same settings (a rank with another global
     batch would wait in another collective; AgreedError names the setting and the ranks),
     then they are checked."""
-    mpi.agree_settings(comm, settings, timeout, "Balancer")
+    agree_settings(comm, settings, timeout, "Balancer")
     if settings["policy"] not in POLICIES:
         raise UserError(f"policy: must be one of {', '.join(POLICIES)}; got {settings['policy']!r}")
     participation.check_participation(settings["participation"])
@@ -345,7 +347,7 @@ class Calibration:
         if times.shape != (self.world_size, 2):
             raise UserError(f"calibration: it timed {times.shape[0] if times.ndim else 0} rank(s); this job has "
                             f"{self.world_size} (a recorded calibration is reused on a world of its size)")
-        mpi.agree_settings(self.comm, dict(calibration=[small, large, *times.ravel().tolist()]), self.timeout,
+        agree_settings(self.comm, dict(calibration=[small, large, *times.ravel().tolist()]), self.timeout,
                            "Balancer.use_calibration")
         n = self.world_size
         fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1],
@@ -423,8 +425,8 @@ class BatchPolicy(Calibration):
     def _new_table(self, epoch: int, num_samples: int, drop_last: bool, first_step: int, seed=None) -> np.ndarray:
         """An epoch's (steps x ranks) table of local batches from the current vector, once
         the ranks agree on what the epoch is (collective: one allgather, none on one rank)."""
-        mpi.agree_settings(self.comm, dict(epoch=epoch, dataset_length=num_samples, drop_last=drop_last,
-                                           first_step=first_step, seed=seed), self.timeout, "HeteroSampler")
+        agree_settings(self.comm, dict(epoch=epoch, dataset_length=num_samples, drop_last=drop_last,
+                                       first_step=first_step, seed=seed), self.timeout, "HeteroSampler")
         if self.policy == "static" and self.speed_model is None and first_step == 0 and epoch == 0:
             raise RuntimeError("policy 'static' allocates from the start-up calibration: call balancer.calibrate() "
                                "(or calibrate_model()) before the first epoch")
@@ -473,7 +475,7 @@ class BatchPolicy(Calibration):
         # copy is broadcast anyway so that float quirks can never split the ranks.
         new = np.ascontiguousarray(new, dtype=np.int64)
         if self.world_size > 1:
-            mpi.wait(self.comm.Ibcast(new, root=0), self.timeout, "broadcasting the new batch vector")
+            wait(self.comm.Ibcast(new, root=0), self.timeout, "broadcasting the new batch vector")
         self.batch_sizes = new
         return {"speed_ratio": ratio}
 

@@ -34,7 +34,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..mpi import comm as mpi, startup
+from ..mpi import startup
+from ..mpi.collectives import allgather_object
+from ..mpi.waits import wait
 from ..options import UserError
 
 EXIT_STOPPED = 3          # exit status after a stop request: checkpoint written, resume with --resume
@@ -90,7 +92,7 @@ def save(comm, path, common: dict, per_rank: dict | None = None, timeout: float 
     """Collective: rank 0 writes {**common, per_rank: [every rank's dict]} to path,
     atomically. `common` matters on rank 0 only (what every rank holds alike)."""
     common = to_safe(common)                 # on every rank: a bad object fails everywhere alike
-    gathered = mpi.allgather_object(comm, to_safe(per_rank or {}, "per_rank"), timeout, "gathering checkpoint parts")
+    gathered = allgather_object(comm, to_safe(per_rank or {}, "per_rank"), timeout, "gathering checkpoint parts")
     if comm.Get_rank() != 0:
         return
     path = Path(path)
@@ -276,7 +278,7 @@ class StopRequest:
         if carried is None and self._request is None:
             self.start()
         if self._request is not None:
-            mpi.wait(self._request, self.timeout, "stop-request agreement")
+            wait(self._request, self.timeout, "stop-request agreement")
             self._request = None
             carried = max(carried or 0, int(self._buffer[0]))
         return int(carried or 0)

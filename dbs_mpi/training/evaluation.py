@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..mpi import comm as mpi
+from ..mpi.collectives import allreduce_sum
 from ..mpi.devices import model_device, to_device
 from ..planning import sharding
 from .batches import Dataset
@@ -50,5 +50,5 @@ def evaluate(comm, model: torch.nn.Module, dataset, loss_fn=None, *, batch_size:
                 sums += (float(loss_fn(out, y)) * len(y), (out.argmax(1) == y).sum().item(), len(y))
     finally:
         model.train(was_training)
-    mpi.allreduce_sum(comm, sums, timeout)
+    allreduce_sum(comm, sums, timeout)
     return sums[0] / max(sums[2], 1), sums[1] / max(sums[2], 1)

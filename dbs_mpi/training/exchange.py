@@ -11,8 +11,8 @@ bucket's reduction starts from autograd hooks as soon as backward has filled it.
 It decides *when* a bucket is reduced and with which weight (the buffer and its .grad
 views are `GradientBuffer`'s, the order in which a step's buckets start during backward
 `BucketSchedule`'s); a transport (transport.py) moves the bytes (MPI from host memory,
-CUDA-aware MPI, or torch.distributed). Its waits are comm's bounded ones, with comm's
-two wait policies (see comm.py).
+CUDA-aware MPI, or torch.distributed). Its waits are the bounded ones of waits.py, with
+its two wait policies.
 
 The buffer (GradientBuffer) holds every gradient, bucket after bucket in launch order,
 then one slot for the step's loss and `extra` slots that any rank may fill (the
@@ -58,7 +58,8 @@ import torch
 from mpi4py import MPI
 
 from ..mpi import transport as transports
-from ..mpi.comm import SUPERVISOR, wait
+from ..mpi.supervisor import SUPERVISOR
+from ..mpi.waits import wait
 
 MIB = 2 ** 20
 BUCKET_BYTES = 25 * MIB        # PyTorch DDP's bucket cap

@@ -52,7 +52,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..mpi import comm as mpi, startup, transport
+from ..mpi import startup, transport
+from ..mpi.agreement import AgreedError, agree_settings
+from ..mpi.collectives import allgather_array, broadcast_tensors
+from ..mpi.placement import oversubscribed, placement, sleep_while_waiting
 from ..options import user_stacklevel
 from . import sync_batchnorm
 from .accumulation import MicroBatches
@@ -312,13 +315,13 @@ def build_exchange(comm, params, device, extra: int, timeout: float, settings: d
     the wait policy. Returns (the GradientExchange, whether a node is oversubscribed)."""
     if settings["aggregation"] not in AGGREGATIONS:
         raise ValueError(f"aggregation: must be one of {', '.join(AGGREGATIONS)}; got {settings['aggregation']!r}")
-    mpi.agree_settings(comm, settings, timeout, "DistributedOptimizer")
-    places = mpi.placement(comm, timeout)
+    agree_settings(comm, settings, timeout, "DistributedOptimizer")
+    places = placement(comm, timeout)
     name = transport.agree(comm, settings["exchange"], device, timeout)
-    exchange = GradientExchange(comm, params, timeout, mpi.sleep_while_waiting(settings["wait_policy"], places),
+    exchange = GradientExchange(comm, params, timeout, sleep_while_waiting(settings["wait_policy"], places),
                                 bucket_bytes=int(settings["bucket_mb"] * MIB),
                                 first_bucket_bytes=int(settings["first_bucket_mb"] * MIB), transport=name, extra=extra)
-    return exchange, mpi.oversubscribed(places)
+    return exchange, oversubscribed(places)
 
 
 def _step_clock(model, device, exchange, balancer) -> StepClock:
@@ -364,18 +367,18 @@ def check_same_parameters(comm, params, timeout: float) -> None:
     crc, shapes = 0, zlib.crc32(repr([tuple(p.shape) for p in params]).encode())
     for p in params:
         crc = zlib.crc32(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
-    gathered = mpi.allgather_array(comm, [float(crc), float(shapes), float(sum(p.numel() for p in params))], timeout)
+    gathered = allgather_array(comm, [float(crc), float(shapes), float(sum(p.numel() for p in params))], timeout)
     sums = gathered[:, 0]
     if np.any(gathered[:, 1] != gathered[0, 1]):
         differ = np.flatnonzero(gathered[:, 1] != gathered[0, 1]).tolist()
-        raise mpi.AgreedError(f"DistributedOptimizer: the model of rank(s) {differ} has other parameters than rank "
-                              f"0's ({int(gathered[differ[0], 2])} values against {int(gathered[0, 2])}, or other "
-                              f"shapes): every rank wraps the same model", 0, comm.Get_rank() == 0, comm.Get_size())
+        raise AgreedError(f"DistributedOptimizer: the model of rank(s) {differ} has other parameters than rank "
+                          f"0's ({int(gathered[differ[0], 2])} values against {int(gathered[0, 2])}, or other "
+                          f"shapes): every rank wraps the same model", 0, comm.Get_rank() == 0, comm.Get_size())
     if np.any(sums != sums[0]):
         differ = np.flatnonzero(sums != sums[0]).tolist()
-        raise mpi.AgreedError(f"DistributedOptimizer: the parameters of rank(s) {differ} differ from rank 0's; call "
-                              f"dbs_mpi.broadcast_parameters(model, comm) before wrapping the optimizer",
-                              0, comm.Get_rank() == 0, comm.Get_size())
+        raise AgreedError(f"DistributedOptimizer: the parameters of rank(s) {differ} differ from rank 0's; call "
+                          f"dbs_mpi.broadcast_parameters(model, comm) before wrapping the optimizer",
+                          0, comm.Get_rank() == 0, comm.Get_size())
 
 
 def broadcast_state(comm, model, state: dict, params, root: int, timeout: float) -> float:
@@ -387,15 +390,15 @@ def broadcast_state(comm, model, state: dict, params, root: int, timeout: float)
         for key in sorted(state.get(p, {})):
             if isinstance(state[p][key], torch.Tensor):
                 tensors.append(state[p][key])
-    drift = mpi.broadcast_tensors(tensors, comm, root, timeout)
-    return float(mpi.allgather_array(comm, [drift], timeout).max())
+    drift = broadcast_tensors(tensors, comm, root, timeout)
+    return float(allgather_array(comm, [drift], timeout).max())
 
 
 class DistributedOptimizer(_WrappedOptimizer):
     """Wraps `optimizer` (any torch.optim.Optimizer over `model`'s parameters) so that
     step() applies the sample-weighted gradient of all ranks of `balancer.comm` (the
     arguments in docs/api.md). aggregation: "weighted" or "mean". wait_policy: "auto" |
-    "spin" | "sleep" (comm.py). bucket_mb / first_bucket_mb: DDP's bucket caps in MiB.
+    "spin" | "sleep" (waits.py). bucket_mb / first_bucket_mb: DDP's bucket caps in MiB.
     timeout: of every wait (default: the balancer's). check_batch: count the training
     samples of each step. exchange: "auto" | "host" | "cuda-aware" | "nccl" | "gloo"
     (transport.py, agreed by all ranks). broadcast_buffers: after every step the model's

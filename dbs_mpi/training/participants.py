@@ -33,8 +33,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..mpi import comm as mpi
-from ..mpi.comm import SUPERVISOR
+from ..mpi.collectives import bcast_object, broadcast_flat
+from ..mpi.supervisor import SUPERVISOR
+from ..mpi.waits import wait
 from .exchange import Route, StepSums
 
 CACHED = 8            # communicators kept (the sets a run moves between)
@@ -110,7 +111,7 @@ class Participants:
         planned (the optimizer plans it right after this one)."""
         if buffers:
             computed = np.flatnonzero(row)
-            mpi.broadcast_flat(buffers, self.comm, int(computed[0]) if len(computed) else 0, self.timeout)
+            broadcast_flat(buffers, self.comm, int(computed[0]) if len(computed) else 0, self.timeout)
         if self.group == self.everyone:
             return
         self.stale.update(r for r in self.everyone if r not in self.group)
@@ -124,7 +125,7 @@ class Participants:
         if self.group == self.everyone:
             return value
         number = np.array([float(value)])
-        mpi.wait(self.comm.Ibcast(number, root=0), self.timeout, "broadcasting the gradient's norm")
+        wait(self.comm.Ibcast(number, root=0), self.timeout, "broadcasting the gradient's norm")
         return torch.tensor(number[0], dtype=value.dtype if isinstance(value, torch.Tensor) else torch.float32)
 
     def catch_up(self) -> None:
@@ -134,8 +135,8 @@ class Participants:
             buffer = io.BytesIO()
             torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, buffer)
             payload = buffer.getvalue()
-        payload = mpi.bcast_object(self.comm, payload, 0, self.timeout, "bringing the ranks that sat out the run's "
-                                                                        "state")
+        payload = bcast_object(self.comm, payload, 0, self.timeout, "bringing the ranks that sat out the run's "
+                                                                    "state")
         if self.rank in self.stale:
             state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
             self.model.load_state_dict(state["model"])

@@ -421,15 +421,17 @@ class Recorder:
     Leaving the `with` block marks the file complete, interrupted (checkpoint.Stopped or
     exit status 3) or failed (any other exception). The constructor is collective: if the
     file cannot be created (it exists, the folder is not writable) every rank raises
-    comm.AgreedError. resume: the `state_dict()` of a recorder saved in a checkpoint;
+    AgreedError (mpi/agreement.py). resume: the `state_dict()` of a recorder saved in a checkpoint;
     the file is then continued (rows past that state are dropped), not created."""
 
     def __init__(self, comm, path, *, config=None, attrs: dict | None = None, resume: dict | None = None,
                  position: tuple[int, int] | None = None, timeout: float = 600.0):
-        from ..mpi import comm as mpi
+        from ..mpi.agreement import collective
+        from ..mpi.placement import hostnames, mpi_library
+        from ..mpi.supervisor import SUPERVISOR
         self.comm, self.path, self.timeout = comm, str(path), timeout
         attrs = {"config": describe_config(config), "world_size": comm.Get_size(),
-                 "hostnames": mpi.hostnames(comm, timeout), "versions": json.dumps(versions(mpi.mpi_library())),
+                 "hostnames": hostnames(comm, timeout), "versions": json.dumps(versions(mpi_library())),
                  **(attrs or {})}
         rank, world = comm.Get_rank(), comm.Get_size()
         self.attrs = attrs
@@ -442,11 +444,11 @@ class Recorder:
                 return RunWriter.reopen(path, attrs, world, resume["epochs"], resume["steps"], resume.get("updates"),
                                         resume.get("replans", 0))
             return RunWriter(path, attrs, world)
-        self.writer = mpi.collective(comm, open_file, timeout=timeout)
+        self.writer = collective(comm, open_file, timeout=timeout)
         self.writer.begin_segment(self._segment(position))
         # If the job fails on any rank while rank 0 is alive, rank 0 marks the file failed
-        # before the abort (comm.Supervisor).
-        self._unregister = mpi.SUPERVISOR.on_failure(lambda: self.writer.close(STATUS_FAILED))
+        # before the abort (supervisor.py).
+        self._unregister = SUPERVISOR.on_failure(lambda: self.writer.close(STATUS_FAILED))
 
     def _segment(self, position) -> dict:
         """This launch's entry of the `segments` attribute. position: (epoch, step) where it

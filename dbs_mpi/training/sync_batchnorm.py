@@ -51,7 +51,8 @@ from mpi4py import MPI
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..mpi import comm as mpi
+from ..mpi.collectives import allgather_array
+from ..mpi.waits import wait
 
 
 class MPIChannel:
@@ -65,12 +66,12 @@ class MPIChannel:
         self.seconds = 0.0            # spent in the layers' collectives (staging included): benchmarks read it
         if self.size > 1:
             self.comm, request = comm.Idup()
-            mpi.wait(request, self.timeout, "duplicating the communicator for SyncBatchNorm")
+            wait(request, self.timeout, "duplicating the communicator for SyncBatchNorm")
 
     def gather(self, row: torch.Tensor) -> torch.Tensor:
         """(size, k): every rank's row, in rank order."""
         start = time.perf_counter()
-        out = mpi.allgather_array(self.comm, row.detach().cpu().numpy(), self.timeout)
+        out = allgather_array(self.comm, row.detach().cpu().numpy(), self.timeout)
         result = torch.from_numpy(out).to(row.device)
         self.seconds += time.perf_counter() - start
         return result
@@ -78,7 +79,7 @@ class MPIChannel:
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         array = np.ascontiguousarray(values.detach().cpu().numpy(), dtype=np.float64)
-        mpi.wait(self.comm.Iallreduce(MPI.IN_PLACE, array, op=MPI.SUM), self.timeout, "SyncBatchNorm's backward")
+        wait(self.comm.Iallreduce(MPI.IN_PLACE, array, op=MPI.SUM), self.timeout, "SyncBatchNorm's backward")
         result = torch.from_numpy(array).to(values.device)
         self.seconds += time.perf_counter() - start
         return result

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...mpi import comm as mpi
+from ...mpi.collectives import allgather_array, broadcast_flat
 from ...training import sync_batchnorm
 from ..train import train
 from .harness import _config, _on_first, _oversubscribed, _timed
@@ -39,7 +39,7 @@ def _batchnorm(comm, args, folder) -> dict:
             times[v].append(float(record["duration"]) / steps)
             layers = sync_batchnorm.layers(summary.model)
             in_sync = layers[0].channel.seconds if layers else 0.0
-            parts[v]["sync"].append(float(np.max(mpi.allgather_array(comm, [in_sync]))) / steps)
+            parts[v]["sync"].append(float(np.max(allgather_array(comm, [in_sync]))) / steps)
             parts[v]["exposed"].append(float(np.mean(record["comm_time"])) / steps)
             parts[v]["buffers"].append(_buffer_broadcast(comm, summary.model))
     ratio = {v: [t / g for t, g in zip(times[v], times["group"])] for v in BATCHNORM_VARIANTS}
@@ -57,7 +57,7 @@ def _buffer_broadcast(comm, model, calls: int = 30) -> float:
     floating = [b for b in model.buffers() if b.is_floating_point()]
     if not floating:
         return 0.0
-    return _med([_timed(lambda: mpi.broadcast_flat(floating, comm), comm.Barrier) for _ in range(calls)])
+    return _med([_timed(lambda: broadcast_flat(floating, comm), comm.Barrier) for _ in range(calls)])
 
 
 def format_batchnorm(report: dict) -> str:

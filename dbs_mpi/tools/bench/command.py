@@ -38,7 +38,8 @@ import datetime
 import json
 from pathlib import Path
 
-from ...mpi import comm as mpi
+from ...mpi.agreement import agree
+from ...mpi.placement import available_cores, hostnames, mpi_library
 from ...options import UserError
 from ...training.results import git_revision, versions
 from .. import bench_tracking as tracking
@@ -152,11 +153,11 @@ def _setup(argv, world_size: int):
 
 
 def main(comm, argv) -> int:
-    args = mpi.agree(comm, _setup, argv, comm.Get_size())
+    args = agree(comm, _setup, argv, comm.Get_size())
     cases = list(CASES) if args.case == "all" else [args.case]
     stamp = comm.bcast(datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), root=0)
     folder = Path(args.out_dir) / f"{args.case}-{stamp}"
-    hosts = mpi.hostnames(comm)
+    hosts = hostnames(comm)
     reports = []
     for case in cases:      # every rank runs every case (idle ranks sleep); a failure aborts the job
         report = RUNNERS[case](comm, args, folder)
@@ -166,9 +167,9 @@ def main(comm, argv) -> int:
             print(flush=True)
     if comm.Get_rank() == 0:
         path = folder / "summary.h5"
-        attrs = {"command": "dbs-mpi bench " + " ".join(argv), "versions": json.dumps(versions(mpi.mpi_library())),
+        attrs = {"command": "dbs-mpi bench " + " ".join(argv), "versions": json.dumps(versions(mpi_library())),
                  "git_revision": git_revision(), "hostnames": json.dumps(hosts), "world_size": comm.Get_size(),
-                 "cores": mpi.available_cores(), "created": stamp}
+                 "cores": available_cores(), "created": stamp}
         write_report(reports, path, attrs)
         print(format_table(reports))
         print(f"results: {path}")

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from ...mpi import comm as mpi
+from ...mpi.collectives import barrier
+from ...mpi.placement import oversubscribed, placement
 from ...options import UserError
 from ..config import load as load_config
 from ..models import MLP, build_model
@@ -34,7 +35,7 @@ def _on_first(comm, k: int, fn, *args):
     if sub is not None:          # an exception here aborts the job (cli: abort_on_uncaught): nobody waits
         result = fn(sub, *args)
         sub.Free()
-    mpi.barrier(comm, max_pause=IDLE_POLL)
+    barrier(comm, max_pause=IDLE_POLL)
     return result
 
 
@@ -62,7 +63,7 @@ def _timed(fn, barrier) -> float:
 
 
 def _oversubscribed(comm) -> bool:
-    return mpi.oversubscribed(mpi.placement(comm))
+    return oversubscribed(placement(comm))
 
 
 def train_samples(cfg) -> int:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from ...mpi import comm as mpi, devices
+from ...mpi import devices
+from ...mpi.collectives import barrier
 from ...planning import allocation, sharding
 from ..models import build_model
 
@@ -35,7 +36,7 @@ def _plain_epoch(comm, cfg, train_set, wrap=None, warmup: int = 5) -> float:
 
     for idx in shard[:warmup]:
         step(idx)
-    mpi.barrier(comm)
+    barrier(comm)
     start = time.perf_counter()
     for idx in shard:
         step(idx)

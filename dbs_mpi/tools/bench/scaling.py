@@ -3,7 +3,7 @@ local batch fixed; runs with more ranks than cores are marked.
 """
 from __future__ import annotations
 
-from ...mpi import comm as mpi
+from ...mpi.placement import available_cores
 from ...options import UserError
 from .harness import _config, _on_first, _oversubscribed, _train_epoch
 from .report import _med, _reps, check
@@ -34,7 +34,7 @@ def case_scaling(comm, args, folder) -> dict:
             "throughput": {str(k): v for k, v in throughput.items()},
             "speedup": {str(k): v for k, v in speedup.items()},
             "oversubscribed_at": {str(k): v for k, v in over.items()},
-            "cores": mpi.available_cores(), "oversubscribed": any(over.values()), "checks": checks}
+            "cores": available_cores(), "oversubscribed": any(over.values()), "checks": checks}
 
 
 def _scaling_run(comm, args, folder, rep):

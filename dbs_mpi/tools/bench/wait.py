@@ -2,7 +2,7 @@
 """
 from __future__ import annotations
 
-from ...mpi import comm as mpi
+from ...mpi.placement import available_cores
 from .harness import _config, _on_first, _oversubscribed, _train_epoch
 from .report import _flag, _med, _reps, check
 
@@ -26,7 +26,7 @@ def _wait(comm, args, folder, speeds) -> dict:
                 rec = _train_epoch(comm, cfg, folder / f"wait-{strategy}-{policy}-{rep}.h5")
                 times[strategy][policy].append(float(rec["duration"]))
     ratios = {s: [a / b for a, b in zip(t["spin"], t["sleep"])] for s, t in times.items()}
-    return {"case": "wait", "world_size": comm.Get_size(), "speeds": list(base.speeds), "cores": mpi.available_cores(),
+    return {"case": "wait", "world_size": comm.Get_size(), "speeds": list(base.speeds), "cores": available_cores(),
             "global_batch": base.global_batch, "repeats": repeats, "times": times, "ratios": ratios,
             "oversubscribed": _oversubscribed(comm),
             "checks": [check(f"{s} epoch time: spin / sleep ({comm.Get_size()} ranks)", _med(r), None)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...mpi import comm as mpi
+from ...mpi.collectives import barrier, bcast_object
 from ...options import UserError
 from ...planning import sharding
 from ..config import ArgumentParser, Config
@@ -22,7 +22,7 @@ def mpi_bcast_tmp(comm) -> str:
     """A temporary folder that every rank of comm agrees on (rank 0 makes it)."""
     import tempfile
 
-    return mpi.bcast_object(comm, tempfile.mkdtemp(prefix="dbs-mpi-calibrate-") if comm.Get_rank() == 0 else None)
+    return bcast_object(comm, tempfile.mkdtemp(prefix="dbs-mpi-calibrate-") if comm.Get_rank() == 0 else None)
 
 
 def residual_runs(cores: int, world: int) -> dict:
@@ -52,7 +52,7 @@ def measure_residuals(comm, machine: Machine, folder: Path, effort: Effort = FUL
                          checkpoint_every=0, progress=False, threads=1)
             train(sub, cfg, out=str(folder / f"{name}.h5"), log=lambda msg: None)
         sub.Free()
-        mpi.barrier(comm, timeout=3600)
+        barrier(comm, timeout=3600)
     if comm.Get_rank() == 0:
         machine.residual = {}
         machine.noise = {"alone": _spread(folder / "sync.h5")}

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ...mpi import comm as mpi
+from ...mpi.agreement import agree
 from ...options import UserError, parse_interval
 from ..config import ArgumentParser
 from ..machine import Machine
@@ -76,7 +76,7 @@ def _print(out: dict) -> None:
 
 
 def _setup(argv):
-    """Arguments and machine constants, checked (under comm.agree: a mistake is one line)."""
+    """Arguments and machine constants, checked (under agree: a mistake is one line)."""
     args = _parser().parse_args(argv)
     if not args.source and not (args.ranks or args.speeds):
         raise UserError("simulate: give --from RUN.h5, or --ranks N (or --speeds FILE.toml)")
@@ -127,7 +127,7 @@ def main(comm, argv) -> int:
         return _calibrate(comm, argv[1:])
     if argv[:1] == ["crossover"]:
         return _crossover(comm, argv[1:])
-    args, machine = mpi.agree(comm, _setup, argv)
+    args, machine = agree(comm, _setup, argv)
     if comm.Get_rank() != 0:                     # the simulation is one process's work
         return 0
     if args.source:

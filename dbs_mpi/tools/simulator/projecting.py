@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...mpi import comm as mpi
+from ...mpi.agreement import agree
 from ...options import UserError
 from ..config import ArgumentParser, tomllib
 from ..machine import Machine
@@ -126,7 +126,7 @@ def _crossover_setup(argv):
 
 
 def _crossover(comm, argv) -> int:
-    args, ratios, network, machine = mpi.agree(comm, _crossover_setup, argv)     # every rank: exit 2 on a mistake
+    args, ratios, network, machine = agree(comm, _crossover_setup, argv)     # every rank: exit 2 on a mistake
     if comm.Get_rank() == 0:
         print(f"{'ratio':>6} {'all / alone':>12} {'auto / alone':>13} {'taking part':>12}")
         for row in crossover(machine, args.slow, ratios, args.model, args.global_batch, network):
