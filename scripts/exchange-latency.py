@@ -83,9 +83,14 @@ def dbs_step(exchange, replanner, weight, step):
     vector = np.full(n, 512 // n)
     vector[0] += 512 - vector.sum()
     seconds = 1e-3 + 1e-4 * vector[replanner.rank] * (1.0 + 0.02 * np.sin(step))     # steady, a little noise
-    loss = exchange.allreduce(weight, 0.5, replanner.outgoing(seconds, step + 1))
-    replanner.incoming(exchange.extra, vector, vector, step + 1)
-    return loss
+    telemetry = replanner.outgoing(seconds, step + 1)
+    if not hasattr(exchange, "reduce"):                  # a revision before reduce() returned the sums
+        loss = exchange.allreduce(weight, 0.5, telemetry)
+        replanner.incoming(exchange.extra, vector, vector, step + 1)
+        return loss
+    sums = exchange.reduce(weight, None, 0.5, telemetry)
+    replanner.incoming(sums.extra, vector, vector, step + 1)
+    return sums.loss
 
 
 def main() -> int:
