@@ -79,7 +79,7 @@ class Participants:
             self.used = self.used or group != self.everyone
         if group == self.everyone:
             return self.exchange.world
-        return self._route(group) if self.member else None
+        return self._route(group)          # every rank: its communicator is created collectively
 
     def reduce(self, route: Route | None, weight: float, loss_share, extra) -> StepSums:
         """The step's exchange over its route: the world's (gradient and tail in one
