@@ -36,6 +36,7 @@ checks that):
     supervisor.py     failing together: the watchdog, rank 0 records the failure, abort
     agreement.py      set-up steps that fail on every rank together (AgreedError)
     placement.py      where ranks run: hosts, cores, oversubscription, threads per rank
+    cached.py         what a communicator's ranks agreed once, kept on the communicator
     comm.py           init() and start(): the communicator, the fail-together hook
     devices.py        each rank's device (CPU or GPU), thread shares, a clock true on GPUs
     process_group.py  torch.distributed over the ranks of an MPI communicator
@@ -43,14 +44,20 @@ checks that):
   training/         the library a training script uses
     batches.py        the in-memory dataset, its fast loader, the augmentation
     profiling.py      compute / communication / wait times; the calibration's clock
+    step_clock.py     a step's phase clocks (data, compute, collective, update), late on GPUs
     balancer.py       the vector of a policy (ssgd, static, dbs), calibration, epoch timing
     exchange.py       the bucketed sample-weighted allreduce of every step
     participants.py   ranks that sit out: out of the gradient's sum, then caught up from rank 0
-    optimizer.py      DistributedOptimizer: sample-weighted gradients, weighted or mean
+    optimizer.py      DistributedOptimizer: sample-weighted gradients, weighted or mean; the step's plan
+    accumulation.py   micro-batches, each weighted by its share of the local batch
+    clipping.py       clipping the global gradient; a warning where the local one was changed
+    named_optimizers.py  the command line's optimizers (torch's, without the dynamo wrappers)
+    sample_dropout.py dropout keyed by sample: the same masks at any vector
     sync_batchnorm.py BatchNorm over the global batch, with the sample-weighted backward
     ddp.py            the same weighting for DistributedDataParallel (a comm hook)
     evaluation.py     test loss and accuracy over all ranks
     checkpoint.py     checkpoints (weights_only), stop requests (SIGTERM/SIGUSR1)
+    event_clock.py, loss_scaling.py  CUDA events read late; GradScaler after the exchange
     results.py        the HDF5 result file (RunWriter, Recorder)
   parameter_server/ asgd, n-softsync, dbs-sgd on an MPI parameter server: groups.py (the
                     gradients per update), protocol.py, update.py (the update rule),
