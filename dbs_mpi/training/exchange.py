@@ -288,24 +288,24 @@ class GradientExchange(GradientBuffer):
         layout = bucket_layout([p.numel() for p in params], bucket_bytes, first_bucket_bytes)
         self.extra_slots = int(extra)
         super().__init__(params, layout, 1 + self.extra_slots, device)
-        self.transport = transports.make(transport, comm, self.flat, self.bounds, timeout, stage,
-                                         1 + self.extra_slots)
-        self.world = Route(self.transport, comm, tail=True)
+        self.world = Route(transports.make(transport, comm, self.flat, self.bounds, timeout, stage,
+                                           1 + self.extra_slots), comm, tail=True)
+        self.last_route = self.world     # the route of the last step reduced
         # On a GPU the hooks run on autograd's device thread: MPI calls from there need
         # MPI_THREAD_MULTIPLE (mpi4py's default); without it every bucket starts in allreduce().
         self.overlap = bool(overlap) and self.world_size > 1 and len(self.layout) > 1 and (
             not self.flat.is_cuda or MPI.Query_thread() == MPI.THREAD_MULTIPLE)
-        self._schedule = BucketSchedule(self, self.transport, self.overlap)
+        self._schedule = BucketSchedule(self, self.world.transport, self.overlap)
+
+    @property
+    def transport(self):
+        """The transport of the last step reduced (the world's until a step went through a group's)."""
+        return self.last_route.transport
 
     @property
     def busy(self) -> bool:
         """True while buckets started during backward are being reduced."""
         return bool(self._schedule.requests)
-
-    @property
-    def armed_weight(self) -> float | None:
-        """The weight given to zero_grad/arm for the step under way (None: not armed)."""
-        return self._schedule.weight
 
     @property
     def num_buckets(self) -> int:
@@ -346,8 +346,8 @@ class GradientExchange(GradientBuffer):
         if sub.Get_size() == 1:
             return Route(transports.Local(self.flat, tail), sub)
         bounds = [*self.bounds[:-1], (self.bounds[-1][0], self.numel)]     # the tail stays out
-        part = transports.HostMPI(sub, self.flat, bounds, self.transport.staged, tail)
-        part.share_host_copy(self.transport)
+        part = transports.HostMPI(sub, self.flat, bounds, self.world.transport.staged, tail)
+        part.share_host_copy(self.world.transport)
         return Route(part, sub)
 
     def hold(self, holding: bool) -> None:
@@ -394,6 +394,7 @@ class GradientExchange(GradientBuffer):
         self.adopt_grads()
         try:
             schedule.route(route.transport)
+            self.last_route = route
             while schedule.next < last:    # not started yet (no backward, unused parameters, no weight given)
                 schedule.start(schedule.next, weight)
             if weight != 1.0 and not schedule.prescaled:

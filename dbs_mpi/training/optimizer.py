@@ -328,7 +328,7 @@ def _step_clock(model, device, exchange, balancer) -> StepClock:
     """The optimizer's clock: the model's SyncBatchNorm channels (their waits are not
     compute), and CUDA events read late where nothing needs the host to wait."""
     channels = list({id(layer.channel): layer.channel for layer in sync_batchnorm.layers(model)}.values())
-    late = _reads_late(device, exchange.transport.name, balancer, bool(channels) and exchange.world_size > 1)
+    late = _reads_late(device, exchange.world.transport.name, balancer, bool(channels) and exchange.world_size > 1)
     return StepClock(channels, device, LateSteps(balancer, device) if late else None)
 
 
@@ -423,14 +423,14 @@ class DistributedOptimizer(_WrappedOptimizer):
             dict(aggregation=aggregation, wait_policy=wait_policy, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                  broadcast_buffers=bool(broadcast_buffers), leave_exchange=bool(leave_exchange), exchange=exchange))
         self.sleep_while_waiting = self.exchange.sleep_while_waiting
-        self._share = _attach_batchnorm(model, self.comm, self.exchange.transport, balancer, aggregation)
+        self._share = _attach_batchnorm(model, self.comm, self.exchange.world.transport, balancer, aggregation)
         self._clock = _step_clock(model, self.device, self.exchange, balancer)
         channels = self._clock.channels
         self.checks = StepChecks(model, check_batch)
         self._micro = MicroBatches(self.exchange, bool(channels))
         # ranks leave the sum only over MPI on host memory (the same name on every rank)
         self._part = Participants(self.comm, self.exchange, model, optimizer, balancer.global_batch, self.timeout,
-                                  leave_exchange and not channels and self.exchange.transport.name == "host")
+                                  leave_exchange and not channels and self.exchange.world.transport.name == "host")
         self._buffers = [b for b in model.buffers() if b.is_floating_point()] \
             if broadcast_buffers and self.comm.Get_size() > 1 else []
         self._hook = model.register_forward_pre_hook(_ForwardHook(self), with_kwargs=True)
