@@ -311,7 +311,7 @@ class SyncTrainer:
                                          bucket_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb,
                                          timeout=cfg.comm_timeout, exchange=cfg.exchange,     # agreed in place()
                                          leave_exchange=cfg.amp != "fp16")    # GradScaler: every rank's gradient
-        run.recorder.writer.set_attrs(exchange=optimizer.exchange.world.transport.name)
+        run.recorder.writer.set_attrs(exchange=optimizer.exchange.agreed)
         self.precision = Precision(cfg.amp, run.device)
         # (compiled: a wrapper around the model; the state dicts stay the model's)
         self.forward = torch.compile(run.model, backend=cfg.compile_backend) if cfg.compile else run.model

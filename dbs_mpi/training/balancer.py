@@ -407,6 +407,7 @@ class BatchPolicy(Calibration):
         self._heard = False                   # within-epoch dbs: step times arrived in the open epoch
         self._warned = False                  # ... and the warning that none did was given
         self._settlers = []                   # clocks that record steps late (settle_with)
+        self.loads = 0                        # states loaded (a plan read before a load is stale)
 
     @property
     def local_batch(self) -> int:
@@ -491,6 +492,7 @@ class BatchPolicy(Calibration):
         """load_state_dict()'s vector, models and emulation; from another world's state
         (another number of ranks), an even vector and none of them. Returns whether the
         state is this world's."""
+        self.loads += 1
         for key, mine in (("policy", self.policy), ("global_batch", self.global_batch)):
             if state[key] != mine:
                 raise UserError(f"balancer: the state was saved with {key} {state[key]!r}, this balancer has {mine!r}")

@@ -275,8 +275,10 @@ class StopRequest:
         posted before the first such step, if any); else the agreement is begun now if
         start() did not."""
         carried, self._carried = self._carried, None
-        if carried is None and self._request is None:
-            self.start()
+        if carried is None:                 # no step carried it since the last agreement: agree on it here
+            self._rides = False
+            if self._request is None:
+                self.start()
         if self._request is not None:
             wait(self._request, self.timeout, "stop-request agreement")
             self._request = None

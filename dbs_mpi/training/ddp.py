@@ -149,11 +149,12 @@ class HookClock:
         """The step is over (its last bucket's future completed): record it, with the sum of
         telemetry if any. DDP waits for this before backward() returns, so a new vector is
         in the balancer's table before the loop asks the sampler for more."""
+        end = time.perf_counter()
         summed = None if telemetry is None else telemetry.wait()[0].cpu().numpy()
         began, _, in_sync = self.began
-        times = self.clock.phases(began, self.pre_end, in_sync)
-        self.clock.record(self.balancer, time.perf_counter(), times, float("nan"), summed, update=False)
-        self.clock.restart(self.clock.last_end)
+        times = (max(began - self.clock.last_end, 0.0), self.pre_end - began - in_sync, end - self.pre_end + in_sync)
+        self.clock.record(self.balancer, end, times, float("nan"), summed, update=False)    # late: 2 phases
+        self.clock.restart(end)
 
 
 class SampleWeightedState:

@@ -288,8 +288,9 @@ class GradientExchange(GradientBuffer):
         layout = bucket_layout([p.numel() for p in params], bucket_bytes, first_bucket_bytes)
         self.extra_slots = int(extra)
         super().__init__(params, layout, 1 + self.extra_slots, device)
-        self.world = Route(transports.make(transport, comm, self.flat, self.bounds, timeout, stage,
-                                           1 + self.extra_slots), comm, tail=True)
+        self.agreed = transport           # the name every rank agreed (a CPU rank of a cuda-aware job moves host memory)
+        self.world = Route(transports.make(transport, comm, self.flat, self.bounds, timeout, stage, 1 + extra),
+                           comm, tail=True)
         self.last_route = self.world     # the route of the last step reduced
         # On a GPU the hooks run on autograd's device thread: MPI calls from there need
         # MPI_THREAD_MULTIPLE (mpi4py's default); without it every bucket starts in allreduce().
@@ -339,9 +340,8 @@ class GradientExchange(GradientBuffer):
         schedule.weight = float(weight)
 
     def route_over(self, sub: MPI.Comm) -> Route:
-        """A route over `sub`, a sub-communicator of this exchange's ranks: the gradients
-        alone (the step's tail goes over the world: sum_tail), through MPI on host memory
-        (one rank: nothing to sum), staged into the world's host copy."""
+        """A route over `sub` (some of this exchange's ranks): the gradients alone (the tail goes
+        over the world: sum_tail), by MPI on host memory, staged into the world's host copy."""
         tail = 1 + self.extra_slots
         if sub.Get_size() == 1:
             return Route(transports.Local(self.flat, tail), sub)

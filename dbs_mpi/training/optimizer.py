@@ -94,8 +94,9 @@ class StepPlanner:
     def current(self) -> StepPlan:
         """The step's plan (raises, saying what to do, when no epoch is open)."""
         b, plan = self.balancer, self.plan
-        if plan is not None and not self.armed and (plan.epoch, plan.step) != (b.open_epoch, b.step):
-            plan = None                    # planned ahead, and the balancer was moved since (a state loaded)
+        if plan is not None and not self.armed and (plan.epoch, plan.step, plan.loads) != (b.open_epoch, b.step,
+                                                                                            b.loads):
+            plan = None                    # planned ahead, and the balancer moved since (a state loaded)
         if plan is None:
             self.plan = plan = StepPlan.read(b, self.participants, self.aggregation)
         return plan
@@ -111,25 +112,28 @@ class StepPlanner:
             exchange.arm(self.plan.weight, self.plan.route)
 
 
-def _tail(telemetry, stop) -> np.ndarray:
+def _tail(telemetry, stop, rides: bool):
     """The extra slots of a step's collective: the balancer's telemetry (dbs within the
-    epoch), then the StopRequest's flags (zeros where none rides it)."""
-    return np.array([*(() if telemetry is None else telemetry), *(stop.flags() if stop else (0.0, 0.0))],
-                    dtype=np.float32)
+    epoch), then, where they ride, the StopRequest's flags (zeros where none is active)."""
+    flags = (stop.flags() if stop else [0.0] * StopRequest.FLAGS) if rides else []
+    values = [*(() if telemetry is None else telemetry), *flags]
+    return np.array(values, dtype=np.float32) if values else None
 
 
-def _after_tail(sums: np.ndarray, telemetry, stop):
+def _after_tail(sums, telemetry, stop, rides: bool):
     """Hand the summed stop flags to the StopRequest; returns the telemetry's sums (None: none)."""
+    flags = StopRequest.FLAGS if rides else 0
     if stop is not None:
-        stop.carried(sums[len(sums) - StopRequest.FLAGS:])
-    return None if telemetry is None else sums[:len(sums) - StopRequest.FLAGS]
+        stop.carried(sums[len(sums) - flags:])
+    return None if telemetry is None else sums[:len(sums) - flags]
 
 
 @dataclass(frozen=True)
 class StepPlan:
     """A step's facts, read from the balancer once and carried through the step."""
-    epoch: int                  # the balancer's open epoch and step when it was read
+    epoch: int                  # the balancer's open epoch and step when it was read, and its loads
     step: int
+    loads: int
     row: np.ndarray             # the step's local batches, every rank's
     local: int                  # this rank's
     weight: float               # this rank's share of the step's gradient (step_weight)
@@ -140,7 +144,7 @@ class StepPlan:
         """The balancer's step now (raises, saying what to do, when no epoch is open); its
         route from the participants (collective where the group changes)."""
         row = balancer.step_batch_sizes()
-        return cls(balancer.open_epoch, balancer.step, row, int(row[balancer.rank]),
+        return cls(balancer.open_epoch, balancer.step, balancer.loads, row, int(row[balancer.rank]),
                    step_weight(row, balancer.rank, aggregation), participants.plan(row))
 
 
@@ -307,17 +311,20 @@ def _trainable(model, optimizer) -> list:
     return params
 
 
-def build_exchange(comm, params, device, extra: int, timeout: float, settings: dict):
+def build_exchange(comm, params, device, telemetry: int, timeout: float, settings: dict):
     """Collective: the optimizer's exchange, with what its ranks agree once, here: the
     settings every rank must share (aggregation, wait policy, bucket caps, ...), the
     transport (transport.agree: cached on the communicator, so a launcher that checked it
     early shares the agreement) and the placement (gathered once per communicator), hence
-    the wait policy. Returns (the GradientExchange, whether a node is oversubscribed)."""
+    the wait policy. A StopRequest's flags ride the tail where it is in host memory (MPI on
+    host memory: elsewhere writing and reading it would wait for the device every step).
+    Returns (the GradientExchange, whether a node is oversubscribed)."""
     if settings["aggregation"] not in AGGREGATIONS:
         raise ValueError(f"aggregation: must be one of {', '.join(AGGREGATIONS)}; got {settings['aggregation']!r}")
     agree_settings(comm, settings, timeout, "DistributedOptimizer")
     places = placement(comm, timeout)
     name = transport.agree(comm, settings["exchange"], device, timeout)
+    extra = telemetry + (StopRequest.FLAGS if name == "host" else 0)
     exchange = GradientExchange(comm, params, timeout, sleep_while_waiting(settings["wait_policy"], places),
                                 bucket_bytes=int(settings["bucket_mb"] * MIB),
                                 first_bucket_bytes=int(settings["first_bucket_mb"] * MIB), transport=name, extra=extra)
@@ -419,7 +426,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         balancer.on_device(self.device)
         check_same_parameters(self.comm, params, self.timeout)
         self.exchange, self.oversubscribed = build_exchange(
-            self.comm, params, self.device, balancer.telemetry_size + StopRequest.FLAGS, self.timeout,
+            self.comm, params, self.device, balancer.telemetry_size, self.timeout,
             dict(aggregation=aggregation, wait_policy=wait_policy, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                  broadcast_buffers=bool(broadcast_buffers), leave_exchange=bool(leave_exchange), exchange=exchange))
         self.sleep_while_waiting = self.exchange.sleep_while_waiting
@@ -430,7 +437,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         self._micro = MicroBatches(self.exchange, bool(channels))
         # ranks leave the sum only over MPI on host memory (the same name on every rank)
         self._part = Participants(self.comm, self.exchange, model, optimizer, balancer.global_batch, self.timeout,
-                                  leave_exchange and not channels and self.exchange.world.transport.name == "host")
+                                  leave_exchange and not channels and self.exchange.agreed == "host")
         self._buffers = [b for b in model.buffers() if b.is_floating_point()] \
             if broadcast_buffers and self.comm.Get_size() > 1 else []
         self._hook = model.register_forward_pre_hook(_ForwardHook(self), with_kwargs=True)
@@ -467,7 +474,8 @@ class DistributedOptimizer(_WrappedOptimizer):
     @property
     def sits_out(self) -> bool:
         """No samples for this rank in the coming step and no SyncBatchNorm layer needs its forward: the
-        loop may skip forward and backward and call step() alone (docs/api.md)."""
+        loop may skip forward and backward and call step() alone (docs/api.md). Ask it on every rank: at a
+        step where the ranks taking part change it is collective (the step's plan)."""
         return not self._clock.channels and self.balancer.step_pending and self._steps.current().local == 0
 
     def micro_batches(self, tensors, size: int):
@@ -500,9 +508,10 @@ class DistributedOptimizer(_WrappedOptimizer):
         pre_end = time.perf_counter()
         share = _loss_share(loss, plan.local, plan.row, self.device if self._clock.late is not None else None)
         telemetry = self.balancer.telemetry(pre_end - began - in_sync)   # dbs: every rank's step time
-        stop = riding(self.comm)            # a StopRequest's flag rides the same collective
-        sums = self._part.reduce(plan.route, plan.weight, share, _tail(telemetry, stop))
-        self._telemetry = _after_tail(sums.extra, telemetry, stop)
+        rides = self.exchange.agreed == "host"      # a StopRequest's flag rides the same collective
+        stop = riding(self.comm) if rides else None
+        sums = self._part.reduce(plan.route, plan.weight, share, _tail(telemetry, stop, rides))
+        self._telemetry = _after_tail(sums.extra, telemetry, stop, rides)
         self._loss = sums.loss if loss is not None else float("nan")
         self._times = self._clock.phases(began, pre_end, in_sync)
         self._synced = True

@@ -98,9 +98,12 @@ class StepClock:
         balancer: now, or, reading late, provisional host times now and the device's own
         once its events have been passed (LateSteps). update False: the step has no update
         phase here (the DDP hook records from the collective's callback, before the loop's
-        update; nothing waits for the device there)."""
+        update): update_start is then the step's end, and push() marks the collective's."""
         late = self.late
-        end = self.now() if late is None and update else time.perf_counter()   # late: push() marks the update's end
+        if not update:
+            end = update_start
+        else:
+            end = self.now() if late is None else time.perf_counter()   # late: push() marks the update's end
         if late is not None:
             late.push(self.marks, loss if isinstance(loss, torch.Tensor) else None)
         balancer.record_step(*times, end - update_start if update else 0.0, loss if late is None else float("nan"),
