@@ -282,8 +282,8 @@ class StopRequest:
         if self._request is not None:
             wait(self._request, self.timeout, "stop-request agreement")
             self._request = None
-            carried = max(carried or 0, int(self._buffer[0]))
-        return int(carried or 0)
+            return max(carried or 0, int(self._buffer[0]))
+        return int(self._buffer[0]) if carried is None else carried     # one rank: start() wrote the flag
 
     # What a step's collective carries: two slots, summed over the ranks (a sum can say
     # whether any rank was asked to stop and by which signal; SIGTERM wins, as with MAX).
