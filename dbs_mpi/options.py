@@ -40,6 +40,23 @@ def parse_interval(value) -> int | None:
     return int(value)
 
 
+def parse_couple(text: str) -> dict[int, float]:
+    """couple, "RANK:K[,RANK:K...]" (heterogeneity.Emulator's coupled speeds), as {rank: K}."""
+    couple = {}
+    for part in (p for p in str(text).replace(" ", "").split(",") if p):
+        rank, sep, factor = part.partition(":")
+        try:
+            r, k = int(rank), float(factor)
+        except ValueError:
+            raise ConfigError(f"couple: expected RANK:K[,RANK:K...] (e.g. 0:2); got {part!r}") from None
+        if not sep or r < 0 or not 1 <= k <= 1000:
+            raise ConfigError(f"couple: expected RANK:K with RANK >= 0 and 1 <= K <= 1000; got {part!r}")
+        if r in couple:
+            raise ConfigError(f"couple: rank {r} is given twice; got {text!r}")
+        couple[r] = k
+    return couple
+
+
 def user_stacklevel() -> int:
     """The stacklevel at which a warning issued by the caller of this function points at
     the user's code: the first frame outside dbs_mpi, torch and Python's own libraries

@@ -31,6 +31,12 @@ def test_toml_then_command_line(tmp_path):
     (["--speeds", "1,fast"], "speeds"),
     (["--speeds", "1e6,1e-300"], "speeds"),   # 1e306x slower: would never finish
     (["--slow-factor", "1e9"], "slow_factor"),
+    (["--couple", "0"], "couple"),
+    (["--couple", "0:fast"], "couple"),
+    (["--couple=-1:2"], "couple"),
+    (["--couple", "0:0.5"], "couple"),        # K < 1 would be faster beside others
+    (["--couple", "0:2,0:3"], "couple"),
+    (["--couple", "1:2", "--strategy", "asgd"], "couple"),
     (["--strategy", "fastest"], "strategy"),
     (["--epochs", "0"], "epochs"),
     (["--lr", "nan"], "lr"),
@@ -83,6 +89,14 @@ def test_world_dependent_checks():
     with pytest.raises(ConfigError, match="^global_batch: 2 is smaller"):
         config.check_world(Config(global_batch=2), 3)
     config.check_world(Config(global_batch=3, speeds=(1.0, 1.0, 0.1)), 3)
+    with pytest.raises(ConfigError, match="^couple: names rank 3 but ranks are 0..2"):
+        config.check_world(Config(couple="0:2,3:2"), 3)
+    config.check_world(Config(couple="0:2, 2:1.5"), 3)
+
+
+def test_couple_is_read_per_rank():
+    c = parse_train_args(["--couple", "0:3,2:1.5"])
+    assert config.parse_couple(c.couple) == {0: 3.0, 2: 1.5} and config.parse_couple("") == {}
 
 
 def test_frozen_and_typed():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dbs_mpi.tools.config import Config
-from dbs_mpi.planning.heterogeneity import Emulator
+from dbs_mpi.planning.heterogeneity import Emulator, others_compute
 
 
 def test_speed_stretches_compute():
@@ -20,6 +20,30 @@ def test_speed_stretches_compute():
 def test_speeds_are_relative_to_the_fastest():
     cfg = Config(speeds=(4.0, 2.0, 1.0))
     assert [Emulator.from_config(cfg, r).speed for r in range(3)] == [1.0, 0.5, 0.25]
+
+
+def test_a_coupled_rank_is_k_times_slower_only_while_others_of_its_node_compute():
+    e = Emulator(0, 0.5, couple=3.0)
+    e.start_epoch(0, 10)
+    assert (e.factor_with(False), e.factor_with(True)) == (2.0, 6.0)
+    assert e.stretch(0.004, others_compute=False) == pytest.approx(0.004)          # its speed alone: 1/0.5
+    assert e.stretch(0.004, 0.002, others_compute=True) == pytest.approx(5 * 0.002)   # x 3 more beside others
+    assert not e.idle and Emulator(1, 1.0, couple=2.0).stretch(0.004) == 0.0
+    with pytest.raises(ValueError, match="couple"):
+        Emulator(0, 1.0, couple=0.5)
+
+
+def test_others_compute_reads_the_step_s_row_and_the_hosts():
+    hosts = ["a", "a", "b", "a"]
+    assert others_compute(hosts).tolist() == [True, True, False, True]          # the calibration: all compute
+    assert others_compute(hosts, [64, 0, 64, 0]).tolist() == [False, True, False, True]
+    assert others_compute(hosts, [64, 0, 64, 1]).tolist() == [True, True, False, True]
+    assert others_compute([0], [64]).tolist() == [False]                        # alone on its node
+
+
+def test_couple_is_per_rank_from_the_configuration():
+    cfg = Config(couple="0:3,2:1.5")
+    assert [Emulator.from_config(cfg, r).couple for r in range(3)] == [3.0, 1.0, 1.5]
 
 
 def test_slowdown_window():
@@ -111,7 +135,7 @@ def test_distributed_optimizer_stretches_cpu_time_not_waiting():
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, balancer)
     stretched = []
     original = balancer.stretch
-    balancer.stretch = lambda wall, cpu=None: stretched.append((wall, original(wall, cpu))) or stretched[-1][1]
+    balancer.stretch = lambda wall, cpu=None, row=None: stretched.append((wall, original(wall, cpu, row))) or stretched[-1][1]
     from dbs_mpi import HeteroSampler
     data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(2, (16,)))
     sampler = HeteroSampler(data, balancer, seed=0)
@@ -170,3 +194,18 @@ def test_contention_is_a_real_process_on_the_rank_s_core_for_its_steps():
         contention.at(3)
     assert contention.process is None and os.sched_getaffinity(0) == before
     assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def test_the_balancer_couples_a_rank_from_the_step_s_row_and_its_node():
+    """Balancer.stretch reads the step's row (None: the calibration, every rank computes)
+    against the ranks' hosts it gathered at construction; alone on its node a coupled
+    rank is never slowed."""
+    from mpi4py import MPI
+
+    from dbs_mpi import Balancer
+    balancer = Balancer(MPI.COMM_SELF, 8, "ssgd", emulator=Emulator(0, 1.0, couple=3.0))
+    assert balancer.stretch(0.002, 0.002) == 0.0                     # one rank: nobody beside it
+    balancer.hosts = ["node-a", "node-a", "node-b"]                   # as if two more ranks had been gathered
+    assert balancer.stretch(0.002, 0.002, [8, 0, 8]) == 0.0            # only a rank of another node computes
+    assert balancer.stretch(0.002, 0.002, [8, 1, 0]) == pytest.approx(0.004)
+    assert balancer.stretch(0.002, 0.002) == pytest.approx(0.004)      # the calibration: all compute

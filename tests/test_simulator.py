@@ -119,6 +119,27 @@ def test_emulated_speeds_sleep_without_taking_a_core():
     assert r.epoch_time[0] == pytest.approx(steps * (2 * w + w + j.model.update * 2))
 
 
+def test_a_coupled_rank_computes_k_times_slower_where_another_rank_of_its_host_computes():
+    """Rank 0 coupled 3x: beside a computing rank of its host its steps take 3x its
+    compute (and the calibration, where every rank computes, times it so); with the
+    other rank on another host, or without samples, it runs at its own speed."""
+    net = Network(0.0, 0.0)
+
+    def run(hosts, couple, strategy="ssgd"):
+        c = Cluster(nodes=np.arange(2), cores=1, device=np.ones(2), hosts=np.asarray(hosts))
+        return simulate_sync(job(strategy, epochs=1, couple=couple), c, net, noise=0.0)
+    steps = sharding.steps_per_epoch(1024, 128, False)
+    w = float(linear_model().compute(64))
+    update = linear_model().update
+    plain, coupled, apart = run([0, 0], {}), run([0, 0], {0: 3.0}), run([0, 1], {0: 3.0})
+    assert plain.epoch_time[0] == pytest.approx(steps * (w + update))
+    assert coupled.epoch_time[0] == pytest.approx(steps * (3 * w + update))
+    assert apart.epoch_time[0] == pytest.approx(plain.epoch_time[0])
+    static = run([0, 0], {0: 3.0}, "static")       # the calibration times rank 0 coupled: it gets the smaller share
+    assert static.batch_sizes[0][0] < static.batch_sizes[0][1]
+    assert run([0, 1], {0: 3.0}, "static").batch_sizes[0] == [64, 64]
+
+
 def test_dbs_converges_to_the_speed_ratio():
     j = job("dbs", samples=8192, global_batch=512, epochs=6, model=linear_model(fixed=0.0))
     r = simulate_sync(j, cluster([1.0, 0.5]), Network(1e-5, 1e-9), noise=0.02, seed=1)

@@ -12,7 +12,13 @@ c / s. Sleeping, not spinning, leaves the core to other ranks. Disturbances:
 * random sleeps (the DBS paper's "irrelevant tasks"): at every epoch, each rank that
   is not disturbed yet starts, with probability `sleep_prob`, a disturbance lasting
   `sleep_epochs` (uniform) epochs, during which it sleeps `sleep_seconds` (uniform)
-  extra seconds per epoch, spread evenly over that epoch's steps.
+  extra seconds per epoch, spread evenly over that epoch's steps;
+* coupling (`couple`, `--couple RANK:K`): a rank computes K times slower in a step where
+  another rank of its node (its host) computes too, as a GPU does beside CPU ranks that
+  share its node's cores and memory. The emulator is told per step whether others compute
+  (`stretch(..., others_compute=)`; `others_compute` gives it from a step's local batches
+  and the ranks' hosts). In the start-up calibration every rank computes at once, so a
+  coupled rank is timed coupled there, and the planner starts from its coupled speed.
 
 Real heterogeneity (a busy core, a slower node) is measured the same way and needs none
 of this; to make some on purpose, `Contention` starts a real CPU hog on a rank's core
@@ -28,6 +34,17 @@ import sys
 import time
 
 import numpy as np
+
+from ..options import parse_couple
+
+
+def others_compute(hosts, row=None) -> np.ndarray:
+    """For every rank, whether another rank of its host computes in a step whose local
+    batches are `row` (None: every rank computes, as in the start-up calibration).
+    hosts: any label of every rank's node (host names, or their indices)."""
+    _, node = np.unique(np.asarray(hosts), return_inverse=True)
+    computing = np.ones(len(node)) if row is None else (np.asarray(row) > 0).astype(float)
+    return np.bincount(node, weights=computing)[node] - computing > 0
 
 
 def precise_sleep(seconds: float) -> None:
@@ -45,9 +62,11 @@ class Emulator:
     def __init__(self, rank: int, speed: float = 1.0, *, seed: int = 0, slow_rank: int = -1,
                  slow_factor: float = 1.0, slow_epochs=(0, 0), slow_steps=(0, 0), slow_seconds=(0.0, 0.0),
                  sleep_prob: float = 0.0, sleep_seconds=(5.0, 10.0), sleep_epochs=(4, 20),
-                 contention_rank: int = -1, contention_steps=(0, 0)):
+                 contention_rank: int = -1, contention_steps=(0, 0), couple: float = 1.0):
         if speed <= 0:
             raise ValueError(f"speed must be positive, got {speed}")
+        if couple < 1:
+            raise ValueError(f"couple must be at least 1, got {couple}")
         self.rank = rank
         self.speed = speed
         self.slow_factor = slow_factor if slow_rank == rank else 1.0
@@ -65,6 +84,7 @@ class Emulator:
         self.epoch_sleep = 0.0         # extra seconds to sleep over this epoch
         self.step_sleep = 0.0          # ... per step
         self.factor = 1.0 / speed      # compute-time multiplier in this epoch
+        self.couple = float(couple)    # compute x couple in a step where another rank of the node computes
         self.wall_clock = False        # a GPU rank: stretch wall time (its CPU time is not its device's work)
 
     @classmethod
@@ -73,7 +93,8 @@ class Emulator:
         return cls(rank, speed, seed=cfg.seed, slow_rank=cfg.slow_rank, slow_factor=cfg.slow_factor,
                    slow_epochs=cfg.slow_epochs, slow_steps=cfg.slow_steps, slow_seconds=cfg.slow_seconds,
                    sleep_prob=cfg.sleep_prob, sleep_seconds=cfg.sleep_seconds, sleep_epochs=cfg.sleep_epochs,
-                   contention_rank=cfg.contention_rank, contention_steps=cfg.contention_steps)
+                   contention_rank=cfg.contention_rank, contention_steps=cfg.contention_steps,
+                   couple=parse_couple(cfg.couple).get(rank, 1.0))
 
     def state_dict(self) -> dict:
         """The emulator's position (random stream, disturbance, this epoch's factors):
@@ -107,7 +128,8 @@ class Emulator:
     def idle(self) -> bool:
         """True if this emulator can never slow its rank (full speed, no disturbance of its
         own): its stretch is always 0, and a GPU rank need not wait for its compute's end."""
-        return self.speed == 1.0 and self.slow_factor == 1.0 and self.sleep_prob <= 0 and self.contention is None
+        return self.speed == 1.0 and self.slow_factor == 1.0 and self.sleep_prob <= 0 and self.contention is None \
+            and self.couple == 1.0
 
     def start_epoch(self, epoch: int, steps: int) -> None:
         lo, hi = self.slow_epochs
@@ -135,15 +157,20 @@ class Emulator:
         slowed = self.epoch_slowed or s0 <= self.run_step < s1 or t0 <= self.trained < t1
         self.factor = (self.slow_factor if slowed else 1.0) / self.speed
 
-    def stretch(self, compute_seconds: float, cpu_seconds: float | None = None) -> float:
+    def factor_with(self, others_compute: bool) -> float:
+        """The compute-time multiplier of a step in which other ranks of the node compute or not."""
+        return self.factor * (self.couple if others_compute else 1.0)
+
+    def stretch(self, compute_seconds: float, cpu_seconds: float | None = None, others_compute: bool = False) -> float:
         """Sleep so that a step that computed for compute_seconds (wall) took as long as on
         the emulated device; returns the seconds slept. With cpu_seconds (the process's
         CPU time over the same interval) the slow-down stretches the smaller of the two:
         the work itself, not the time spent waiting for a core (other ranks on the same
         cores, other jobs), which a slower device would wait just as long, not 1/s times.
-        On a GPU rank (wall_clock) the CPU time is launches and waits: the wall time is stretched."""
+        On a GPU rank (wall_clock) the CPU time is launches and waits: the wall time is stretched.
+        others_compute: another rank of this rank's node computes in the step (coupling)."""
         work = compute_seconds if cpu_seconds is None or self.wall_clock else min(compute_seconds, cpu_seconds)
-        extra = work * (self.factor - 1.0) + self.step_sleep
+        extra = work * (self.factor_with(others_compute) - 1.0) + self.step_sleep
         if extra > 0:
             precise_sleep(extra)
             return extra

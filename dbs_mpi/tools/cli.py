@@ -53,7 +53,7 @@ def format_default(value) -> str:
 # Fields a resumed run may set differently from the checkpoint's configuration.
 RESUME_MAY_CHANGE = ("epochs", "data_dir", "comm_timeout", "startup_timeout", "wait_policy", "threads", "progress",
                      "checkpoint_every", "out", "checkpoint", "loader_workers", "device", "devices", "exchange",
-                     "speeds")
+                     "speeds", "couple")
 
 
 def parse_train_args(argv) -> config_mod.Config:

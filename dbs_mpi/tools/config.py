@@ -18,7 +18,8 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # pragma: no cover - older Pythons on clusters
     import tomli as tomllib
 
-from ..options import DEVICE_SPEC, EXCHANGES, PARTICIPATION, ConfigError, UserError, parse_interval  # noqa: F401 (UserError)
+from ..options import (DEVICE_SPEC, EXCHANGES, PARTICIPATION, ConfigError, UserError,  # noqa: F401 (UserError)
+                       parse_couple, parse_interval)
 from ..planning import schedule
 
 
@@ -119,6 +120,7 @@ class Config:
     sleep_epochs: tuple = (4, 20)    # ... for this many epochs, uniform in [lo, hi]
     contention_rank: int = -1        # real contention: a busy process shares this rank's core ... (-1 = none)
     contention_steps: tuple = (0, 0)  # ... in the run's steps [start, stop) (not emulated: the OS shares the core)
+    couple: str = ""                 # coupled speeds, RANK:K[,RANK:K...]: rank RANK computes K times slower in a step where another rank of its node computes (as a GPU beside CPU ranks); synchronous strategies
     # --- run-time ----------------------------------------------------------------
     device: str = "auto"             # auto: a node's ranks take its GPUs by local rank while there are GPUs, the others the CPU | cpu | cuda (visible GPU local rank mod count) | cuda:N
     devices: tuple = ()              # per-rank devices, e.g. cuda,cuda,cpu (overrides device); () = device on every rank
@@ -395,6 +397,9 @@ def _check_emulation(c: Config) -> None:
         pair = getattr(c, name)
         if len(pair) != 2 or pair[0] < 0 or pair[1] < pair[0]:
             _fail(name, f"must be two numbers lo,hi with 0 <= lo <= hi; got {pair}")
+    if parse_couple(c.couple) and c.strategy in ASYNC_STRATEGIES:
+        _fail("couple", f"couples a rank's speed to the other ranks of its synchronous step: strategies "
+                        f"{', '.join(SYNC_STRATEGIES)} only (got {c.strategy})")
 
 
 def check_world(c: Config, world_size: int) -> None:
@@ -412,6 +417,9 @@ def check_world(c: Config, world_size: int) -> None:
     for name in ("slow_rank", "contention_rank"):
         if getattr(c, name) >= world_size:
             _fail(name, f"is {getattr(c, name)} but ranks are 0..{world_size - 1}")
+    for rank in parse_couple(c.couple):
+        if rank >= world_size:
+            _fail("couple", f"names rank {rank} but ranks are 0..{world_size - 1}")
     if c.strategy in ASYNC_STRATEGIES and world_size < 2:
         _fail("strategy", f"{c.strategy} needs at least 2 ranks (rank 0 serves the parameters, the others work); "
                           f"run it under mpirun -n 2 or more")

@@ -29,7 +29,11 @@ and the epoch's bookkeeping, in this order on every rank:
                      re-plans the vector for the next epoch; returns the epoch's EpochStats
 
 Emulated heterogeneity (heterogeneity.Emulator, `speeds=`) lives here too: the
-optimizer asks the balancer to stretch each step's compute before the collective.
+optimizer asks the balancer to stretch each step's compute before the collective,
+with the step's local batches, from which the balancer tells a coupled rank's emulator
+whether another rank of its node computes in the step (`--couple`; the ranks' hosts
+are learned once, at construction). The calibration times every rank at once, so a
+coupled rank is timed coupled there, and the planner starts from that speed.
 
 Balancer keeps the epochs (their tables, steps and times, EpochStats, the position a
 checkpoint saves); its base class BatchPolicy keeps the vector and what sets it: the
@@ -47,11 +51,12 @@ import torch
 
 from ..mpi.agreement import agree_settings
 from ..mpi.collectives import allgather_array
+from ..mpi.placement import placement
 from ..mpi.waits import wait
 from ..mpi.devices import model_device
 from ..options import UserError, parse_interval
 from ..planning import allocation, dynamic, participation, sharding
-from ..planning.heterogeneity import Emulator
+from ..planning.heterogeneity import Emulator, others_compute
 from .batches import first_samples
 from .profiling import StepTimes, model_step, split_wait, time_step
 
@@ -333,7 +338,7 @@ class Calibration:
         the most samples a rank computes at once (0: any; a loop that accumulates larger shares)."""
         small, large = self.calibration_batches(largest)
         fit, times = calibrate(self.comm, step, small, large, steps=steps, warmup=warmup,
-                               stretch=self.emulator.stretch, affine=self.affine, timeout=self.timeout)
+                               stretch=self.stretch, affine=self.affine, timeout=self.timeout)
         return self._plan_from(fit, small, large, times)
 
     def use_calibration(self, startup: dict) -> np.ndarray:
@@ -400,6 +405,7 @@ class BatchPolicy(Calibration):
         self.replanner = _within_epoch(comm, policy, self.interval, self.global_batch, self.min_local, self.max_local,
                                        window, rule)
         self.emulator = _emulator(speeds, emulator, self.rank, self.world_size)
+        self.hosts = [host for host, _ in placement(comm, timeout)]    # every rank's host (cached on comm)
         self.batch_sizes = allocation.equal(self.global_batch, self.world_size, self.min_local, self.max_local)
         self.speed_model: allocation.SpeedModel | None = None
         self.controller: dynamic.DBSController | None = None
@@ -419,9 +425,12 @@ class BatchPolicy(Calibration):
         time (DistributedOptimizer and calibrate_model tell the balancer)."""
         self.emulator.wall_clock = torch.device(device).type == "cuda"
 
-    def stretch(self, compute_seconds: float, cpu_seconds: float | None = None) -> float:
-        """Sleep as the emulated device would be slower (heterogeneity.Emulator.stretch)."""
-        return self.emulator.stretch(compute_seconds, cpu_seconds)
+    def stretch(self, compute_seconds: float, cpu_seconds: float | None = None, row=None) -> float:
+        """Sleep as the emulated device would be slower (heterogeneity.Emulator.stretch).
+        row: the step's local batches, every rank's (None: every rank computes, as in the
+        calibration); a coupled rank is slower where another rank of its host computes."""
+        others = self.emulator.couple != 1.0 and bool(others_compute(self.hosts, row)[self.rank])
+        return self.emulator.stretch(compute_seconds, cpu_seconds, others)
 
     def _new_table(self, epoch: int, num_samples: int, drop_last: bool, first_step: int, seed=None) -> np.ndarray:
         """An epoch's (steps x ranks) table of local batches from the current vector, once

@@ -126,12 +126,13 @@ class HookClock:
     def start(self) -> None:
         self.clock.forward()
 
-    def end_compute(self) -> None:
+    def end_compute(self, row) -> None:
         """At the last bucket: the compute ends when the device is done (not when backward's
-        last kernel was launched), and emulated speeds stretch that wall time."""
+        last kernel was launched), and emulated speeds stretch that wall time (row: the
+        step's local batches, which a coupled rank's stretch reads)."""
         end = self.clock.boundary()
         self.began = began, cpu, in_sync = self.clock.compute(True)
-        self.balancer.stretch(end - began - in_sync, cpu)
+        self.balancer.stretch(end - began - in_sync, cpu, row)
         self.pre_end = time.perf_counter()
 
     def telemetry(self, device: torch.device, group):
@@ -174,6 +175,7 @@ class SampleWeightedState:
         self.clock = HookClock(balancer, device, late) if balancer is not None else None
         self._local = None            # b_i of the step under way
         self._total = None            # B (balancer) or, from the first bucket on, the future of its all_reduce
+        self._row = None              # the step's local batches (balancer), read at its forward
         self._armed = False           # a counted forward (or a hand-set local_batch) since the last backward
         self._pending = 0             # samples of this step's forwards under no_sync() (accumulated micro-batches)
         self._by_hand = False         # local_batch was set by hand for this step
@@ -239,7 +241,7 @@ class SampleWeightedState:
         local = int(row[b.rank])
         if self.check_batch and seen is not None and seen != (local or 1):
             raise RuntimeError(self._mismatch(seen, local, row, "by the forward that DDP reduces"))
-        self._local, self._total = local, int(row.sum())
+        self._local, self._total, self._row = local, int(row.sum()), row
 
     def _mismatch(self, seen: int, local: int, row, when: str) -> str:
         b = self.balancer
@@ -335,7 +337,7 @@ def sample_weighted_hook(state: SampleWeightedState, bucket: dist.GradBucket) ->
     clock = state.clock if bucket.is_last() else None
     telemetry = None
     if clock is not None:
-        clock.end_compute()
+        clock.end_compute(state._row)
         telemetry = clock.telemetry(buffer.device, group)
     if state.local_batch:
         buffer.mul_(state.local_batch)

@@ -504,7 +504,7 @@ class DistributedOptimizer(_WrappedOptimizer):
             self._new_step(self._clock.last_end)    # a refused step leaves nothing behind for the next one
             raise
         began, cpu, in_sync = self._clock.compute(plan.local > 0)     # less SyncBatchNorm's waits (StepClock)
-        self.balancer.stretch(start - began - in_sync, cpu)     # nothing where the clock reads late (full speed)
+        self.balancer.stretch(start - began - in_sync, cpu, plan.row)    # nothing where the clock reads late
         pre_end = time.perf_counter()
         share = _loss_share(loss, plan.local, plan.row, self.device if self._clock.late is not None else None)
         telemetry = self.balancer.telemetry(pre_end - began - in_sync)   # dbs: every rank's step time

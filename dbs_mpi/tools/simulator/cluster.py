@@ -3,7 +3,9 @@
 * compute: a rank's forward and backward at local batch b costs w(b) core-seconds (the
   machine's measured table, tools/machine.py) divided by its device speed, times lognormal
   noise; an emulated slow-down (a sleep of (1/s - 1) times the compute's CPU time, plus
-  the epoch's disturbance) uses no core;
+  the epoch's disturbance) uses no core; a coupled rank (`--couple`) is K times slower in a
+  step where another rank of its host computes (Emulator.factor_with), in the calibration
+  too (every rank computes there);
 * cores: the ranks of a node share its cores (processor sharing: while k ranks compute on
   C cores, each runs at min(1, C/k) of a core), which is what makes 4 ranks on 2 cores
   slower than their parts.
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...planning.heterogeneity import Emulator
+from ...planning.heterogeneity import Emulator, others_compute
 from .job import Job
 
 DEFAULT_NOISE = 0.03                           # lognormal sigma of a step's compute time (projections)
@@ -56,6 +58,7 @@ class Cluster:
     cores: object                    # cores of every node (an int: all alike; or one per node)
     device: np.ndarray               # relative speed of every rank's device (1 = the machine's core)
     sleeping: bool = False           # waiting ranks sleep (wait policy) rather than spin
+    hosts: np.ndarray | None = None  # host of every rank, which coupled speeds follow (None: the nodes)
 
     @property
     def size(self) -> int:
@@ -66,6 +69,11 @@ class Cluster:
         """Some node runs more ranks than it has cores."""
         return bool(np.any(np.bincount(self.nodes) > self.node_cores()))
 
+    def others_compute(self, row=None) -> np.ndarray:
+        """Whether another rank of every rank's host computes in a step of local batches `row`
+        (None: every rank computes, as in the calibration)."""
+        return others_compute(self.nodes if self.hosts is None else self.hosts, row)
+
     def node_cores(self) -> np.ndarray:
         """Cores of every node, indexed by node."""
         count = int(self.nodes.max()) + 1
@@ -75,8 +83,15 @@ class Cluster:
 def emulators(job: Job, ranks: int) -> list[Emulator]:
     """The engine's emulator of every rank (the same draws as the real run's)."""
     top = max(job.speeds) if job.speeds else 1.0
-    return [Emulator(r, job.speeds[r] / top if job.speeds else 1.0, seed=job.seed, **job.disturbances)
-            for r in range(ranks)]
+    return [Emulator(r, job.speeds[r] / top if job.speeds else 1.0, seed=job.seed, couple=job.couple.get(r, 1.0),
+                     **job.disturbances) for r in range(ranks)]
+
+
+def step_factor(emus, cluster: Cluster, row=None) -> np.ndarray:
+    """Every rank's compute-time multiplier in a step of local batches `row` (None: every
+    rank computes): its emulated speed and disturbance, its coupling (Emulator.factor_with)."""
+    others = cluster.others_compute(row)
+    return np.array([e.factor_with(bool(o)) for e, o in zip(emus, others)])
 
 
 class Compute:

@@ -21,6 +21,7 @@ class Job:
     global_batch: int
     epochs: int
     speeds: tuple = ()               # emulated relative speeds (heterogeneity.Emulator), () = none
+    couple: dict = field(default_factory=dict)   # coupled speeds {rank: K}: K times slower while another rank of its host computes
     drop_last: bool = False
     min_local_batch: int = 1
     max_local_batch: int = 0

@@ -12,14 +12,15 @@ import numpy as np
 from .. import config as config_mod
 from ..data import SPLIT_SIZES
 from ..machine import Machine, ModelCost
-from .cluster import DEFAULT_NOISE, Cluster, Compute, emulators
+from ...options import parse_couple
+from .cluster import DEFAULT_NOISE, Cluster, Compute, emulators, step_factor
 from .job import SYNC, Job
 from .network import Network
 from .parameter_server import simulate_async
 from .sync import calibration_step, simulate_sync, startup_fit
 
 # What a run recorded before these options existed did (dbs re-planned once per epoch).
-LEGACY = {**config_mod.LEGACY, "dbs_window": 32, "slow_steps": (0, 0), "slow_seconds": (0.0, 0.0)}
+LEGACY = {**config_mod.LEGACY, "dbs_window": 32, "slow_steps": (0, 0), "slow_seconds": (0.0, 0.0), "couple": ""}
 
 
 def job_from_config(cfg: dict, model: ModelCost, data_per_sample: float) -> Job:
@@ -31,7 +32,8 @@ def job_from_config(cfg: dict, model: ModelCost, data_per_sample: float) -> Job:
                     for k in ("slow_rank", "slow_factor", "slow_epochs", "slow_steps", "slow_seconds", "sleep_prob",
                               "sleep_seconds", "sleep_epochs")}
     return Job(strategy=cfg["strategy"], model=model, samples=samples, global_batch=cfg["global_batch"],
-               epochs=cfg["epochs"], speeds=tuple(cfg.get("speeds") or ()), drop_last=cfg["drop_last"],
+               epochs=cfg["epochs"], speeds=tuple(cfg.get("speeds") or ()), couple=parse_couple(cfg["couple"]),
+               drop_last=cfg["drop_last"],
                min_local_batch=cfg["min_local_batch"], max_local_batch=_share_bound(cfg),
                dbs_model=cfg["dbs_model"], dbs_smoothing=cfg["dbs_smoothing"], dbs_follow=cfg["dbs_follow"],
                dbs_min_gain=cfg["dbs_min_gain"], dbs_interval=str(cfg["dbs_interval"]), dbs_window=cfg["dbs_window"],
@@ -57,7 +59,8 @@ def replay_job(path, machine: Machine) -> tuple[Job, Cluster, Network, dict, dic
     job = job_from_config(cfg, machine.models[cfg["model"]], machine.data_cost(shape))
     job.residual = dict(machine.residual)
     nodes, cores = placement_of(inputs, machine)
-    cluster = Cluster(nodes=nodes, cores=cores, device=np.ones(len(nodes)), sleeping=inputs["sleeping"])
+    cluster = Cluster(nodes=nodes, cores=cores, device=np.ones(len(nodes)), sleeping=inputs["sleeping"],
+                      hosts=np.array(inputs["hostnames"]))
     network = Network(machine.alpha, machine.beta, "auto", machine.sleep_wait, machine.oversubscribed_message)
     return job, cluster, network, cfg, inputs["startup"]
 
@@ -91,7 +94,7 @@ def load_factor(job: Job, cluster: Cluster, startup: dict) -> float:
     load): the median over ranks and local batches of measured / simulated step times."""
     if "step_time" not in startup:
         return 1.0
-    factor = np.array([e.factor for e in emulators(job, cluster.size)])
+    factor = step_factor(emulators(job, cluster.size), cluster)     # the calibration: every rank computes
     compute = Compute(job, cluster, 0.0, None)
     simulated = np.stack([calibration_step(compute, cluster, factor, b) for b in startup["local_batch"]], axis=1)
     return float(max(1.0, np.min(startup["step_time"] / simulated)))

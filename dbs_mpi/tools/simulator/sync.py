@@ -12,7 +12,7 @@ import numpy as np
 
 from ...options import parse_interval
 from ...planning import allocation, dynamic, participation, sharding
-from .cluster import Cluster, Compute, emulators, free_running_rate
+from .cluster import Cluster, Compute, emulators, free_running_rate, step_factor
 from .job import Job, Result
 from .network import Network, buckets
 
@@ -30,7 +30,7 @@ def calibration_times(job: Job, cluster: Cluster, compute: Compute, emus) -> tup
     benchmark_steps steps at two local batches. Returns ((small, large), (ranks x 2) seconds)."""
     batches = allocation.calibration_batches(job.global_batch, cluster.size, job.min_local_batch,
                                              job.max_local_batch or None)
-    factor = np.array([e.factor for e in emus])
+    factor = step_factor(emus, cluster)              # every rank computes: a coupled rank is timed coupled
     times = [np.median([calibration_step(compute, cluster, factor, b) for _ in range(job.benchmark_steps)], axis=0)
              for b in batches]
     return batches, np.stack(times, axis=1)
@@ -159,7 +159,7 @@ class _SyncClock:
     def epoch(self, table: np.ndarray, job: Job) -> tuple[np.ndarray, np.ndarray]:
         pre, comm = np.zeros(table.shape), np.zeros(len(table))
         for s in range(len(table)):
-            factor = np.array([e.factor for e in self.emus])
+            factor = step_factor(self.emus, self.compute.cluster, table[s])
             pre[s] = self.compute.pre(table[s], factor, np.array([e.step_sleep for e in self.emus]))
             comm[s] = self.comm(table[s], last=s == len(table) - 1)
             self.trained += float(pre[s].max() + comm[s] + self.update)
