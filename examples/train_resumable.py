@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import dbs_mpi
-from dbs_mpi.training.optimizer import SGD
+from dbs_mpi.training.named_optimizers import SGD
 from my_project import SmallNet, Squares
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -119,7 +119,10 @@ def test_a_stopped_rank_0_ends_the_job_too(tmp_path):
     elapsed, code, err, out = stop_one_rank(tmp_path, ["--strategy", "ssgd", "--wait-policy", "spin"], 2, victim=0)
     assert code != 0
     assert elapsed < TIMEOUT + SLACK, f"the job outlived the stopped rank by {elapsed:.1f} s"
-    assert "waited more than 5 s in the gradient allreduce" in err, err
+    # rank 0 is stopped once it printed epoch 1: in epoch 2's first allreduce, or before the
+    # epoch's start (the ranks agree on it when the sampler is iterated), as the race goes
+    assert "waited more than 5 s in the gradient allreduce" in err or \
+        "waited more than 5 s in agreeing on the settings of HeteroSampler" in err, err
 
 
 # --- start-up -------------------------------------------------------------------------------
