@@ -283,6 +283,15 @@ def test_a_compiled_ddp_model_gives_the_union_gradient(comm, group):
     sampler = dbs_mpi.HeteroSampler(data, balancer, seed=1)
     model, reference = models()
     ddp.sample_weighted(model, balancer=balancer)
+    for _, expected in compiled_epoch(model, reference, data, sampler, global_batch):
+        assert_grads_equal(model, expected)
+    assert (balancer.end_epoch().step_compute > 0).all()
+
+
+def compiled_epoch(model, reference, data, sampler, global_batch):
+    """One epoch of the DDP `model` compiled (Dynamo's eager backend) beside `reference` on the
+    union batches: yields after each backward (the model's and the reference's gradients),
+    then both take the step and align."""
     compiled = torch.compile(model, backend="eager")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
@@ -292,9 +301,8 @@ def test_a_compiled_ddp_model_gives_the_union_gradient(comm, group):
         optimizer.zero_grad()
         F.cross_entropy(compiled(x), y).backward()
         union = perm[s * global_batch:(s + 1) * global_batch]
-        assert_grads_equal(model, reference_grads(reference, data.x[union], data.y[union]))
+        yield grads(model), reference_grads(reference, data.x[union], data.y[union])
         step_and_align((optimizer, ref_optimizer), model, reference)
-    assert (balancer.end_epoch().step_compute > 0).all()
 
 
 @pytest.mark.mpi(min_size=1)
@@ -314,19 +322,10 @@ def test_a_compiled_ddp_model_with_sync_batchnorm_gives_the_union_gradient(comm,
     reference = copy.deepcopy(net)
     model = DDP(dbs_mpi.convert_sync_batchnorm(net, comm, TIMEOUT))
     ddp.sample_weighted(model, balancer=balancer)
-    compiled = torch.compile(model, backend="eager")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
-    sampler.set_epoch(0)
-    perm = torch.from_numpy(epoch_permutation(len(data), 0, 1))
-    for s, (x, y) in enumerate(DataLoader(data, batch_sampler=sampler)):
-        optimizer.zero_grad()
-        F.cross_entropy(compiled(x), y).backward()
-        union = perm[s * global_batch:(s + 1) * global_batch]
-        for p, e in zip(model.module.parameters(), reference_grads(reference, data.x[union], data.y[union])):
-            torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-6)
+    for got, expected in compiled_epoch(model, reference, data, sampler, global_batch):
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(buffers(model.module), buffers(reference), rtol=1e-5, atol=1e-6)
-        step_and_align((optimizer, ref_optimizer), model, reference)
     table = balancer.end_epoch().table
     assert table[-1].tolist() == [6] + [0] * (n - 1), table
 
