@@ -213,7 +213,8 @@ def train_with_forced_changes(comm, dataset, epochs, workers, proposals, skip=No
 def test_a_rank_that_sits_out_mid_epoch_and_comes_back_keeps_allocation_invariance(comm, shared_tmp, workers):
     """The last rank leaves from step 4 of epoch 1 (local batch 0: its loop skips forward
     and backward) and returns in epoch 2 (forced: the planner's dead band passes nothing); rank 0 sits out for a stretch too (its duties,
-    the records, go on): the parameters are those of 1 rank, and the tables show the 0s."""
+    the records, go on): the parameters are those of 1 rank, and the tables show the 0s. While out, the last
+    rank probes itself on its own time (prober.py): its probes ride the steps, and none rides a step it computes."""
     root = shared_tmp / "folder"
     if comm.Get_rank() == 0:
         write_folder(root)
@@ -231,6 +232,9 @@ def test_a_rank_that_sits_out_mid_epoch_and_comes_back_keeps_allocation_invarian
         assert (stats[1].table[:, 0] == 0).any() and (stats[2].table[0] > 0).all()
         sat_out = [(e, s) for e, st in enumerate(stats) for s, row in enumerate(st.table) if row[comm.Get_rank()] == 0]
         assert skipped == sat_out and (comm.Get_rank() not in (0, n - 1) or skipped)
+        probes = np.concatenate([st.probes[0] for st in stats])      # the last rank probed itself on its own time
+        computed = np.concatenate([st.table for st in stats]) > 0
+        assert probes[:, n - 1].any() and not probes[computed].any()
 
 
 class NormNet(UserNet):

@@ -243,6 +243,9 @@ def test_the_simulated_replanner_fed_a_run_s_step_times_makes_the_engine_s_decis
         with h5py.File(path, "r") as f:
             pre, rows, epoch = f["step/pre_time"][()], f["step/batch_sizes"][()], f["step/epoch"][()]
             recorded = list(zip(f["replan/run_step"][()].tolist(), f["replan/batch_sizes"][()].tolist()))
+            zeros = np.zeros(rows.shape)            # (runs recorded before probes on a rank's own time: none)
+            probes = f["step/probe_samples"][()] if "step/probe_samples" in f else zeros
+            probe_time = np.nan_to_num(f["step/probe_time"][()]) if "step/probe_time" in f else zeros
         replanner = step_replanner(j, startup_fit(j, startup, c.size), c.size)
         current, switches = startup["batch_sizes"], []
         first_of_epoch = {e: int(np.flatnonzero(epoch == e)[0]) for e in np.unique(epoch)}
@@ -250,7 +253,8 @@ def test_the_simulated_replanner_fed_a_run_s_step_times_makes_the_engine_s_decis
             next_step = s - first_of_epoch[epoch[s]] + 1
             announced = replanner.announce if replanner.announce is not None else np.zeros(c.size)
             replanner.announce = None
-            summed = np.concatenate([pre[s], np.full(c.size, next_step), announced, [c.size]]).astype(np.float32)
+            summed = np.concatenate([pre[s], np.full(c.size, next_step), announced, probe_time[s], probes[s],
+                                     [c.size]]).astype(np.float32)
             switch = replanner.incoming(summed, rows[s], current, next_step)
             if switch is not None:
                 current = switch.vector

@@ -110,17 +110,19 @@ class EpochStats:
     next_batch_sizes: np.ndarray  # (R,) the vector of the next epoch (dbs may have re-planned)
     diagnostics: dict = field(default_factory=dict)   # dbs per epoch: speed_ratio (R,) measured / predicted
     changes: list = field(default_factory=list)       # dbs within the epoch: its vector changes (Change)
+    probes: tuple = ()                                # (S, R) samples and seconds of own-time probes (prober.py)
 
     @classmethod
     def of(cls, epoch: int, vector: np.ndarray, table: np.ndarray, duration: float, phases: tuple,
-           next_vector: np.ndarray, diagnostics: dict, changes: list) -> "EpochStats":
+           next_vector: np.ndarray, diagnostics: dict, changes: list, probes: tuple = ()) -> "EpochStats":
         """The stats of an epoch from its table and every rank's phases of its steps (_phases)."""
         data_t, compute_t, comm_t, wait_t, pre_t, loss = phases
         return cls(epoch=epoch, batch_sizes=vector, table=table, duration=duration, data_time=data_t.sum(axis=1),
                    compute_time=compute_t.sum(axis=1), comm_time=comm_t.sum(axis=1), wait_time=wait_t.sum(axis=1),
                    speed=table.sum(axis=0) / np.maximum(pre_t.sum(axis=1), 1e-12), step_loss=loss[0],
                    step_compute=compute_t.T, step_comm=comm_t.T, step_wait=wait_t.T, step_data=data_t.T,
-                   step_pre=pre_t.T, next_batch_sizes=next_vector, diagnostics=diagnostics, changes=changes)
+                   step_pre=pre_t.T, next_batch_sizes=next_vector, diagnostics=diagnostics, changes=changes,
+                   probes=probes)
 
     @property
     def steps(self) -> int:
@@ -141,10 +143,11 @@ class EpochStats:
 
     def step_rows(self, epoch_index: int) -> dict:
         """The epoch's rows of step/* in the result file."""
+        samples, seconds = self.probes or (np.zeros(self.table.shape, np.int64), np.full(self.table.shape, np.nan))
         return dict(loss=self.step_loss, epoch=np.full(self.steps, epoch_index, dtype=np.int64),
                     batch_sizes=self.table.astype(np.int64), compute_time=self.step_compute,
                     comm_time=self.step_comm, wait_time=self.step_wait, data_time=self.step_data,
-                    pre_time=self.step_pre)
+                    pre_time=self.step_pre, probe_samples=samples.astype(np.int64), probe_time=seconds)
 
     def replan_rows(self) -> dict:
         """The epoch's vector changes as rows of replan/* in the result file (none: {})."""
@@ -158,7 +161,8 @@ class Change:
     """A vector change within the epoch (dbs with a step interval): where it applied, and
     the estimate that caused it (this rank's planner's; NaN where a vector was forced)."""
     FIELDS = ("epoch", "step", "run_step", "decided", "batch_sizes", "per_sample", "overhead",
-              "predicted_before", "predicted_after", "changed")
+              "predicted_before", "predicted_after", "changed", "cause")
+    CAUSES = ("plan", "probe", "revert", "trial", "forced")   # cause: an index into these
     epoch: int                  # 0-based
     step: int                   # the epoch's first step under the new vector (the epoch's length: the next epoch)
     run_step: int               # the same, counted over the run
@@ -169,6 +173,7 @@ class Change:
     predicted_before: float     # seconds per step the estimate predicted for the old vector
     predicted_after: float      # ... and for the new one
     changed: np.ndarray         # (R,) ranks whose speed changed (rather than drifted)
+    cause: int = 4              # why (CAUSES): a plan, a probe in the step, a revert or a trial (set_check.py), forced
 
     @classmethod
     def of(cls, switch: dynamic.Switch, epoch: int, run_step: int, next_step: int) -> "Change":
@@ -177,7 +182,7 @@ class Change:
         return cls(epoch, int(switch.first_step), run_step - next_step + int(switch.first_step), run_step - 2,
                    switch.vector.copy(), nan if p is None else p.per_sample, nan if p is None else p.overhead,
                    np.nan if p is None else p.predicted_before, np.nan if p is None else p.predicted_after,
-                   np.zeros(n, bool) if p is None else p.changed)
+                   np.zeros(n, bool) if p is None else p.changed, cls.CAUSES.index("forced" if p is None else p.cause))
 
     def state(self) -> dict:
         return {name: getattr(self, name) for name in self.FIELDS}
@@ -187,7 +192,7 @@ class Change:
         arrays = {"batch_sizes": np.int64, "per_sample": float, "overhead": float, "changed": bool}
         return cls(**{name: (np.asarray(state[name], dtype=arrays[name]).copy() if name in arrays
                              else (float(state[name]) if name.startswith("predicted") else int(state[name])))
-                      for name in cls.FIELDS})
+                      for name in cls.FIELDS if name in state})
 
 
 @dataclass
@@ -205,6 +210,18 @@ class _Epoch:
     handed: int = 0             # steps whose samples this rank's sampler handed out
     changes: list = field(default_factory=list)   # Change records of this epoch
     measured_from: int = 0      # first step this world ran (an epoch resumed on another rank count)
+    probe_samples: np.ndarray | None = None   # (S, R) own-time probes that rode each step: samples ...
+    probe_time: np.ndarray | None = None      # ... and seconds (NaN: none)
+
+    def __post_init__(self):
+        if self.probe_samples is None:
+            self.probe_samples = np.zeros(self.table.shape, np.int64)
+            self.probe_time = np.full(self.table.shape, np.nan)
+
+    def probed(self, step: int, probes) -> None:
+        """The own-time probes (samples, seconds per rank; None: none) that rode `step`."""
+        if probes is not None:
+            self.probe_samples[step], self.probe_time[step] = probes
 
     @classmethod
     def opened(cls, epoch: int, table: np.ndarray, num_samples: int, drop_last: bool, first_step: int,
@@ -226,8 +243,12 @@ class _Epoch:
                 table = np.asarray(restored["table"], dtype=np.int64).copy()
             changes = [Change.from_state(c) for c in restored.get("changes", [])]
         now = time.perf_counter()
-        return cls(epoch, table, times, first_step, now, elapsed, now, num_samples, drop_last,
-                   changes=changes, measured_from=measured_from)
+        opened = cls(epoch, table, times, first_step, now, elapsed, now, num_samples, drop_last,
+                     changes=changes, measured_from=measured_from)
+        if first_step != 0 and "probe_samples" in restored and not restored.get("other_world"):
+            opened.probe_samples[:] = restored["probe_samples"]
+            opened.probe_time[:] = restored["probe_time"]
+        return opened
 
     @property
     def elapsed(self) -> float:
@@ -260,7 +281,8 @@ class _Epoch:
         its steps' times so far, and its table and changes (dbs may have changed them)."""
         return {"epoch": self.epoch, "step": self.step, "elapsed": self.elapsed,
                 "times": self.times.snapshot(self.step), "table": self.table.copy(),
-                "changes": [c.state() for c in self.changes]}
+                "changes": [c.state() for c in self.changes], "probe_samples": self.probe_samples.copy(),
+                "probe_time": self.probe_time.copy()}
 
 
 def steps_before_resume(states: list[dict], epoch_index: int) -> dict:
@@ -378,6 +400,7 @@ class Calibration:
         `model`, x and y the first samples of `dataset` (a map-style dataset)."""
         self.on_device(model_device(model))
         inputs, targets = first_samples(dataset, self.calibration_batches(largest)[1])
+        self.sample_inputs = inputs
         return self.calibrate(model_step(model, loss_fn, inputs, targets), steps, warmup, largest)
 
 
@@ -406,10 +429,13 @@ class BatchPolicy(Calibration):
                                        window, rule)
         self.emulator = _emulator(speeds, emulator, self.rank, self.world_size)
         self.hosts = [host for host, _ in placement(comm, timeout)]    # every rank's host (cached on comm)
+        if self.replanner is not None:
+            self.replanner.on_hosts(self.hosts)
         self.batch_sizes = allocation.equal(self.global_batch, self.world_size, self.min_local, self.max_local)
         self.speed_model: allocation.SpeedModel | None = None
         self.controller: dynamic.DBSController | None = None
         self.startup: dict | None = None      # the calibration: local_batch (2,), step_time (R, 2), batch_sizes
+        self.sample_inputs = None             # the calibration's inputs (what a rank that sits out probes with)
         self._heard = False                   # within-epoch dbs: step times arrived in the open epoch
         self._warned = False                  # ... and the warning that none did was given
         self._settlers = []                   # clocks that record steps late (settle_with)
@@ -520,6 +546,7 @@ class BatchPolicy(Calibration):
             dynamic.DBSController.from_state(state["controller"])
         if self.replanner is not None and state.get("replanner") is not None:
             self.replanner = dynamic.Replanner.from_state(state["replanner"])
+            self.replanner.on_hosts(self.hosts)
         self.startup = state["startup"]
         self.emulator.load_state_dict(state["emulator"])
         return True
@@ -579,8 +606,7 @@ class Balancer(BatchPolicy):
 
     @property
     def open_epoch(self) -> int | None:
-        """The epoch begun and not ended yet, or None."""
-        return None if self._open is None else self._open.epoch
+        return None if self._open is None else self._open.epoch      # the epoch begun and not ended yet, or None
 
     @property
     def epoch_table(self) -> np.ndarray | None:
@@ -615,13 +641,13 @@ class Balancer(BatchPolicy):
         if e is not None and step >= e.handed:
             e.handed = step + 1
 
-    def telemetry(self, compute_seconds: float) -> np.ndarray | None:
+    def telemetry(self, compute_seconds: float, probe=None) -> np.ndarray | None:
         """dbs within the epoch: this rank's slots of the step's sum (its compute seconds, its
-        sampler's position, rank 0's proposal), for the gradient allreduce to carry
-        (dynamic.Replanner); None otherwise."""
+        sampler's position, rank 0's proposal, a probe it ran on its own time: (samples,
+        seconds) or None), for the gradient allreduce to carry (dynamic.Replanner); None otherwise."""
         if self.replanner is None:
             return None
-        return self.replanner.outgoing(compute_seconds, 0 if self._open is None else self._open.handed)
+        return self.replanner.outgoing(compute_seconds, 0 if self._open is None else self._open.handed, probe)
 
     def record_step(self, data: float, pre: float, collective: float, update: float,
                     loss: float = float("nan"), telemetry=None) -> None:
@@ -634,6 +660,7 @@ class Balancer(BatchPolicy):
         if telemetry is not None and self.replanner is not None:
             self._heard = True
             switch = self.replanner.incoming(telemetry, e.table[e.step - 1], self.batch_sizes, e.step)
+            e.probed(e.step - 1, self.replanner.probes)
             if switch is not None:      # a new vector from the switch's step on (this epoch and later ones)
                 e.switch(switch, self.global_batch, self.run_steps)
                 self.batch_sizes = switch.vector.copy()
@@ -668,7 +695,7 @@ class Balancer(BatchPolicy):
         self._open, self.next_epoch = None, e.epoch + 1
         self.trained_before += duration
         return EpochStats.of(e.epoch, vector, table, duration, phases, self.batch_sizes.copy(), diagnostics,
-                             list(e.changes))
+                             list(e.changes), (e.probe_samples[e.measured_from:], e.probe_time[e.measured_from:]))
 
     # --- checkpoints ------------------------------------------------------------------
     def state_dict(self) -> dict:

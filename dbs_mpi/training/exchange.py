@@ -59,7 +59,7 @@ from mpi4py import MPI
 
 from ..mpi import transport as transports
 from ..mpi.supervisor import SUPERVISOR
-from ..mpi.waits import wait
+from ..mpi.waits import POLL_SLEEP_MAX, wait
 
 MIB = 2 ** 20
 BUCKET_BYTES = 25 * MIB        # PyTorch DDP's bucket cap
@@ -420,20 +420,16 @@ class GradientExchange(GradientBuffer):
         finally:
             schedule.reset()
 
-    def sum_tail(self, loss_share: float, extra=None) -> StepSums:
+    def sum_tail(self, loss_share: float, extra=None, sleep: bool = False) -> StepSums:
         """The step's tail alone summed over the world (a step whose gradient went over a
-        group, or over none on this rank): sleeping or spinning as the wait policy says."""
+        group, or over none on this rank): a non-blocking allreduce, waited for sleeping
+        where the wait policy or `sleep` (a probe computes beside: prober.py) says so, else
+        polling (the same call on every rank, whichever way each waits)."""
         tail = np.array([float(loss_share), *(() if extra is None else extra)], dtype=np.float32)
         if self.world_size > 1:
-            if self.sleep_while_waiting:
-                wait(self.comm.Iallreduce(MPI.IN_PLACE, tail, op=MPI.SUM), self.timeout,
-                     f"{WHAT} (the step's loss and times)")
-            else:
-                SUPERVISOR.arm(self.comm, self.timeout, WHAT)
-                try:
-                    self.comm.Allreduce(MPI.IN_PLACE, tail, op=MPI.SUM)
-                finally:
-                    SUPERVISOR.disarm()
+            pause = POLL_SLEEP_MAX if self.sleep_while_waiting or sleep else 0.0
+            wait(self.comm.Iallreduce(MPI.IN_PLACE, tail, op=MPI.SUM), self.timeout,
+                 f"{WHAT} (the step's loss and times)", pause)
         return StepSums(float(tail[0]), tail[1:].copy() if self.extra_slots else None)
 
     def drop_step(self) -> None:

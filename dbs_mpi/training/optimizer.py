@@ -66,6 +66,7 @@ from .step_clock import StepClock
 from .exchange import GradientExchange
 from .loss_scaling import skip_update
 from .participants import Participants
+from .prober import Prober
 
 AGGREGATIONS = ("weighted", "mean")
 MIB = 2 ** 20
@@ -235,6 +236,7 @@ class StepChecks:
         self.forwards += 1
         n = batch_length(args, kwargs)
         self.samples = None if n is None or self.samples is None else self.samples + n
+        self.last = n                      # the last forward's samples
 
     def samples_match(self, rank: int, local: int, row, balancer) -> None:
         """Fail loudly if the model did not see this rank's local batch since the last step."""
@@ -329,6 +331,27 @@ def build_exchange(comm, params, device, telemetry: int, timeout: float, setting
                                 bucket_bytes=int(settings["bucket_mb"] * MIB),
                                 first_bucket_bytes=int(settings["first_bucket_mb"] * MIB), transport=name, extra=extra)
     return exchange, oversubscribed(places)
+
+
+def _plan_next(steps, balancer, prober, participants) -> None:
+    """After a step, the next one's plan (a rank that sat out catches up before it); a rank
+    that sits out in it probes itself beside it (prober.py; where it stays in the exchange
+    after all, it never does)."""
+    local = steps.current().local if balancer.step_pending else 1
+    if prober is not None:
+        prober.between_steps(local if participants.enabled else 1)
+
+
+def _prober(model, balancer, participants, device, exchange, timeout: float) -> Prober | None:
+    """The probes a rank that sits out runs on its own time (prober.py), where they can
+    run: dbs within the epoch (its telemetry carries them), ranks leaving the exchange
+    (host MPI, no SyncBatchNorm), a model that is not compiled, and not on rank 0 where
+    waits spin (it stays in the group's gradient sum)."""
+    if balancer.telemetry_size == 0 or not participants.enabled or hasattr(model, "_orig_mod"):
+        return None
+    if balancer.rank == 0 and not exchange.sleep_while_waiting:
+        return None
+    return Prober(model, balancer, device, timeout)
 
 
 def _step_clock(model, device, exchange, balancer) -> StepClock:
@@ -443,6 +466,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         self._hook = model.register_forward_pre_hook(_ForwardHook(self), with_kwargs=True)
         self._edits = LocalEdits(model, self.exchange.params)
         self._steps = StepPlanner(balancer, self._part, aggregation)      # the step's facts, read once
+        self._prober = _prober(model, balancer, self._part, self.device, self.exchange, self.timeout)
         self._new_step(time.perf_counter())
 
     # --- a step ---------------------------------------------------------------------
@@ -460,6 +484,8 @@ class DistributedOptimizer(_WrappedOptimizer):
         if self._clock.forward() and self.balancer.step_pending:
             self._steps.arm(self.exchange)
         self.checks.forward(args, kwargs)
+        if self._prober is not None:
+            self._prober.remember(args, kwargs, self.checks.last)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients (set_to_none is ignored: the .grad tensors stay views of the
@@ -507,10 +533,12 @@ class DistributedOptimizer(_WrappedOptimizer):
         self.balancer.stretch(start - began - in_sync, cpu, plan.row)    # nothing where the clock reads late
         pre_end = time.perf_counter()
         share = _loss_share(loss, plan.local, plan.row, self.device if self._clock.late is not None else None)
-        telemetry = self.balancer.telemetry(pre_end - began - in_sync)   # dbs: every rank's step time
+        probe = self._prober and self._prober.take()     # a rank that sits out: its probe on its own time
+        telemetry = self.balancer.telemetry(pre_end - began - in_sync, probe)   # dbs: every rank's step time
         rides = self.exchange.agreed == "host"      # a StopRequest's flag rides the same collective
         stop = riding(self.comm) if rides else None
-        sums = self._part.reduce(plan.route, plan.weight, share, _tail(telemetry, stop, rides))
+        sums = self._part.reduce(plan.route, plan.weight, share, _tail(telemetry, stop, rides),
+                                 sleep=self._prober is not None and self._prober.thread is not None)
         self._telemetry = _after_tail(sums.extra, telemetry, stop, rides)
         self._loss = sums.loss if loss is not None else float("nan")
         self._times = self._clock.phases(began, pre_end, in_sync)
@@ -537,8 +565,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         self._clock.record(self.balancer, start, self._times, self._loss, self._telemetry)
         global_loss = self._loss
         self._new_step(self._clock.last_end)
-        if self.balancer.step_pending:      # the next step's plan now: a rank that sat out catches up before it
-            self._steps.current()
+        _plan_next(self._steps, self.balancer, self._prober, self._part)
         return global_loss
 
     _step_supports_amp_scaling = True      # GradScaler.step(optimizer) hands step() the scaler
@@ -556,6 +583,8 @@ class DistributedOptimizer(_WrappedOptimizer):
         steps still to be read late are read first."""
         if self._clock.late is not None:
             self._clock.late.close()
+        if self._prober is not None:
+            self._prober.stop()
         self._hook.remove()
         self._edits.close()
         self.exchange.close()

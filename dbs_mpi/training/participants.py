@@ -81,17 +81,18 @@ class Participants:
             return self.exchange.world
         return self._route(group)          # every rank: its communicator is created collectively
 
-    def reduce(self, route: Route | None, weight: float, loss_share, extra) -> StepSums:
+    def reduce(self, route: Route | None, weight: float, loss_share, extra, sleep: bool = False) -> StepSums:
         """The step's exchange over its route: the world's (gradient and tail in one
         collective), or the group's gradient sum (nothing out of it) and the world's sum of
-        the tail (the loss, the telemetry, the stop flags)."""
+        the tail (the loss, the telemetry, the stop flags); sleep: a probe computes beside
+        this rank's wait (prober.py)."""
         if route is self.exchange.world:
             return self.exchange.reduce(weight, route, loss_share, extra)
         if route is not None:
             self.exchange.reduce(weight, route)
         else:
             self.exchange.drop_step()
-        return self.exchange.sum_tail(loss_share, extra)
+        return self.exchange.sum_tail(loss_share, extra, sleep)
 
     def updates(self, grad_scaler) -> bool:
         """Whether this rank applies the step's update (a rank out of the group does not)."""

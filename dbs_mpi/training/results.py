@@ -127,6 +127,9 @@ SCHEMA_DATASETS = {
     "step/wait_time": ("(S, R)", "s", "waiting seconds per step and rank"),
     "step/data_time": ("(S, R)", "s", "seconds waiting for the step's batch per step and rank (a step lasts "
                                       "data + compute + comm + wait on every rank)"),
+    "step/probe_samples": ("(S, R) int", "samples", "a probe that a rank sitting out ran on its own time and "
+                           "reported with the step (its samples; 0: none): the ranks taking part did not wait for it"),
+    "step/probe_time": ("(S, R)", "s", "... and its measured seconds (NaN: none)"),
     "step/pre_time": ("(S, R)", "s", "compute before the step's collective (forward, backward, emulated slow-down): "
                                      "what `dbs` measures and re-plans from"),
     "replan/epoch": ("(V,) int", "epoch", "`dbs` within the epoch (a step `dbs_interval`): epoch (from 0) of "
@@ -144,6 +147,10 @@ SCHEMA_DATASETS = {
     "replan/predicted_before": ("(V,)", "s", "step time (slowest rank) the estimate predicted for the old vector"),
     "replan/predicted_after": ("(V,)", "s", "... and for the new one"),
     "replan/changed": ("(V, R) int", "bool", "1 for a rank whose speed changed (followed at once), 0 for drift"),
+    "replan/cause": ("(V,) int", "code", "why: 0 a plan from the estimate, 1 a probe in the step (a rank held small "
+                     "or sitting out given samples to measure it), 2 a revert (the set of ranks taking part measured "
+                     "slower than the one before: back to the vector before), 3 a trial of the fastest ranks alone "
+                     "(ranks share a host), 4 forced (propose())"),
     "checkpoint/seconds": ("(K,)", "s", "seconds rank 0 spent writing each checkpoint"),
     "checkpoint/position": ("(K, 2) int", "(epoch, step)", "where each checkpoint continues; asynchronous runs: "
                                                            "(epoch, samples of it already applied)"),

@@ -161,18 +161,20 @@ class StepTimeEstimator:
         sides = (log_ratio >= self.bound).astype(np.int8) - (log_ratio <= -self.bound).astype(np.int8)
         self._recent_sides = [deque(sides[kept[:, i], i][::-1].tolist(), maxlen=self.recent) for i in range(len(self._a))]
 
-    def observe(self, batches, seconds) -> None:
+    def observe(self, batches, seconds, warm=None) -> None:
         """One step: every rank's local batch and its measured compute seconds. Not a
         measurement: a rank without samples or without a time, and a rank's first step at
         a local batch other than its last two steps' (one-off costs: the allocator maps
         memory for the new sizes, which made that step up to twice as slow here; two, so
-        that an epoch's last, partial step does not cost the next epoch's first)."""
+        that an epoch's last, partial step does not cost the next epoch's first), unless
+        `warm` (bool per rank) says the time was taken after a pass at that size (a probe)."""
         b = batches.tolist() if hasattr(batches, "tolist") else list(batches)
         t = seconds.tolist() if hasattr(seconds, "tolist") else list(seconds)
+        warm = [False] * len(b) if warm is None else warm
         row_b, row_t = [], []
         for i, (bi, ti) in enumerate(zip(b, t)):
             last = self._last[i]
-            ok = bi > 0 and ti > 0 and ti < math.inf and (bi == last[0] or bi == last[1])
+            ok = bi > 0 and ti > 0 and ti < math.inf and (bi == last[0] or bi == last[1] or bool(warm[i]))
             last[1], last[0] = last[0], bi
             if ok:
                 log_ratio = math.log(ti / (self._a[i] + self._c[i] * bi))

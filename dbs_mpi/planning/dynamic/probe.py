@@ -55,13 +55,19 @@ class Probes:
     def __init__(self, ranks: int):
         self.since = np.zeros(ranks, dtype=np.int64)
         self.wait = np.full(ranks, PROBE_FIRST, dtype=np.int64)
+        self.own_time = np.full(ranks, -PROBE_FIRST, dtype=np.int64)   # the step of each rank's last own-time probe
+
+    def heard(self, ranks, step: int) -> None:
+        """`ranks` (bool per rank) reported a probe run on their own time at `step`."""
+        self.own_time = np.where(ranks, step, self.own_time)
 
     def vector(self, step: int, current: np.ndarray, flat: np.ndarray, model: SpeedModel, min_local: int,
                max_local) -> np.ndarray | None:
         """The probe vector for the first rank due at `step` (None: none due or none
         possible); ranks no longer held start afresh."""
         small = (current > 0) & (current < PROBE_BELOW * current.sum() / len(current)) & flat
-        held = small | (current == 0)
+        measured = (current == 0) & (step - self.own_time < PROBE_FIRST)     # probes itself: no in-step probe
+        held = small | ((current == 0) & ~measured)
         self.since = np.where(held, self.since, step)
         self.wait = np.where(held, self.wait, PROBE_FIRST)
         before = float(model.predict(current).max())
@@ -77,7 +83,7 @@ class Probes:
         return None
 
     def state_dict(self) -> dict:
-        return {"since": self.since.copy(), "wait": self.wait.copy()}
+        return {"since": self.since.copy(), "wait": self.wait.copy(), "own_time": self.own_time.copy()}
 
     @classmethod
     def from_state(cls, state: dict | None, ranks: int) -> "Probes":
@@ -85,6 +91,8 @@ class Probes:
         if state is not None:
             self.since = np.asarray(state["since"], dtype=np.int64).copy()
             self.wait = np.asarray(state["wait"], dtype=np.int64).copy()
+            if "own_time" in state:
+                self.own_time = np.asarray(state["own_time"], dtype=np.int64).copy()
         return self
 
 

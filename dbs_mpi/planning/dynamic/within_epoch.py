@@ -31,6 +31,7 @@ from ..allocation import SpeedModel
 from ..participation import allocate_for, least_step_time_sitting_out
 from .estimate import RECENT, REFIT, REFIT_STEADY, TINY_SHARE, WINDOW, StepTimeEstimator
 from .probe import PROBE_STEPS, Probes
+from .set_check import SetCheck
 
 
 DEFAULT_INTERVAL = 1  # steps between re-plans (chosen by measurement: docs/method.md, section 5)
@@ -63,6 +64,7 @@ class Proposal:
     predicted_before: float         # seconds: predicted step time (slowest rank) of the current vector
     predicted_after: float          # ... of the new one
     changed: np.ndarray             # (R,) bool: ranks whose speed changed (rather than drifted)
+    cause: str = "plan"             # plan | probe (in the step) | revert (a set measured slower) | trial (set_check.py)
 
 
 class StepPlanner:
@@ -72,7 +74,7 @@ class StepPlanner:
 
     def __init__(self, model: SpeedModel, global_batch: int, min_local: int = 1, max_local: int | None = None, *,
                  interval: int = DEFAULT_INTERVAL, window: int = WINDOW, follow: float = 0.25,
-                 min_gain: float = 0.03, participation: str = "auto"):
+                 min_gain: float = 0.03, participation: str = "auto", hosts=None):
         self.estimator = StepTimeEstimator(model, window, RECENT, follow)
         self.global_batch, self.min_local, self.max_local = int(global_batch), int(min_local), max_local
         self.participation = participation
@@ -85,13 +87,20 @@ class StepPlanner:
         self.since_refit = 0            # steps observed since the window was last re-estimated
         self.hold_until = 2 * RECENT    # no planning before this step (the first steps; a move under way)
         self.settle_until = window      # re-estimate every REFIT steps before this step, then every REFIT_STEADY
+        self.sets = SetCheck(hosts)     # the set of ranks taking part, checked by measurement
 
     @property
     def model(self) -> SpeedModel:
         return self.estimator.model
 
-    def observe(self, batches, seconds) -> None:
-        self.estimator.observe(batches, seconds)
+    def observe(self, batches, seconds, own_time=None) -> None:
+        """One step's local batches and compute seconds; own_time (bool per rank, or None):
+        the rank sat out and its entry is a probe it ran on its own time (probe.py), warm."""
+        self.estimator.observe(batches, seconds, own_time)
+        row = batches if own_time is None else np.where(own_time, 0, batches)
+        self.sets.observe(row, seconds, int(np.sum(row)) == self.global_batch)
+        if own_time is not None:
+            self.probes.heard(own_time, self.step)
         self.step += 1
         self.since_plan += 1
         self.since_refit += 1
@@ -104,6 +113,9 @@ class StepPlanner:
         if self.step < self.hold_until or self.since_plan < self.interval:
             return None
         self.since_plan = 0
+        checked = self._checked(np.asarray(current, dtype=np.int64))
+        if checked is not None or self.sets.pending is not None:      # a new set is measured first
+            return checked
         refit = REFIT if self.step < self.settle_until else REFIT_STEADY
         if self.since_refit < refit and not self.estimator.moved() and not self.capped and not self.probed:
             return None
@@ -125,7 +137,7 @@ class StepPlanner:
             return None
         self.hold_until = self.step + 1                    # until the announcement says when it applies
         return Proposal(candidate, model.per_sample.copy(), model.overhead.copy(), before,
-                        float(model.predict(candidate).max()), changed)
+                        float(model.predict(candidate).max()), changed, "probe" if self.probed else "plan")
 
     def _better(self, current: np.ndarray, model: SpeedModel, target: float) -> np.ndarray | None:
         """The model's vector if its predicted step time is at most `target` (None if not,
@@ -137,30 +149,52 @@ class StepPlanner:
             return None                                    # no vector can pass the dead band
         limit = self._growth_limit(current, model)
         candidate = allocate_for(model, self.global_batch, self.min_local, limit, self.participation)
-        if float(model.predict(candidate).max()) > target or np.array_equal(candidate, current):
+        if self.sets.banned_set(candidate, self.step):      # measured slower lately: re-balance the set instead
+            candidate = allocate_for(model, self.global_batch, self.min_local, limit, within=current > 0)
+        if candidate is None or float(model.predict(candidate).max()) > target or np.array_equal(candidate, current):
             return None
         # a move that a tiny batch's limit held back goes on after the next RECENT steps
         self.capped = limit is not self.max_local and not np.array_equal(
             candidate, allocate_for(model, self.global_batch, self.min_local, self.max_local, self.participation))
         return candidate
 
+    def _checked(self, current: np.ndarray) -> Proposal | None:
+        """A proposal the set check makes (set_check.py): back to the vector before a set
+        change that measured slower, or a trial of the fastest ranks alone."""
+        model = self.estimator.model
+        vector, cause = self.sets.verdict(self.step), "revert"
+        if vector is None:
+            part, cause = self.sets.trial(self.step, current, model.per_sample), "trial"
+            vector = None if part is None else allocate_for(model, self.global_batch, self.min_local,
+                                                            self.max_local, within=part)
+        if vector is None or np.array_equal(vector, current):
+            return None
+        self.hold_until = self.step + 1
+        return Proposal(np.asarray(vector, np.int64), model.per_sample.copy(), model.overhead.copy(),
+                        float(model.predict(current).max()), float(model.predict(vector).max()),
+                        np.zeros(len(current), bool), cause)
+
     def _growth_limit(self, current: np.ndarray, model: SpeedModel):
         """Per-rank upper bounds: a rank at a tiny batch (mostly fixed cost) at most doubles
         (or grows by B/2n, if that is more); the others are bounded by max_local only."""
         per_sample = model.per_sample * current
         share = per_sample / np.maximum(model.overhead + per_sample, 1e-300)
+        if (current == 0).any():             # a rank out whose own-time probes spread: its slope is measured
+            share = np.where((current == 0) & ~self.estimator.flat(), 1.0, share)
         bound = np.inf if not self.max_local else float(self.max_local)
         lift = math.ceil(self.global_batch / (2 * len(current)))
         limit = np.minimum(np.where(share < TINY_SHARE, np.maximum(2 * current, current + lift), np.inf), bound)
         return limit if limit.sum() >= self.global_batch else self.max_local
 
-    def scheduled(self, ahead: int) -> None:
+    def scheduled(self, ahead: int, old=None, new=None, cause: str = "plan") -> None:
         """A new vector applies `ahead` steps after the last step observed (0: from the next
         one): plan again once RECENT steps have run with it, re-estimating often while the
         window fills with them. Counted on the planner's own clock (steps observed), so a
         planner built in the middle of a run (a resume on another number of ranks, a second
         calibration) holds for as long as one built at the run's first step."""
         first = self.step + int(ahead)
+        if old is not None:
+            self.sets.switched(old, new, first, cause)
         self.hold_until = first + (PROBE_STEPS if self.probed else RECENT)
         self.settle_until = first + self.estimator.window
 
@@ -170,7 +204,7 @@ class StepPlanner:
                 "interval": self.interval, "min_gain": self.min_gain, "step": self.step, "capped": self.capped,
                 "since_plan": self.since_plan, "since_refit": self.since_refit, "hold_until": self.hold_until,
                 "settle_until": self.settle_until, "probes": self.probes.state_dict(), "probed": self.probed,
-                "participation": self.participation}
+                "participation": self.participation, "sets": self.sets.state_dict()}
 
     @classmethod
     def from_state(cls, state: dict) -> "StepPlanner":
@@ -184,7 +218,18 @@ class StepPlanner:
             int(state[k]) for k in ("step", "since_plan", "since_refit", "hold_until", "settle_until"))
         self.capped, self.probed = bool(state["capped"]), bool(state.get("probed", False))
         self.probes = Probes.from_state(state.get("probes"), len(self.estimator.model.per_sample))
+        self.sets = SetCheck.from_state(state.get("sets"))
         return self
+
+
+def with_probes(row, seconds, probe_batches, probe_seconds):
+    """A step's local batches and seconds with the probes that ranks sitting out (local
+    batch 0) ran on their own time in their place; and which ranks those are (None: none)."""
+    if not any(probe_batches):
+        return row, seconds, None
+    own_time = (np.asarray(row) == 0) & (np.rint(probe_batches) > 0)
+    row = np.where(own_time, np.rint(probe_batches), row).astype(np.int64)
+    return row, np.where(own_time, probe_seconds, seconds), own_time
 
 
 @dataclass
@@ -203,7 +248,9 @@ class Replanner:
         [0, R)      every rank's pre-collective compute seconds of the step
         [R, 2R)     every rank's steps of the epoch handed out by its sampler
         [2R, 3R)    rank 0's proposal, announced (zeros: none)
-        3R          1 from every rank: the sum is R, or the array is not the sum over all ranks
+        [3R, 4R)    every rank's probe on its own time (probe.py): the seconds it measured ...
+        [4R, 5R)    ... and at how many samples (0: no probe reported with this step)
+        5R          1 from every rank: the sum is R, or the array is not the sum over all ranks
 
 
     Every rank then holds the same times and runs the same planner on them; the vector
@@ -215,23 +262,31 @@ class Replanner:
 
     def __init__(self, rank: int, world_size: int, global_batch: int, min_local: int = 1, max_local=None, *,
                  model: SpeedModel | None = None, interval: int = DEFAULT_INTERVAL, window: int = WINDOW,
-                 follow: float = 0.25, min_gain: float = 0.03, participation: str = "auto"):
+                 follow: float = 0.25, min_gain: float = 0.03, participation: str = "auto", hosts=None):
         self.rank, self.world_size, self.global_batch = int(rank), int(world_size), int(global_batch)
         self.settings = dict(min_local=int(min_local), max_local=max_local and int(max_local), interval=int(interval),
                              window=int(window), follow=float(follow), min_gain=float(min_gain),
                              participation=str(participation))
+        self.hosts = None if hosts is None else list(hosts)     # every rank's host (where sets are tried)
         self.planner = None if model is None else self._planner(model)
         self.announce: np.ndarray | None = None     # rank 0: the vector to announce with the next step
         self.proposal: Proposal | None = None       # the last proposal of this rank's planner
         self._out = np.zeros(self.size, dtype=np.float32)
         self._out[-1] = 1.0                         # every rank's count: the sum is the world size
+        self.probes = None                          # the own-time probes of the last step: (samples, seconds)
         self._announced = False
 
     def _planner(self, model: SpeedModel) -> StepPlanner:
         s = self.settings
         return StepPlanner(model, self.global_batch, s["min_local"], s["max_local"], interval=s["interval"],
                            window=s["window"], follow=s["follow"], min_gain=s["min_gain"],
-                           participation=s["participation"])
+                           participation=s["participation"], hosts=self.hosts)
+
+    def on_hosts(self, hosts) -> None:
+        """Every rank's host (set_check.py tries sets where ranks share one)."""
+        self.hosts = list(hosts)
+        if self.planner is not None:
+            self.planner.sets.hosts = self.hosts
 
     def start_from(self, model: SpeedModel) -> None:
         """Begin from a calibrated model (else the first step's measurement is the start)."""
@@ -239,7 +294,7 @@ class Replanner:
 
     @property
     def size(self) -> int:
-        return 3 * self.world_size + 1
+        return 5 * self.world_size + 1
 
     def propose(self, vector) -> None:
         """Ask for `vector` (rank 0's request is the one all ranks follow)."""
@@ -251,11 +306,13 @@ class Replanner:
         if self.rank == 0:
             self.announce = vector.copy()
 
-    def outgoing(self, seconds: float, handed: int) -> np.ndarray:
-        """This rank's slots of the step's sum (one array, reused: the others stay zero)."""
+    def outgoing(self, seconds: float, handed: int, probe=None) -> np.ndarray:
+        """This rank's slots of the step's sum (one array, reused: the others stay zero).
+        probe: (samples, seconds) of a probe this rank ran on its own time, or None."""
         out, n = self._out, self.world_size
         out[self.rank] = seconds
         out[n + self.rank] = handed
+        out[4 * n + self.rank], out[3 * n + self.rank] = (0, 0.0) if probe is None else probe
         if self.announce is not None:
             out[2 * n:3 * n] = self.announce
             self.announce = None
@@ -287,9 +344,14 @@ class Replanner:
             self.proposal = None
         if self.planner is None:                    # not calibrated: start from the first step's measurement
             self.planner = self._planner(SpeedModel.measured(row, np.asarray(seconds)))
-        self.planner.observe(row, seconds)
+        self.probes = None if not any(summed[4 * n:5 * n]) else (np.rint(summed[4 * n:5 * n]).astype(np.int64),
+                                                                 np.where(summed[4 * n:5 * n], summed[3 * n:4 * n],
+                                                                          np.nan))
+        row, seconds, own_time = with_probes(row, seconds, summed[4 * n:5 * n], summed[3 * n:4 * n])
+        self.planner.observe(row, seconds, own_time)
         if switch is not None:
-            self.planner.scheduled(switch.first_step - next_step)
+            cause = "forced" if switch.proposal is None else switch.proposal.cause
+            self.planner.scheduled(switch.first_step - next_step, current, switch.vector, cause)
         proposal = self.planner.plan(switch.vector if switch is not None else current)
         if proposal is not None:
             self.proposal = proposal
@@ -301,7 +363,8 @@ class Replanner:
         proposal = None if self.proposal is None else {
             "vector": self.proposal.vector.copy(), "per_sample": self.proposal.per_sample.copy(),
             "overhead": self.proposal.overhead.copy(), "predicted_before": float(self.proposal.predicted_before),
-            "predicted_after": float(self.proposal.predicted_after), "changed": self.proposal.changed.copy()}
+            "predicted_after": float(self.proposal.predicted_after), "changed": self.proposal.changed.copy(),
+            "cause": self.proposal.cause}
         return {"rank": self.rank, "world_size": self.world_size, "global_batch": self.global_batch,
                 "settings": dict(self.settings), "planner": None if self.planner is None else self.planner.state_dict(),
                 "announce": None if self.announce is None else self.announce.copy(), "proposal": proposal}
@@ -315,5 +378,5 @@ class Replanner:
         self.proposal = None if p is None else Proposal(
             np.asarray(p["vector"], np.int64).copy(), np.asarray(p["per_sample"], float).copy(),
             np.asarray(p["overhead"], float).copy(), float(p["predicted_before"]), float(p["predicted_after"]),
-            np.asarray(p["changed"], bool).copy())
+            np.asarray(p["changed"], bool).copy(), str(p.get("cause", "plan")))
         return self

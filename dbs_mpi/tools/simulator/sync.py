@@ -155,6 +155,10 @@ class _SyncClock:
     def __init__(self, compute: Compute, emus, comm: float, update: float, replanner):
         self.compute, self.emus, self.comm, self.update, self.replanner = compute, emus, comm, update, replanner
         self.trained, self.run_steps, self.vector = 0.0, 0, None
+        self.probe_end = np.zeros(len(emus))      # when every rank's own-time probe under way ends
+        if replanner is not None:                 # where ranks share a host, the planner tries sets (set_check.py)
+            cluster = compute.cluster
+            replanner.on_hosts(list(cluster.nodes if cluster.hosts is None else cluster.hosts))
 
     def epoch(self, table: np.ndarray, job: Job) -> tuple[np.ndarray, np.ndarray]:
         pre, comm = np.zeros(table.shape), np.zeros(len(table))
@@ -170,11 +174,27 @@ class _SyncClock:
                 self._replan(table, s, pre[s], job)
         return pre, comm
 
+    def _probes(self, row: np.ndarray, factor, job: Job) -> tuple[np.ndarray, np.ndarray]:
+        """The probes ranks that sit out run on their own time (training/prober.py): a rank
+        reports one at max(min_local, 2) samples at the first step after the last one ended
+        (its own compute at that batch, stretched as the engine's); nobody waits for it."""
+        out, small = row == 0, max(job.min_local_batch, 2)
+        samples, seconds = np.zeros(len(row)), np.zeros(len(row))
+        if not out.any():
+            return samples, seconds
+        times = self.compute.pre(np.where(out, small, 0), factor, np.array([e.step_sleep for e in self.emus]))
+        due = out & (self.probe_end <= self.trained)
+        samples[due], seconds[due] = small, times[due]
+        self.probe_end = np.where(due, self.trained + times, self.probe_end)
+        return samples, seconds
+
     def _replan(self, table: np.ndarray, s: int, seconds: np.ndarray, job: Job) -> None:
         r, n = self.replanner, table.shape[1]
         announced = np.zeros(n) if r.announce is None else r.announce.astype(float)
         r.announce = None
-        summed = np.concatenate([seconds, np.full(n, s + 1.0), announced, [n]])     # nobody prefetches
+        probe_samples, probe_seconds = self._probes(table[s], step_factor(self.emus, self.compute.cluster, table[s]),
+                                                    job)
+        summed = np.concatenate([seconds, np.full(n, s + 1.0), announced, probe_seconds, probe_samples, [n]])
         current = self.vector if self.vector is not None else table[0]
         switch = r.incoming(summed, table[s], current, s + 1)
         if switch is None:

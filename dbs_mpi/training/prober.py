@@ -1,0 +1,177 @@
+"""A rank that sits out measures itself on its own time.
+
+A rank with local batch 0 (planning/participation.py) computes nothing, so its steps
+say nothing about its speed; the planner must measure it now and then to know when it
+is worth taking back. Giving it samples in the step (planning/dynamic/probe.py, the
+rule where nothing else can measure it) makes every rank wait for its slow forward:
+at 1:0.02 such a probe cost 9 times its budget. Here the rank measures itself beside
+the steps instead: between two steps, a thread runs a forward and a backward pass on a
+copy of the model, on a few samples of a batch this rank computed before (or of the
+start-up calibration's), and times it as a step is timed (the device synchronised, the
+emulated speed's stretch applied). The rank's main thread meanwhile takes the steps
+(free: no samples) and waits for the others without spinning, so the probe has the
+rank's core; the measured (samples, seconds) rides the next step's telemetry
+(dynamic.Replanner), where every planner reads it as the rank's step.
+
+How often: while it sits out, a rank starts a probe at a step boundary when none runs
+and its probes have used at most PROBE_DUTY of the time since it began sitting out (CPU
+time of the thread on a CPU rank: what the cores shared with other ranks lose; wall
+time on a GPU). Most probes are at `small` samples (the level, cheap); every
+LARGE_EVERY-th at `large` (the slope, so that a rank taken back gets its whole share at
+once). The first pass at a size is a warm-up and is not timed.
+
+Where it does not run (the planner then probes in the step, as before): a transport
+other than MPI on host memory or SyncBatchNorm (participants.py keeps every rank in the
+exchange there), rank 0 where waits spin (it stays in the group's gradient sum, and its
+spinning would take the probe's core), a compiled model (a copy would compile again in
+the thread), and a rank that has seen no batch and no calibration (no samples to probe
+with). A probe that fails (the model does not take a slice of its batch, say) ends the
+rank's probing, with a warning.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import threading
+import time
+import warnings
+
+import torch
+
+from ..mpi.devices import synchronize
+from .sync_batchnorm import make_local
+
+PROBE_DUTY = 0.1      # the share of its time a rank that sits out spends probing (CPU time on a CPU rank)
+
+
+LARGE_EVERY = 8       # every LARGE_EVERY-th probe is at the large size, the others at the small one
+
+
+def _slice(value, n: int, k: int):
+    """`value` (a forward's argument) with every tensor of batch length n cut to k samples."""
+    if isinstance(value, torch.Tensor):
+        return value[:k].detach().clone() if value.dim() > 0 and value.shape[0] == n else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_slice(v, n, k) for v in value)
+    if isinstance(value, dict):
+        return {key: _slice(v, n, k) for key, v in value.items()}
+    return value
+
+
+def _first_tensor(output):
+    """The first tensor of a model's output (a tensor, or a tuple, list or dict of them)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else ()
+    return next((v for v in values if isinstance(v, torch.Tensor)), None)
+
+
+class Prober:
+    """The probes of one rank (see the module docstring). The optimizer calls remember()
+    at each training forward, between_steps() once the next step is planned, take() for
+    the step's telemetry, and stop() at the epoch's end and at close()."""
+
+    def __init__(self, model, balancer, device, timeout: float):
+        self.model, self.balancer, self.device, self.timeout = model, balancer, torch.device(device), timeout
+        world = balancer.world_size
+        self.small = max(balancer.min_local, 2)
+        self.large = max(math.ceil(1.5 * self.small), balancer.global_batch // (2 * world))
+        if balancer.max_local:
+            self.large = min(self.large, balancer.max_local)
+        self.inputs, self.samples = None, 0     # (args, kwargs) of up to `large` samples this rank computed
+        self.copy = None                        # the model the probes run on (made at the first probe)
+        self.thread: threading.Thread | None = None
+        self.result = None                      # (samples, seconds) of the last probe, not reported yet
+        self.since, self.used, self.count = None, 0.0, 0   # when it began sitting out; probe time since; probes
+        self.warm: set[int] = set()             # sizes already run once
+        self.failed: BaseException | None = None
+        self.warned = False
+
+    def remember(self, args, kwargs, samples) -> None:
+        """A training forward of `samples` samples: keep up to `large` of them (once enough)."""
+        if samples is None or samples <= self.samples or self.samples >= self.large or self.thread is not None:
+            return
+        keep = min(samples, self.large)
+        self.inputs, self.samples = (_slice(args, samples, keep), _slice(kwargs, samples, keep)), keep
+
+    def between_steps(self, local: int) -> None:
+        """The next step's local batch is `local`: start a probe if it sits out and one is due;
+        a rank taken back first ends the probe under way (its core is the step's again)."""
+        if local > 0:
+            self.stop()
+            self.since = None
+            return
+        now = time.perf_counter()
+        if self.since is None:
+            self.since, self.used = now, 0.0
+        if self.thread is not None or self.failed is not None or self.used > PROBE_DUTY * (now - self.since):
+            return
+        inputs = self._inputs()
+        if inputs is None:
+            return
+        self.count += 1
+        size = self.large if self.count % LARGE_EVERY == 0 and self.samples >= 1.5 * self.small else self.small
+        self.thread = threading.Thread(target=self._probe, args=(inputs, self.samples, min(size, self.samples)),
+                                       daemon=True, name="dbs-mpi probe")
+        self.thread.start()
+
+    def take(self):
+        """The (samples, seconds) of a probe finished since the last call, or None."""
+        if self.thread is not None and not self.thread.is_alive():
+            self.thread.join()
+            self.thread = None
+        if self.failed is not None and not self.warned:
+            self.warned = True
+            warnings.warn(f"dbs: rank {self.balancer.rank} cannot probe itself on its own time ({self.failed!r}); "
+                          f"the planner probes it in the steps instead", RuntimeWarning, stacklevel=3)
+        result, self.result = self.result, None
+        return result
+
+    def stop(self) -> None:
+        """Wait for the probe under way (bounded by the timeout) and drop its result."""
+        if self.thread is not None:
+            self.thread.join(self.timeout)
+            self.thread = None if not self.thread.is_alive() else self.thread
+        self.result = None
+
+    def _inputs(self):
+        """A batch to probe with: the larger of one this rank computed and the calibration's."""
+        x = getattr(self.balancer, "sample_inputs", None)
+        if x is not None and min(len(x), self.large) > self.samples:
+            self.inputs, self.samples = ((x[:self.large].detach().clone().to(self.device),), {}), min(len(x),
+                                                                                                   self.large)
+        return self.inputs
+
+    def _probe(self, inputs, samples: int, size: int) -> None:
+        """The thread: a warm-up pass at a new size, then the timed one."""
+        try:
+            if self.copy is None:
+                self.copy = make_local(copy.deepcopy(self.model))
+                for p in self.copy.parameters():
+                    p.grad = None
+            args, kwargs = _slice(inputs[0], samples, size), _slice(inputs[1], samples, size)
+            used = 0.0
+            if size not in self.warm:
+                used += self._pass(args, kwargs)[1]
+                self.warm.add(size)
+            start, cpu = time.perf_counter(), time.thread_time()
+            self._pass(args, kwargs)
+            wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
+            self.balancer.stretch(wall, cpu)        # the emulated speed (coupled: others compute)
+            self.used += used + (wall if self.device.type == "cuda" else cpu)
+            self.result = (size, time.perf_counter() - start)
+        except Exception as error:      # noqa: BLE001 (reported by take(): probing stops, the planner probes in steps)
+            self.failed = error
+
+    def _pass(self, args, kwargs) -> tuple[float, float]:
+        """One forward and backward on the copy; (wall, CPU) seconds of this thread."""
+        start, cpu = time.perf_counter(), time.thread_time()
+        self.copy.train()
+        out = _first_tensor(self.copy(*args, **kwargs))
+        if out is not None and out.requires_grad:
+            out.float().sum().backward()
+        synchronize(self.device)
+        for p in self.copy.parameters():
+            p.grad = None
+        return time.perf_counter() - start, (time.perf_counter() - start if self.device.type == "cuda"
+                                             else time.thread_time() - cpu)
