@@ -1,6 +1,6 @@
 """Participation measured: `dbs-mpi train` runs side by side, medians over repeats.
 
-    .venv/bin/python scripts/participation.py --repeats 3 [--cases slow,third,stretch,crossover]
+    .venv/bin/python scripts/participation.py --repeats 3 [--cases slow,third,stretch,coupled,crossover]
 
 LeNet-5 on Fashion-MNIST (`--subset`, default 30,720 samples: 60 steps of B = 512), the
 steps timed on rank 0 (data, compute, wait, collective and update of every step, from
@@ -14,6 +14,9 @@ the result file), each case against its baseline in the same repeat:
   time over 1 rank's same steps, the same for its steps 30-59 (after the first moves:
   the first slowed steps take 50x whatever the planner does), and the steps after 60
   until rank 1 has 80% of its share again (auto and all);
+* coupled: 2 ranks at 1:0.25, rank 0 at half its speed whenever the other computes
+  (`--couple 0:2`): its second epoch and the whole run (3 epochs, start-up included,
+  the launch's wall time) over 1 rank's; "slow" reports the whole run at 1:0.02 too;
 * crossover: 2 ranks at 1:x for x in 0.5, 0.2, 0.1, 0.05, 0.02, dbs with participation
   auto and all, each over 1 rank alone (the best subset is the smaller of all's and 1).
 
@@ -27,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -39,12 +43,17 @@ BASE = ["--model", "lenet5", "--dataset", "fashion-mnist", "--global-batch", "51
         "--test-subset", "500", "--progress", "false", "--checkpoint-every", "0"]
 
 
+WALL = {}            # result file -> the launch's wall seconds
+
+
 def run(ranks: int, args: list, out: Path) -> dict:
-    """One `dbs-mpi train` job; returns its result file's data."""
-    launcher = [str(ROOT / ".venv/bin/mpirun"), "-n", str(ranks)] if ranks > 1 else []
+    """One `dbs-mpi train` job (launched with mpirun, 1 rank too); returns its result file's data."""
+    launcher = [str(ROOT / ".venv/bin/mpirun"), "-n", str(ranks)]
     cmd = launcher + [str(ROOT / ".venv/bin/dbs-mpi"), "train", *BASE, *args, "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    WALL[out] = time.perf_counter() - start
     if proc.returncode:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
     return read_run(out)["data"]
@@ -61,11 +70,12 @@ def epoch_seconds(d: dict, epoch: int) -> float:
 
 
 def case_slow(tmp: Path, subset: list) -> dict:
-    alone = epoch_seconds(run(1, subset + ["--epochs", "2", "--threads", "1"], tmp / "alone.h5"), 1)
+    alone = epoch_seconds(run(1, subset + ["--epochs", "3", "--threads", "1"], tmp / "alone.h5"), 1)
     out = {}
     for mode in ("auto", "all"):
-        d = run(2, subset + ["--epochs", "2", "--speeds", "1,0.02", "--participation", mode], tmp / f"{mode}.h5")
+        d = run(2, subset + ["--epochs", "3", "--speeds", "1,0.02", "--participation", mode], tmp / f"{mode}.h5")
         out[f"1:0.02 {mode} / 1 rank"] = epoch_seconds(d, 1) / alone
+        out[f"1:0.02 {mode} whole run / 1 rank"] = WALL[tmp / f"{mode}.h5"] / WALL[tmp / "alone.h5"]
     out["1:0.02 auto / all"] = out["1:0.02 auto / 1 rank"] / out["1:0.02 all / 1 rank"]
     return out
 
@@ -92,6 +102,13 @@ def case_stretch(tmp: Path, subset: list) -> dict:
     return out
 
 
+def case_coupled(tmp: Path, subset: list) -> dict:
+    alone = run(1, subset + ["--epochs", "3", "--threads", "1"], tmp / "alone.h5")
+    d = run(2, subset + ["--epochs", "3", "--speeds", "1,0.25", "--couple", "0:2"], tmp / "coupled.h5")
+    return {"coupled 1:0.25, 0 at 1/2 / 1 rank": epoch_seconds(d, 1) / epoch_seconds(alone, 1),
+            "coupled whole run / 1 rank": WALL[tmp / "coupled.h5"] / WALL[tmp / "alone.h5"]}
+
+
 def case_crossover(tmp: Path, subset: list) -> dict:
     alone = epoch_seconds(run(1, subset + ["--epochs", "2", "--threads", "1"], tmp / "alone.h5"), 1)
     out = {}
@@ -104,7 +121,8 @@ def case_crossover(tmp: Path, subset: list) -> dict:
     return out
 
 
-CASES = {"slow": case_slow, "third": case_third, "stretch": case_stretch, "crossover": case_crossover}
+CASES = {"slow": case_slow, "third": case_third, "stretch": case_stretch, "coupled": case_coupled,
+         "crossover": case_crossover}
 
 
 def main() -> None:

@@ -120,9 +120,13 @@ def allocate_participating(global_batch: int, per_sample, overhead=None, min_loc
 
 
 def allocate_for(model: SpeedModel, global_batch: int, min_local: int = 1, max_local=None,
-                 participation: str = "auto") -> np.ndarray:
+                 participation: str = "auto", within=None) -> np.ndarray | None:
     """The vector of `model`: the best set and its local batches ("auto"), or every rank
-    taking part ("all", allocation.allocate)."""
+    taking part ("all", allocation.allocate); within (bool per rank): only those ranks
+    take part (None where the bounds forbid it)."""
+    if within is not None:
+        return _allocate_set(global_batch, np.asarray(model.per_sample, float), np.asarray(model.overhead, float),
+                             min_local, max_local, np.asarray(within, bool))
     if participation == "auto":
         return allocate_participating(global_batch, model.per_sample, model.overhead, min_local, max_local)
     return model.allocate(global_batch, min_local, max_local)

@@ -1,0 +1,191 @@
+"""The set of ranks taking part, checked by measurement.
+
+The planner's model is per rank: t_i(b) = a_i + c_i b, every rank's speed independent
+of which other ranks compute. On one host it is not: ranks share the memory bandwidth,
+the caches and the cores that feed a GPU, so a rank computes slower while the others
+of its host compute (*coupled*; on an H200 node a GPU rank ran at half its speed beside
+7 CPU ranks). A model fitted per rank sees the coupled speed only, and keeps ranks that
+cost more than they bring. So every change of the set is checked by what it measures:
+
+  step time   of a full step: the slowest taking-part rank's compute seconds (what the
+              planner predicts, max_i t_i(b_i)); a set's: the median of RECENT steps
+              under it (its first step, at new batch shapes, left out)
+  check       after the set changes, once RECENT steps ran under the new one: where its
+              step time exceeds the old set's last RECENT steps' by the margin (at least
+              MARGIN, and CHECK_Z standard errors of the two medians from their spread),
+              the planner goes back to the old vector, and the new set is *banned*: no
+              plan may take it for BAN steps (doubling each time it fails again, at most
+              BAN_MAX), since speeds change
+  trial       where ranks of the set share a host (where coupling can happen), the
+              fastest ranks alone (per-sample cost within FASTEST of the fastest's) are
+              tried: first after TRIAL_FIRST steps, then after a wait that doubles with
+              every trial lost (at most TRIAL_MAX); a trial is a set change, so it is
+              checked as above: kept where it measures faster (the larger set is banned),
+              else reverted. A trial that showed no coupling (the fast ranks computed as
+              fast alone as beside the others, within COUPLED) ends the trials.
+
+A trial costs at most RECENT + 1 steps at the slower set's time, once per wait: about 9
+steps in 64, then 128, ... Pure code, no MPI: the planner (within_epoch.py) runs it on
+every rank from the same summed times, and rank 0's proposals are the ones applied.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+from .estimate import MAD_SIGMA, MEDIAN_SE, RECENT
+
+
+MARGIN = 0.03         # a new set must be at least this much slower to be reverted ...
+CHECK_Z = 3.0         # ... and this many standard errors of the difference of the two medians
+
+
+BAN = 64              # steps a set that measured slower is banned for (doubling on every repeat) ...
+BAN_MAX = 2048        # ... at most
+
+
+TRIAL_FIRST = 64      # steps before the first trial of the fastest ranks alone
+TRIAL_MAX = 4096      # the longest wait between two trials
+FASTEST = 1.5         # ranks whose per-sample cost is within this factor of the fastest rank's are "the fastest"
+COUPLED = 1.25        # the fast ranks computed this much faster alone: coupling seen (trials go on)
+
+
+def members(vector) -> tuple:
+    """The ranks that take part in `vector` (a hashable key of the set)."""
+    return tuple(int(r) for r in np.flatnonzero(np.asarray(vector) > 0))
+
+
+class SetCheck:
+    """The measured step time of the sets the planner ran, the check after a set change,
+    the bans, and the trials of the fastest ranks alone (see the module docstring)."""
+
+    def __init__(self, hosts=None):
+        self.hosts = None if hosts is None else list(hosts)
+        self.times: deque = deque(maxlen=2 * RECENT + 1)   # (set, step seconds, per-rank seconds) of full steps
+        self.pending = None        # a set change to check: {"old": vector, "before": times, "trial": bool, "at": step}
+        self.banned: dict = {}     # set -> the step until which it is banned
+        self.strikes: dict = {}    # set -> times it measured slower
+        self.next_trial, self.trial_wait = TRIAL_FIRST, TRIAL_FIRST
+        self.verdicts: list = []   # (step, set, "reverted" | "kept", before s, after s): for the records
+
+    # --- measurement ---------------------------------------------------------------
+    def observe(self, row, seconds, full: bool) -> None:
+        """A step's local batches (0: sat out) and every rank's compute seconds."""
+        part = np.asarray(row) > 0
+        if full and part.any():
+            per_sample = np.where(part, np.asarray(seconds, float) / np.maximum(np.asarray(row, float), 1), np.nan)
+            self.times.append((members(row), float(np.max(np.asarray(seconds)[part])), per_sample))
+
+    def switched(self, old, new, step: int, cause: str = "plan") -> None:
+        """A new vector applies from planner step `step`: a new set is checked (not where
+        the change went back after a check, or a user forced it)."""
+        if members(old) == members(new) or cause in ("revert", "forced"):    # (a user's vector is not checked)
+            self.pending = None if cause in ("revert", "forced") else self.pending
+            return
+        trial = cause == "trial"
+        before = [t for s, t, _ in self.times if s == members(old)][-RECENT:]
+        self.pending = {"old": np.asarray(old).copy(), "new": members(new), "before": before, "trial": trial,
+                        "at": int(step), "per_rank": self._per_rank(members(old))}
+
+    def banned_set(self, vector, step: int) -> bool:
+        return self.banned.get(members(vector), -1) > step
+
+    # --- decisions -----------------------------------------------------------------
+    def verdict(self, step: int):
+        """The old vector where the set under check measured slower (go back), else None."""
+        p = self.pending
+        if p is None:
+            return None
+        after = [t for s, t, _ in list(self.times) if s == p["new"]][1:]       # its first step: new shapes
+        if len(after) < RECENT:
+            return None if step - p["at"] < 4 * RECENT else self._drop()
+        self.pending = None
+        after = after[-RECENT:]
+        if len(p["before"]) < RECENT:
+            return None
+        slower = self._slower(p["before"], after)
+        old_set = members(p["old"])
+        if p["trial"]:
+            self._after_trial(p, slower)
+        if slower or p["trial"]:          # a change that lost; the larger set that a trial beat
+            self._ban(p["new"] if slower else old_set, step)
+        self.verdicts.append((step, p["new"], "reverted" if slower else "kept", float(np.median(p["before"])),
+                              float(np.median(after))))
+        return p["old"] if slower else None
+
+    def trial(self, step: int, current, per_sample) -> np.ndarray | None:
+        """The set of the fastest ranks alone, where a trial is due (None: not)."""
+        if self.pending is not None or step < self.next_trial or not self._shares_host(current):
+            return None
+        c = np.asarray(per_sample, float)
+        fastest = c <= FASTEST * c[np.asarray(current) > 0].min()
+        part = (np.asarray(current) > 0) & fastest
+        if not part.any() or members(part) == members(current) or self.banned_set(part, step):
+            return None
+        self.next_trial = step + self.trial_wait
+        return part
+
+    # --- the rest --------------------------------------------------------------------
+    def _slower(self, before, after) -> bool:
+        logs_b, logs_a = np.log(before), np.log(after)
+        spread = np.concatenate([logs_b - np.median(logs_b), logs_a - np.median(logs_a)])
+        sigma = MAD_SIGMA * float(np.median(np.abs(spread)))
+        se = MEDIAN_SE * sigma / math.sqrt(RECENT)
+        return float(np.median(logs_a) - np.median(logs_b)) > max(math.log1p(MARGIN), CHECK_Z * math.sqrt(2) * se)
+
+    def _after_trial(self, p: dict, slower: bool) -> None:
+        """A trial lost: the wait doubles, and trials end where it showed no coupling."""
+        if not slower:
+            return
+        self.trial_wait = min(2 * self.trial_wait, TRIAL_MAX)
+        self.next_trial = p["at"] + self.trial_wait
+        alone = self._per_rank(p["new"])
+        with_others = p["per_rank"]
+        if alone is not None and with_others is not None:
+            ratio = with_others[list(p["new"])] / np.maximum(alone[list(p["new"])], 1e-12)
+            if float(np.median(ratio)) < COUPLED:
+                self.next_trial = math.inf           # the fast ranks are as fast beside the others: no coupling
+
+    def _per_rank(self, key):
+        """Every rank's median seconds per sample over the last RECENT full steps of set
+        `key` (NaN: not in it; None: too few steps)."""
+        rows = [secs for s, _, secs in self.times if s == key][-RECENT:]
+        return None if len(rows) < RECENT else np.median(np.array(rows), axis=0)
+
+    def _ban(self, key, step: int) -> None:
+        self.strikes[key] = self.strikes.get(key, 0) + 1
+        self.banned[key] = step + min(BAN * 2 ** (self.strikes[key] - 1), BAN_MAX)
+
+    def _drop(self):
+        self.pending = None
+        return None
+
+    def _shares_host(self, current) -> bool:
+        if self.hosts is None:
+            return False
+        hosts = [self.hosts[r] for r in members(current) if r < len(self.hosts)]
+        return len(hosts) != len(set(hosts))
+
+    def state_dict(self) -> dict:
+        p = self.pending
+        return {"banned": [[list(k), v] for k, v in self.banned.items()],
+                "strikes": [[list(k), v] for k, v in self.strikes.items()],
+                "next_trial": float(self.next_trial), "trial_wait": int(self.trial_wait),
+                "times": [[list(s), t, secs.copy()] for s, t, secs in self.times],
+                "pending": None if p is None else {**p, "new": list(p["new"]), "before": list(p["before"])},
+                "verdicts": [[v[0], list(v[1]), v[2], v[3], v[4]] for v in self.verdicts]}
+
+    @classmethod
+    def from_state(cls, state: dict | None, hosts=None) -> "SetCheck":
+        self = cls(hosts)
+        if state:
+            self.banned = {tuple(k): int(v) for k, v in state["banned"]}
+            self.strikes = {tuple(k): int(v) for k, v in state["strikes"]}
+            self.next_trial, self.trial_wait = float(state["next_trial"]), int(state["trial_wait"])
+            self.times.extend((tuple(s), float(t), np.asarray(secs, float)) for s, t, secs in state["times"])
+            p = state["pending"]
+            self.pending = None if p is None else {**p, "new": tuple(p["new"]), "old": np.asarray(p["old"])}
+            self.verdicts = [(v[0], tuple(v[1]), v[2], v[3], v[4]) for v in state["verdicts"]]
+        return self

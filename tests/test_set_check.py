@@ -1,0 +1,102 @@
+"""The planner on synthetic step times: probes a rank that sits out runs on its own time,
+and the set of ranks taking part checked by measurement (planning/dynamic/set_check.py)."""
+import numpy as np
+
+from dbs_mpi.planning import dynamic
+from dbs_mpi.planning.allocation import SpeedModel
+from dbs_mpi.planning.dynamic import set_check
+
+B = 512
+
+
+def run(replanner, steps: int, seconds_of, start, probe_every: int = 0, probe_of=None):
+    """Drive a 2-rank Replanner with the step times seconds_of(step, row) (and, every
+    probe_every steps, a probe of rank 1 at probe_of(step) = (samples, seconds) while it
+    sits out); returns the vector of every step and the switches (step, vector, cause)."""
+    current, rows, switches = np.array(start), [], []
+    for step in range(steps):
+        row = current.copy()
+        rows.append(row)
+        seconds = seconds_of(step, row)
+        own = probe_of(step) if probe_every and row[1] == 0 and step % probe_every == 0 else None
+        summed = replanner.outgoing(seconds[0], 0).copy()
+        other = np.zeros(replanner.size, np.float32)
+        other[1], other[-1] = seconds[1], 1.0
+        if own is not None:
+            other[4 * 2 + 1], other[3 * 2 + 1] = own
+        switch = replanner.incoming(summed + other, row, current, step + 1)
+        if switch is not None:
+            switches.append((step, switch.vector.tolist(), switch.proposal and switch.proposal.cause))
+            current = switch.vector.copy()
+    return np.array(rows), switches
+
+
+def test_a_rank_that_probes_itself_on_its_own_time_is_back_soon_after_its_slow_down_ends():
+    """Rank 1 is 50x slower until step 60 and sits out; its own-time probes (every 2
+    steps, 2 samples, and 128 now and then) ride the steps: it is back, with most of its
+    share, within 6 steps of the end, and no probe ever entered the steps."""
+    rng = np.random.default_rng(0)
+
+    def time_of(rank, b, step):
+        return (3e-3 + 1e-4 * b) * (50 if rank == 1 and step < 60 else 1) * rng.lognormal(0, 0.05) if b else 0.0
+
+    replanner = dynamic.Replanner(0, 2, B, model=SpeedModel(np.array([1e-4, 5e-3]), np.array([3e-3, 0.15])))
+    rows, switches = run(replanner, 100, lambda s, row: [time_of(r, row[r], s) for r in (0, 1)], [B, 0],
+                         probe_every=2, probe_of=lambda s: (128 if s % 16 == 0 else 2,
+                                                             time_of(1, 128 if s % 16 == 0 else 2, s)))
+    assert (rows[:60, 1] == 0).all(), switches
+    back = next(s for s in range(60, 100) if rows[s, 1] >= 0.8 * B / 2)
+    assert back - 60 <= 6, switches
+    assert all(cause != "probe" for _, _, cause in switches), switches
+
+
+def coupled_times(rng):
+    """Rank 0 computes at half its speed while rank 1 computes (one host); rank 1 is 4x slower."""
+    def seconds_of(step, row):
+        c0 = 1e-4 * (2 if row[1] > 0 else 1)
+        return [(1e-3 + c0 * row[0]) * rng.lognormal(0, 0.03) if row[0] else 0.0,
+                (1e-3 + 4e-4 * row[1]) * rng.lognormal(0, 0.03) if row[1] else 0.0]
+    return seconds_of
+
+
+def test_on_a_coupled_host_the_fastest_rank_alone_is_tried_kept_and_the_pair_reverted_when_retried():
+    """Per rank, the model sees rank 0 at its coupled speed and keeps both ranks; the trial
+    of rank 0 alone measures faster and is kept; when the ban of the pair ends the planner
+    takes rank 1 back, the check measures the pair slower and goes back. The last 200
+    steps run within 1.05x of rank 0 alone."""
+    rng = np.random.default_rng(1)
+    replanner = dynamic.Replanner(0, 2, B, model=SpeedModel(np.array([2e-4, 4e-4]), np.array([1e-3, 1e-3])),
+                                  hosts=["node", "node"])
+    seconds_of = coupled_times(rng)
+    rows, switches = run(replanner, 600, seconds_of, [340, 172])
+    causes = [cause for _, _, cause in switches]
+    assert "trial" in causes and "revert" in causes, switches
+    step_time = [max(t for t in seconds_of(s, row) if t) for s, row in enumerate(rows)]
+    alone = 1e-3 + 1e-4 * B
+    assert np.mean(step_time[-200:]) <= 1.05 * alone, switches
+
+
+def test_without_a_shared_host_or_coupling_the_trials_stop():
+    """Ranks on two hosts are never tried alone; on one host, a trial that shows no coupling
+    (rank 0 as fast beside rank 1) ends the trials."""
+    check = set_check.SetCheck(["a", "b"])
+    assert check.trial(1000, np.array([300, 212]), np.array([1e-4, 4e-4])) is None
+    rng = np.random.default_rng(2)
+    replanner = dynamic.Replanner(0, 2, B, model=SpeedModel(np.array([1e-4, 4e-4]), np.array([1e-3, 1e-3])),
+                                  hosts=["node", "node"])
+
+    def seconds_of(step, row):
+        return [(1e-3 + c * b) * rng.lognormal(0, 0.03) if b else 0.0 for c, b in zip((1e-4, 4e-4), row)]
+    rows, switches = run(replanner, 1000, seconds_of, [410, 102])
+    assert [cause for _, _, cause in switches].count("trial") == 1, switches
+    assert replanner.planner.sets.next_trial == np.inf
+
+
+def test_the_set_check_survives_a_checkpoint():
+    replanner = dynamic.Replanner(0, 2, B, model=SpeedModel(np.array([2e-4, 4e-4]), np.array([1e-3, 1e-3])),
+                                  hosts=["node", "node"])
+    run(replanner, 150, coupled_times(np.random.default_rng(3)), [340, 172])
+    state = replanner.planner.sets.state_dict()
+    again = set_check.SetCheck.from_state(state, ["node", "node"])
+    assert again.banned == replanner.planner.sets.banned and len(again.times) == len(replanner.planner.sets.times)
+    assert again.state_dict()["verdicts"] == state["verdicts"]
