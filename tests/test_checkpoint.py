@@ -252,6 +252,29 @@ def test_sigkill_of_one_rank_ends_the_job_and_keeps_finished_epochs(tmp_path, ra
 # --- the asynchronous strategies (parameter server) ---------------------------------
 
 SAMPLES = 4500
+def test_a_rank_that_sits_out_and_probes_itself_stops_checkpoints_and_resumes_exactly(tmp_path):
+    """dbs at 1:0.02: rank 1 sits out and probes itself on its own time (prober.py, its
+    probes in step/probe_*). SIGTERM in epoch 2 checkpoints; the resumed run ends bit for
+    bit as an uninterrupted one (the vector is the fast rank's alone throughout)."""
+    args = [*RUN[:RUN.index("--strategy")], "--strategy", "dbs", "--speeds", "1,0.02", "--epochs", "3",
+            "--synthetic-samples", "6000"]
+    whole = tmp_path / "whole.h5"
+    proc = run_cli(["train", *args, "--out", str(whole)], ranks=2, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    cut = tmp_path / "cut.h5"
+    proc = launch([*args, "--out", str(cut)], 2)
+    read_line(proc, "epoch 1/3")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == checkpoint.EXIT_STOPPED, err
+    proc = run_cli(["train", "--resume", str(cut)], ranks=2, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    a, b = read_run(whole)["data"], read_run(cut)["data"]
+    assert (a["step/batch_sizes"][:, 1] == 0).all() and (b["step/batch_sizes"][:, 1] == 0).all()
+    assert (a["step/probe_samples"][:, 1] > 0).any() and (b["step/probe_samples"][:, 1] > 0).any()
+    np.testing.assert_array_equal(a["step/loss"], b["step/loss"])
+
+
 ASYNC = ["--dataset", "synthetic", "--synthetic-samples", str(SAMPLES), "--test-subset", "200", "--epochs", "3",
          "--global-batch", "60", "--norm", "group", "--benchmark-steps", "1", "--benchmark-warmup", "0"]
 

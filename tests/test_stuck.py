@@ -61,6 +61,9 @@ def stop_one_rank(tmp_path, args, ranks, victim):
     # rank 2 (1:0.02) sits out: it stops, or rank 1 stops while it sits out
     ("static@1,1,0.02", "sleep", 3, "waited more than 5 s in the gradient allreduce"),
     ("static@1,1,0.02#1", "sleep", 3, "waited more than 5 s in the gradient allreduce"),
+    # dbs: rank 2 sits out and probes itself on its own time (prober.py): it stops, or rank 1 stops meanwhile
+    ("dbs@1,1,0.02", "sleep", 3, "waited more than 5 s in the gradient allreduce"),
+    ("dbs@1,1,0.02#1", "spin", 3, "waited more than 5 s in the gradient allreduce"),
 ])
 def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path, strategy, policy, ranks, waited_in):
     strategy, _, victim = strategy.partition("#")

@@ -106,6 +106,8 @@ class HeteroSampler:
     def __init__(self, dataset, balancer, *, seed: int = 0, drop_last: bool = False):
         self.num_samples = dataset if isinstance(dataset, int) else len(dataset)
         self.balancer, self.seed, self.drop_last = balancer, int(seed), bool(drop_last)
+        if not isinstance(dataset, int):      # what a rank that sits out probes itself with (training/prober.py)
+            balancer.sample_source = dataset
         self.epoch, self._first_step = 0, 0
         self._loaded = False                # a loaded position not iterated yet (state_dict reports it)
         self._warned = False                # a repeated epoch (set_epoch forgotten) was pointed out

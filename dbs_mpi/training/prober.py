@@ -7,7 +7,7 @@ rule where nothing else can measure it) makes every rank wait for its slow forwa
 at 1:0.02 such a probe cost 9 times its budget. Here the rank measures itself beside
 the steps instead: between two steps, a thread runs a forward and a backward pass on a
 copy of the model, on a few samples of a batch this rank computed before (or of the
-start-up calibration's), and times it as a step is timed (the device synchronised, the
+start-up calibration's, or its dataset's first ones), and times it as a step is timed (the device synchronised, the
 emulated speed's stretch applied). The rank's main thread meanwhile takes the steps
 (free: no samples) and waits for the others without spinning, so the probe has the
 rank's core; the measured (samples, seconds) rides the next step's telemetry
@@ -16,35 +16,50 @@ rank's core; the measured (samples, seconds) rides the next step's telemetry
 How often: while it sits out, a rank starts a probe at a step boundary when none runs
 and its probes have used at most PROBE_DUTY of the time since it began sitting out (CPU
 time of the thread on a CPU rank: what the cores shared with other ranks lose; wall
-time on a GPU). Most probes are at `small` samples (the level, cheap); every
-LARGE_EVERY-th at `large` (the slope, so that a rank taken back gets its whole share at
-once). The first pass at a size is a warm-up and is not timed.
+time on a GPU), one at a time. Most probes are at `small` samples (the level, cheap);
+at most every LARGE_EVERY-th at `large` (the slope, so that a rank taken back gets its
+whole share at once), where the last small one says that it takes at most LARGE_WITHIN
+steps. The first pass at a size is a warm-up and is not timed.
 
 Where it does not run (the planner then probes in the step, as before): a transport
 other than MPI on host memory or SyncBatchNorm (participants.py keeps every rank in the
 exchange there), rank 0 where waits spin (it stays in the group's gradient sum, and its
 spinning would take the probe's core), a compiled model (a copy would compile again in
-the thread), and a rank that has seen no batch and no calibration (no samples to probe
-with). A probe that fails (the model does not take a slice of its batch, say) ends the
+the thread), and a rank with no samples to probe with: it has computed no batch, made
+no calibration, and its sampler's dataset is not one of (input, target) pairs. A probe
+that fails (the model does not take a slice of its batch, say) ends the
 rank's probing, with a warning.
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import math
 import threading
 import time
 import warnings
+import weakref
 
 import torch
 
 from ..mpi.devices import synchronize
+from .batches import first_samples
 from .sync_batchnorm import make_local
 
 PROBE_DUTY = 0.1      # the share of its time a rank that sits out spends probing (CPU time on a CPU rank)
 
 
-LARGE_EVERY = 8       # every LARGE_EVERY-th probe is at the large size, the others at the small one
+LARGE_EVERY = 8       # at most every LARGE_EVERY-th probe is at the large size, the others at the small one ...
+LARGE_WITHIN = 4      # ... where the last small one says it takes at most this many steps' time
+
+
+_LIVE = weakref.WeakSet()     # the probers of this process: their threads end before the interpreter does
+
+
+@atexit.register
+def _stop_all() -> None:
+    for prober in list(_LIVE):
+        prober.stop()
 
 
 def _slice(value, n: int, k: int):
@@ -82,10 +97,13 @@ class Prober:
         self.copy = None                        # the model the probes run on (made at the first probe)
         self.thread: threading.Thread | None = None
         self.result = None                      # (samples, seconds) of the last probe, not reported yet
-        self.since, self.used, self.count = None, 0.0, 0   # when it began sitting out; probe time since; probes
+        self.since, self.used = None, 0.0        # when it began sitting out; its probes' time since
+        self.step_time, self.last_step = 0.0, 0.0    # the steps' mean interval on this rank; the last one's end
+        self.last_small, self.since_large = None, LARGE_EVERY   # the last small probe's seconds; probes since a large
         self.warm: set[int] = set()             # sizes already run once
         self.failed: BaseException | None = None
         self.warned = False
+        _LIVE.add(self)
 
     def remember(self, args, kwargs, samples) -> None:
         """A training forward of `samples` samples: keep up to `large` of them (once enough)."""
@@ -95,31 +113,47 @@ class Prober:
         self.inputs, self.samples = (_slice(args, samples, keep), _slice(kwargs, samples, keep)), keep
 
     def between_steps(self, local: int) -> None:
-        """The next step's local batch is `local`: start a probe if it sits out and one is due;
-        a rank taken back first ends the probe under way (its core is the step's again)."""
+        """The next step's local batch is `local`: start a probe if it sits out and one is due
+        (the last one's result may still wait for take()); a rank taken back first ends the
+        probe under way (its core is the step's again)."""
         if local > 0:
             self.stop()
             self.since = None
             return
         now = time.perf_counter()
         if self.since is None:
-            self.since, self.used = now, 0.0
+            self.since, self.used, self.last_step = now, 0.0, now
+        self.step_time, self.last_step = 0.8 * self.step_time + 0.2 * (now - self.last_step), now
+        self._finished()
         if self.thread is not None or self.failed is not None or self.used > PROBE_DUTY * (now - self.since):
             return
         inputs = self._inputs()
-        if inputs is None:
-            return
-        self.count += 1
-        size = self.large if self.count % LARGE_EVERY == 0 and self.samples >= 1.5 * self.small else self.small
-        self.thread = threading.Thread(target=self._probe, args=(inputs, self.samples, min(size, self.samples)),
-                                       daemon=True, name="dbs-mpi probe")
-        self.thread.start()
+        if inputs is not None:
+            size = self._next_size()
+            self.thread = threading.Thread(target=self._probe, args=(inputs, self.samples, size), daemon=True,
+                                           name="dbs-mpi probe")
+            self.thread.start()
 
-    def take(self):
-        """The (samples, seconds) of a probe finished since the last call, or None."""
+    def _next_size(self) -> int:
+        """The small size, or the large one where none of the last LARGE_EVERY probes was and
+        the last small one says it would take at most LARGE_WITHIN steps (a slow rank's large
+        probe would hold back the small ones that tell when it became fast)."""
+        self.since_large += 1
+        cheap = self.last_small is not None and \
+            self.last_small * self.large / self.small <= LARGE_WITHIN * self.step_time
+        if self.samples >= 1.5 * self.small and self.since_large >= LARGE_EVERY and cheap:
+            self.since_large = 0
+            return min(self.large, self.samples)
+        return min(self.small, self.samples)
+
+    def _finished(self) -> None:
         if self.thread is not None and not self.thread.is_alive():
             self.thread.join()
             self.thread = None
+
+    def take(self):
+        """The (samples, seconds) of the last probe finished since the last call, or None."""
+        self._finished()
         if self.failed is not None and not self.warned:
             self.warned = True
             warnings.warn(f"dbs: rank {self.balancer.rank} cannot probe itself on its own time ({self.failed!r}); "
@@ -135,8 +169,12 @@ class Prober:
         self.result = None
 
     def _inputs(self):
-        """A batch to probe with: the larger of one this rank computed and the calibration's."""
+        """A batch to probe with: the larger of one this rank computed and the calibration's
+        (or, where neither is, the first samples of the sampler's dataset)."""
         x = getattr(self.balancer, "sample_inputs", None)
+        source = getattr(self.balancer, "sample_source", None)
+        if x is None and self.inputs is None and source is not None:
+            x = self.balancer.sample_inputs = first_samples(source, self.large)[0]
         if x is not None and min(len(x), self.large) > self.samples:
             self.inputs, self.samples = ((x[:self.large].detach().clone().to(self.device),), {}), min(len(x),
                                                                                                    self.large)
@@ -160,6 +198,7 @@ class Prober:
             self.balancer.stretch(wall, cpu)        # the emulated speed (coupled: others compute)
             self.used += used + (wall if self.device.type == "cuda" else cpu)
             self.result = (size, time.perf_counter() - start)
+            self.last_small = self.result[1] if size == min(self.small, samples) else self.last_small
         except Exception as error:      # noqa: BLE001 (reported by take(): probing stops, the planner probes in steps)
             self.failed = error
 
