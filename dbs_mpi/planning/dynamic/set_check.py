@@ -20,9 +20,13 @@ cost more than they bring. So every change of the set is checked by what it meas
               fastest ranks alone (per-sample cost within FASTEST of the fastest's) are
               tried: first after TRIAL_FIRST steps, then after a wait that doubles with
               every trial lost (at most TRIAL_MAX); a trial is a set change, so it is
-              checked as above: kept where it measures faster (the larger set is banned),
-              else reverted. A trial that showed no coupling (the fast ranks computed as
-              fast alone as beside the others, within COUPLED) ends the trials.
+              checked as above: kept where it measures faster, else reverted (not
+              banned: it was an experiment). Where the fast ranks computed at least
+              COUPLED times faster per sample alone than beside the others (coupling), a
+              trial that won bans the larger set, which the per-rank model, now seeing
+              the fast ranks' speed alone, would take back at once; without coupling the
+              model saw what the trial saw and decides as before. A trial that lost
+              without coupling ends the trials.
 
 A trial costs at most RECENT + 1 steps at the slower set's time, once per wait: about 9
 steps in 64, then 128, ... Pure code, no MPI: the planner (within_epoch.py) runs it on
@@ -52,6 +56,9 @@ FASTEST = 1.5         # ranks whose per-sample cost is within this factor of the
 COUPLED = 1.25        # the fast ranks computed this much faster alone: coupling seen (trials go on)
 
 
+UNCHECKED = ("revert", "forced", "probe")   # changes of the set that are not checked
+
+
 def members(vector) -> tuple:
     """The ranks that take part in `vector` (a hashable key of the set)."""
     return tuple(int(r) for r in np.flatnonzero(np.asarray(vector) > 0))
@@ -79,10 +86,11 @@ class SetCheck:
             self.times.append((members(row), float(np.max(np.asarray(seconds)[part])), per_sample))
 
     def switched(self, old, new, step: int, cause: str = "plan") -> None:
-        """A new vector applies from planner step `step`: a new set is checked (not where
-        the change went back after a check, or a user forced it)."""
-        if members(old) == members(new) or cause in ("revert", "forced"):    # (a user's vector is not checked)
-            self.pending = None if cause in ("revert", "forced") else self.pending
+        """A new vector applies from planner step `step`: a new set is checked (UNCHECKED:
+        not a change back after a check, a user's vector, or an in-step probe, which is
+        meant to measure, slower or not)."""
+        if members(old) == members(new) or cause in UNCHECKED:
+            self.pending = None if cause in UNCHECKED else self.pending
             return
         trial = cause == "trial"
         before = [t for s, t, _ in self.times if s == members(old)][-RECENT:]
@@ -106,11 +114,10 @@ class SetCheck:
         if len(p["before"]) < RECENT:
             return None
         slower = self._slower(p["before"], after)
-        old_set = members(p["old"])
         if p["trial"]:
-            self._after_trial(p, slower)
-        if slower or p["trial"]:          # a change that lost; the larger set that a trial beat
-            self._ban(p["new"] if slower else old_set, step)
+            self._after_trial(p, slower, step)
+        elif slower:                      # a change that lost (a trial that lost is just undone)
+            self._ban(p["new"], step)
         self.verdicts.append((step, p["new"], "reverted" if slower else "kept", float(np.median(p["before"])),
                               float(np.median(after))))
         return p["old"] if slower else None
@@ -135,18 +142,26 @@ class SetCheck:
         se = MEDIAN_SE * sigma / math.sqrt(RECENT)
         return float(np.median(logs_a) - np.median(logs_b)) > max(math.log1p(MARGIN), CHECK_Z * math.sqrt(2) * se)
 
-    def _after_trial(self, p: dict, slower: bool) -> None:
-        """A trial lost: the wait doubles, and trials end where it showed no coupling."""
+    def _after_trial(self, p: dict, slower: bool, step: int) -> None:
+        """A trial that won bans the larger set where the fast ranks computed faster alone
+        (coupling: else the per-rank model saw the same and decides as before); one that
+        lost doubles the wait, and ends the trials where it showed no coupling."""
+        coupled = self._coupled(p)
         if not slower:
+            if coupled:
+                self._ban(members(p["old"]), step)
             return
         self.trial_wait = min(2 * self.trial_wait, TRIAL_MAX)
-        self.next_trial = p["at"] + self.trial_wait
-        alone = self._per_rank(p["new"])
-        with_others = p["per_rank"]
-        if alone is not None and with_others is not None:
-            ratio = with_others[list(p["new"])] / np.maximum(alone[list(p["new"])], 1e-12)
-            if float(np.median(ratio)) < COUPLED:
-                self.next_trial = math.inf           # the fast ranks are as fast beside the others: no coupling
+        self.next_trial = p["at"] + self.trial_wait if coupled else math.inf
+
+    def _coupled(self, p: dict) -> bool:
+        """Whether the ranks of the trial computed at least COUPLED times faster per sample
+        alone than beside the others (the medians of RECENT steps of each)."""
+        alone, with_others = self._per_rank(p["new"]), p["per_rank"]
+        if alone is None or with_others is None:
+            return False
+        ranks = list(p["new"])
+        return float(np.median(with_others[ranks] / np.maximum(alone[ranks], 1e-12))) >= COUPLED
 
     def _per_rank(self, key):
         """Every rank's median seconds per sample over the last RECENT full steps of set

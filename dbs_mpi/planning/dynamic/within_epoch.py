@@ -130,6 +130,8 @@ class StepPlanner:
         self.capped = self.probed = False
         candidate = None if changed.any() else self.probes.vector(self.step, current, self.estimator.flat(), model,
                                                                    self.min_local, self.max_local)
+        if candidate is not None and self.sets.banned_set(candidate, self.step):
+            candidate = None                               # (a probe may not take a set measured slower either)
         self.probed = candidate is not None
         if candidate is None:
             candidate = self._better(current, model, before * (1.0 - gain))
@@ -150,7 +152,8 @@ class StepPlanner:
         limit = self._growth_limit(current, model)
         candidate = allocate_for(model, self.global_batch, self.min_local, limit, self.participation)
         if self.sets.banned_set(candidate, self.step):      # measured slower lately: re-balance the set instead
-            candidate = allocate_for(model, self.global_batch, self.min_local, limit, within=current > 0)
+            candidate = None if self.sets.banned_set(current, self.step) else \
+                allocate_for(model, self.global_batch, self.min_local, limit, within=current > 0)
         if candidate is None or float(model.predict(candidate).max()) > target or np.array_equal(candidate, current):
             return None
         # a move that a tiny batch's limit held back goes on after the next RECENT steps
