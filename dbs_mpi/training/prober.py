@@ -100,6 +100,7 @@ class Prober:
         self.since, self.used = None, 0.0        # when it began sitting out; its probes' time since
         self.step_time, self.last_step = 0.0, 0.0    # the steps' mean interval on this rank; the last one's end
         self.last_small, self.since_large = None, LARGE_EVERY   # the last small probe's seconds; probes since a large
+        self.sped_up = False                    # the last small probe ran twice as fast as the one before
         self.warm: set[int] = set()             # sizes already run once
         self.failed: BaseException | None = None
         self.warned = False
@@ -135,13 +136,15 @@ class Prober:
             self.thread.start()
 
     def _next_size(self) -> int:
-        """The small size, or the large one where none of the last LARGE_EVERY probes was and
-        the last small one says it would take at most LARGE_WITHIN steps (a slow rank's large
+        """The small size, or the large one where none of the last LARGE_EVERY probes was (or
+        the last small one ran twice as fast as the one before: a rank that sped up) and the
+        last small one says it would take at most LARGE_WITHIN steps (a slow rank's large
         probe would hold back the small ones that tell when it became fast)."""
         self.since_large += 1
         cheap = self.last_small is not None and \
             self.last_small * self.large / self.small <= LARGE_WITHIN * self.step_time
-        if self.samples >= 1.5 * self.small and self.since_large >= LARGE_EVERY and cheap:
+        due = self.since_large >= LARGE_EVERY or self.sped_up      # (the slope of a rank that sped up, at once)
+        if self.samples >= 1.5 * self.small and due and cheap:
             self.since_large = 0
             return min(self.large, self.samples)
         return min(self.small, self.samples)
@@ -198,7 +201,9 @@ class Prober:
             self.balancer.stretch(wall, cpu)        # the emulated speed (coupled: others compute)
             self.used += used + (wall if self.device.type == "cuda" else cpu)
             self.result = (size, time.perf_counter() - start)
-            self.last_small = self.result[1] if size == min(self.small, samples) else self.last_small
+            if size == min(self.small, samples):     # a small probe twice as fast as the last: the slope next
+                self.sped_up = self.last_small is not None and self.result[1] < 0.5 * self.last_small
+                self.last_small = self.result[1]
         except Exception as error:      # noqa: BLE001 (reported by take(): probing stops, the planner probes in steps)
             self.failed = error
 

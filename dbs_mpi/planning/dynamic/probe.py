@@ -14,6 +14,9 @@ the largest one, for PROBE_STEPS steps (the first at a new batch is no measureme
 RECENT); the line through the window then has two batches to fit the slope from. A
 rank that sits out (participation.py: local batch 0) is not measured at all, so it is
 probed the same way at min_local samples: if it became fast, the plan takes it back.
+Where the rank can probe itself on its own time instead (training/prober.py), its probes
+ride the steps (Probes.heard: no in-step probe for it), and two of them in a row RETURN
+times faster than its model scale the model at once (sped_up).
 
 A probe that changes nothing doubles the rank's wait, up to PROBE_MAX steps; after the
 first (a slow-down is often short: PROBE_FIRST steps after it the first probe looks), a
@@ -26,6 +29,8 @@ PROBE_MAX, or the budget's wait for a costly probe) + REFIT_STEADY + PROBE_STEPS
 steps (the planner re-estimates every REFIT_STEADY steps when nothing moves).
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -48,6 +53,9 @@ PROBE_BUDGET = 0.02   # ... for a costly probe, the wait that keeps its predicte
 PROBE_STEPS = RECENT + 1   # steps a probe runs: its first is not a measurement (estimate.py), then RECENT
 
 
+RETURN = 2.0          # two own-time probes in a row this many times faster than the model: the rank sped up
+
+
 class Probes:
     """Since when each rank has been held (or was last probed), on the planner's clock,
     and how long its wait for the next probe is."""
@@ -56,10 +64,34 @@ class Probes:
         self.since = np.zeros(ranks, dtype=np.int64)
         self.wait = np.full(ranks, PROBE_FIRST, dtype=np.int64)
         self.own_time = np.full(ranks, -PROBE_FIRST, dtype=np.int64)   # the step of each rank's last own-time probe
+        self.ratios: dict = {}    # rank -> its last two own-time probes' ratios to its model
 
     def heard(self, ranks, step: int) -> None:
         """`ranks` (bool per rank) reported a probe run on their own time at `step`."""
         self.own_time = np.where(ranks, step, self.own_time)
+
+    def sped_up(self, estimator, own_time, batches, seconds) -> bool:
+        """A rank that sits out and probes itself every step or two: where its last two probes
+        both ran RETURN times faster than its model, its model is set from them at once (the
+        line through them where their batches differ by SPREAD, else scaled by their ratio)
+        and its window keeps only them (the window's rule needs three of five steps beyond
+        the bound, and a slow rank's noisy steps before could fake a change of the wrong
+        size). Returns whether a rank's model was set."""
+        model, scaled = estimator.model, False
+        for rank in np.flatnonzero(own_time):
+            b, t = float(batches[rank]), float(seconds[rank])
+            last = self.ratios.setdefault(int(rank), [])
+            last[:] = [*last[-1:], (b, t, t / float(model.overhead[rank] + model.per_sample[rank] * b))]
+            if len(last) == 2 and max(r for _, _, r in last) <= 1.0 / RETURN:
+                (b0, t0, r0), (b1, t1, r1) = sorted(last)
+                rescale(estimator, int(rank), math.sqrt(r0 * r1), keep=2)
+                if b1 >= SPREAD * b0 and t1 > t0:         # the slope too: the line through the two
+                    c = (t1 - t0) / (b1 - b0)
+                    model.per_sample[rank], model.overhead[rank] = c, max(t0 - c * b0, 0.0)
+                    estimator._refresh_plain_copies()
+                last.clear()
+                scaled = True
+        return scaled
 
     def vector(self, step: int, current: np.ndarray, flat: np.ndarray, model: SpeedModel, min_local: int,
                max_local) -> np.ndarray | None:
@@ -83,7 +115,8 @@ class Probes:
         return None
 
     def state_dict(self) -> dict:
-        return {"since": self.since.copy(), "wait": self.wait.copy(), "own_time": self.own_time.copy()}
+        return {"since": self.since.copy(), "wait": self.wait.copy(), "own_time": self.own_time.copy(),
+                "ratios": [[rank, [list(step) for step in values]] for rank, values in self.ratios.items()]}
 
     @classmethod
     def from_state(cls, state: dict | None, ranks: int) -> "Probes":
@@ -93,7 +126,22 @@ class Probes:
             self.wait = np.asarray(state["wait"], dtype=np.int64).copy()
             if "own_time" in state:
                 self.own_time = np.asarray(state["own_time"], dtype=np.int64).copy()
+                self.ratios = {int(r[0]): [tuple(float(v) for v in step) for step in r[1]] for r in state["ratios"]}
         return self
+
+
+def rescale(estimator, rank: int, level: float, keep: int) -> None:
+    """Scale `rank`'s model in `estimator` by `level` and keep only its last `keep` steps
+    in the window (what the estimator does to a rank whose speed changed)."""
+    estimator.model.per_sample[rank] *= level
+    estimator.model.overhead[rank] *= level
+    rows, _, seconds = estimator._ordered()
+    valid = np.flatnonzero(np.isfinite(seconds[:, rank]))
+    drop = rows[valid[:-keep]] if keep else rows[valid]
+    estimator.batches[drop, rank] = np.nan
+    estimator.seconds[drop, rank] = np.nan
+    estimator.count[rank] = min(len(valid), keep)
+    estimator._refresh_plain_copies()
 
 
 def _probe(current: np.ndarray, rank: int, min_local: int, max_local) -> np.ndarray | None:

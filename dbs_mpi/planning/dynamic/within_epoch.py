@@ -101,6 +101,7 @@ class StepPlanner:
         self.sets.observe(row, seconds, int(np.sum(row)) == self.global_batch)
         if own_time is not None:
             self.probes.heard(own_time, self.step)
+            self.capped |= self.probes.sped_up(self.estimator, own_time, batches, seconds)   # (plan at once)
         self.step += 1
         self.since_plan += 1
         self.since_refit += 1
