@@ -1,14 +1,13 @@
 """Machine constants for the simulator, and the micro-benchmark that measures them.
 
-    mpirun -n 2 dbs-mpi simulate calibrate      # this machine's file, results/machine/<fingerprint>.json
+    mpirun -n 2 dbs-mpi simulate calibrate --out results/machine/NAME.json
 
 measures once, on a quiet machine:
 
 * for every built-in model at its usual input shape: the seconds of one forward and
-  backward pass at local batches 1, 2, 4, ... 512 (one torch thread, medians; a rank per
-  core measures at once, as ranks compute in training, and their tables are averaged),
-  the seconds of one optimizer update (SGD with momentum), and the framework's own cost
-  per step (a DistributedOptimizer step at 1 rank, less the forward, backward and update);
+  backward pass at local batches 1, 2, 4, ... 512 (one torch thread, medians), the
+  seconds of one optimizer update (SGD with momentum), and the framework's own cost per
+  step (a DistributedOptimizer step at 1 rank, less the forward, backward and update);
 * the seconds per sample of reading a batch out of an in-memory dataset;
 * the gradient allreduce (exchange.GradientExchange, spin policy) at several message sizes
   between 2 ranks of one node, fitted to alpha + m * beta (one message each way);
@@ -16,9 +15,7 @@ measures once, on a quiet machine:
 * with more ranks than cores (e.g. `mpirun -n 4` on 2 cores): what every message of an
   allreduce of all ranks adds when they share cores (each waits for its peer to be
   scheduled);
-* the node's cores, and what it was measured on (fingerprint.describe);
-* (simulator/calibration.py, with real runs of the engine) the residuals, the spread of a
-  step's compute time, and the compute a training step adds to the table (compute_extra).
+* the node's cores.
 
 `--quick` measures the same constants from far fewer points (Effort: QUICK), in seconds
 instead of many minutes: a sane machine file for a test, not one to keep.
@@ -160,13 +157,6 @@ def measure_model(name: str, effort: Effort = FULL) -> ModelCost:
                      add=_median_time(lambda: acc.add_(grad, alpha=0.5), repeats))
 
 
-def mean_cost(costs: list) -> ModelCost:
-    """One model's costs measured on several ranks at once, averaged (step times point by point)."""
-    return ModelCost(batches=costs[0].batches, step_time=np.mean([c.step_time for c in costs], axis=0).tolist(),
-                     update=float(np.mean([c.update for c in costs])), overhead=float(np.mean([c.overhead for c in costs])),
-                     numel=costs[0].numel, add=float(np.mean([c.add for c in costs])))
-
-
 def loop_overhead(name: str, steps: int = 100, pairs: int = 7) -> float:
     """Seconds per step that dbs-mpi's loop adds to forward + backward + update: epochs of
     `steps` steps of local batch 32 through HeteroSampler and DistributedOptimizer at 1
@@ -284,12 +274,10 @@ def measure_crowding(comm, alpha: float, beta: float, sleep_wait: float, repeats
 def calibrate(comm, name: str, effort: Effort = FULL) -> Machine:
     """Collective, on one node: every constant, measured as much as `effort` says. Ranks 0
     and 1 measure the allreduce (the others sleep meanwhile); with more ranks than cores,
-    all of them measure crowding; a rank per core measures the models, all at once (as
-    they compute in training: beside each other, sharing the memory and caches), their
-    tables averaged, while the others sleep; then rank 0 the data."""
+    all of them measure crowding; rank 0 measures the models while the others sleep."""
     import torch
 
-    from ..mpi.collectives import allgather_object, barrier, bcast_object
+    from ..mpi.collectives import barrier, bcast_object
     from ..mpi.placement import available_cores, mpi_library
     torch.set_num_threads(1)
     pair = comm.Split(0 if comm.Get_rank() < 2 else 1)
@@ -301,13 +289,9 @@ def calibrate(comm, name: str, effort: Effort = FULL) -> Machine:
     crowding = measure_crowding(comm, alpha, beta, sleep_wait, effort.crowding_repeats) \
         if comm.Get_size() > available_cores() else 0.0
     models, data = {}, {}
-    computing = comm.Get_rank() < min(comm.Get_size(), available_cores())
-    together = comm.Split(0 if computing else 1)
-    if computing:
-        tables = allgather_object(together, {model: measure_model(model, effort) for model in SHAPES}, 3600)
-        models = {model: mean_cost([t[model] for t in tables]) for model in SHAPES}
-    together.Free()
     if comm.Get_rank() == 0:
+        for model in SHAPES:
+            models[model] = measure_model(model, effort)
         for shape in sorted(set(SHAPES.values())):
             data[",".join(map(str, shape))] = measure_data(shape, repeats=effort.data_repeats)
     barrier(comm, timeout=3600)            # the others sleep meanwhile (a spinning wait would take a core)
