@@ -1,6 +1,6 @@
 """Machine constants for the simulator, and the micro-benchmark that measures them.
 
-    mpirun -n 2 dbs-mpi simulate calibrate --out results/machine/NAME.json
+    mpirun -n 2 dbs-mpi simulate calibrate      # this machine's file, results/machine/<fingerprint>.json
 
 measures once, on a quiet machine:
 
@@ -15,14 +15,16 @@ measures once, on a quiet machine:
 * with more ranks than cores (e.g. `mpirun -n 4` on 2 cores): what every message of an
   allreduce of all ranks adds when they share cores (each waits for its peer to be
   scheduled);
-* the node's cores.
+* the node's cores, and what it was measured on (fingerprint.describe);
+* (simulator/calibration.py, with real runs of the engine) the residuals, the spread of a
+  step's compute time, and the compute a training step adds to the table (compute_extra).
 
 `--quick` measures the same constants from far fewer points (Effort: QUICK), in seconds
 instead of many minutes: a sane machine file for a test, not one to keep.
 
 The simulator (simulator/) replays and projects runs from these numbers and a run's
 configuration; they are kept in a JSON file (results/machine/dev-2core.json: the
-development machine).
+development machine; results/machine/<fingerprint>.json: a machine calibrated since).
 """
 from __future__ import annotations
 
