@@ -12,8 +12,10 @@ import pytest
 
 from conftest import ROOT, run_cli
 from dbs_mpi.planning import sharding
+from dbs_mpi.tools.fingerprint import describe
 from dbs_mpi.tools.machine import Machine, ModelCost
-from dbs_mpi.tools.simulator import (Cluster, Job, Network, buckets, crossover, dbs_controller, processor_sharing,
+from dbs_mpi.tools.simulator.calibration import EMULATED, compute_extra
+from dbs_mpi.tools.simulator import (Cluster, Compute, Job, Network, buckets, crossover, dbs_controller, processor_sharing,
                                      replay, replay_job, simulate_async, simulate_sync, startup_fit, step_replanner)
 
 VALIDATION = ROOT / "results" / "validation"
@@ -264,6 +266,42 @@ def test_the_simulated_replanner_fed_a_run_s_step_times_makes_the_engine_s_decis
     assert checked >= 2
 
 
+def test_the_compute_a_training_step_adds_is_read_from_the_emulated_run(tmp_path):
+    """compute_extra: the mean over the steps after the first epoch of pre_time / factor
+    less the model's table, for the spinning rank 0 and the sleeping rank 1 (speeds
+    EMULATED: its pre-collective time is 4 times its compute)."""
+    model = linear_model()
+    machine = Machine(name="t", cores=2, alpha=1e-6, beta=1e-9, sleep_wait=0.0, data_per_sample={},
+                      models={"lenet5": model})
+    rng = np.random.default_rng(0)
+    epoch = np.repeat([0, 1, 2], 10)
+    batches = np.tile([[256, 256]], (30, 1))
+    extra = np.where(epoch[:, None] == 0, 0.5, [[0.003, 0.006]]) + rng.normal(0, 1e-4, (30, 2))
+    factor = max(EMULATED) / np.asarray(EMULATED)
+    with h5py.File(tmp_path / "emulated.h5", "w") as f:
+        f["step/pre_time"] = (model.compute(batches) + extra) * factor
+        f["step/batch_sizes"], f["step/epoch"] = batches, epoch
+    found = compute_extra(tmp_path / "emulated.h5", machine)
+    assert found["spinning"] == pytest.approx(0.003, abs=1e-4) and found["sleeping"] == pytest.approx(0.006, abs=1e-4)
+
+
+def test_a_replay_adds_the_machines_compute_extra_to_every_training_step():
+    """A rank with samples computes compute_extra more in a step ("sleeping" where its
+    emulated slow-down sleeps, stretched with its compute as the engine does); a rank
+    without samples nothing; the calibration's steps (Compute.work) nothing."""
+    extra = {"spinning": 0.003, "sleeping": 0.005}
+    plain, more = job(speeds=(1.0, 0.25)), job(speeds=(1.0, 0.25), compute_extra=extra)
+    c = Cluster(nodes=np.arange(2), cores=1, device=np.ones(2))
+    factor, row = np.array([1.0, 4.0]), np.array([64, 0])
+    before = Compute(plain, c, 0.0, None).pre(np.array([64, 64]), factor, np.zeros(2))
+    after = Compute(more, c, 0.0, None).pre(np.array([64, 64]), factor, np.zeros(2))
+    assert after - before == pytest.approx([0.003, 4 * 0.005])
+    assert Compute(more, c, 0.0, None).pre(row, factor, np.zeros(2)) == pytest.approx(
+        Compute(plain, c, 0.0, None).pre(row, factor, np.zeros(2)) + [0.003, 0.0])
+    assert np.array_equal(Compute(more, c, 0.0, None).work(row), Compute(plain, c, 0.0, None).work(row))
+    assert replay_job(VALIDATION / "ssgd-2r.h5", Machine.load())[0].compute_extra == {}     # the file has none
+
+
 def test_simulated_calibration_finds_the_emulated_speeds():
     j = job("static", samples=4096, global_batch=512, speeds=(1.0, 0.5, 0.25))
     r = simulate_sync(j, cluster([1, 1, 1]), Network(1e-5, 1e-9), noise=0.0)
@@ -352,7 +390,10 @@ def test_a_quick_calibration_writes_a_machine_file_that_the_simulator_reads(tmp_
     assert sorted(machine.data_per_sample) == ["1,28,28", "3,32,32"] and all(
         0 < v < 1e-3 for v in machine.data_per_sample.values()), machine.data_per_sample
     assert set(machine.residual) >= {"sync", "async"} and set(machine.noise) == {"alone", "crowded"}
-    assert all(math.isfinite(v) and v >= 0 for v in [*machine.residual.values(), *machine.noise.values()])
+    assert set(machine.compute_extra) == {"spinning", "sleeping"} and machine.host == {**describe(machine.host["mpi"]),
+                                                                                         "date": machine.host["date"]}
+    assert all(math.isfinite(v) and v >= 0 for v in [*machine.residual.values(), *machine.noise.values(),
+                                                      *machine.compute_extra.values()])
     assert set(machine.models) == set(SHAPES) and machine.models["lenet5"].numel == 61706
     for name, cost in machine.models.items():
         assert cost.batches == list(QUICK.batches) and len(cost.step_time) == len(cost.batches), name

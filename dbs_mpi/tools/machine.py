@@ -1,6 +1,6 @@
 """Machine constants for the simulator, and the micro-benchmark that measures them.
 
-    mpirun -n 2 dbs-mpi simulate calibrate --out results/machine/NAME.json
+    mpirun -n 2 dbs-mpi simulate calibrate      # this machine's file, results/machine/<fingerprint>.json
 
 measures once, on a quiet machine:
 
@@ -15,14 +15,16 @@ measures once, on a quiet machine:
 * with more ranks than cores (e.g. `mpirun -n 4` on 2 cores): what every message of an
   allreduce of all ranks adds when they share cores (each waits for its peer to be
   scheduled);
-* the node's cores.
+* the node's cores, and what it was measured on (fingerprint.describe);
+* (simulator/calibration.py, with real runs of the engine) the residuals, the spread of a
+  step's compute time, and the compute a training step adds to the table (compute_extra).
 
 `--quick` measures the same constants from far fewer points (Effort: QUICK), in seconds
 instead of many minutes: a sane machine file for a test, not one to keep.
 
 The simulator (simulator/) replays and projects runs from these numbers and a run's
 configuration; they are kept in a JSON file (results/machine/dev-2core.json: the
-development machine).
+development machine; results/machine/<fingerprint>.json: a machine calibrated since).
 """
 from __future__ import annotations
 
@@ -36,9 +38,11 @@ from pathlib import Path
 
 import numpy as np
 
+from .fingerprint import FALLBACK, describe
+
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512)
 SHAPES = {"lenet5": (1, 28, 28), "mlp": (1, 28, 28), "resnet20": (3, 32, 32), "cifar-cnn": (3, 32, 32)}
-DEFAULT_MACHINE = Path(__file__).resolve().parents[2] / "results" / "machine" / "dev-2core.json"
+DEFAULT_MACHINE = FALLBACK          # Machine.load()'s: the development machine's (fingerprint.machine_file: this machine's)
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,8 @@ class Machine:
     noise: dict = field(default_factory=dict)      # lognormal sigma of a step's compute time: "alone" (a core each), "crowded"
     models: dict = field(default_factory=dict)   # name -> ModelCost
     measured: str = ""          # when and how
+    compute_extra: dict = field(default_factory=dict)   # seconds a training step's compute takes beyond the model's table: "spinning" (a rank that waits spinning), "sleeping" (one whose emulated slow-down sleeps)
+    host: dict = field(default_factory=dict)   # what it was measured on (fingerprint.describe: CPU, CPUs, threads per core, memory, torch, MPI, date)
 
     @classmethod
     def load(cls, path=None) -> "Machine":
@@ -274,7 +280,7 @@ def calibrate(comm, name: str, effort: Effort = FULL) -> Machine:
     import torch
 
     from ..mpi.collectives import barrier, bcast_object
-    from ..mpi.placement import available_cores
+    from ..mpi.placement import available_cores, mpi_library
     torch.set_num_threads(1)
     pair = comm.Split(0 if comm.Get_rank() < 2 else 1)
     alpha = beta = sleep_wait = 0.0
@@ -292,7 +298,7 @@ def calibrate(comm, name: str, effort: Effort = FULL) -> Machine:
             data[",".join(map(str, shape))] = measure_data(shape, repeats=effort.data_repeats)
     barrier(comm, timeout=3600)            # the others sleep meanwhile (a spinning wait would take a core)
     return Machine(name=name, cores=available_cores(), alpha=alpha, beta=beta, sleep_wait=sleep_wait,
-                   data_per_sample=data, models=models, oversubscribed_message=crowding,
+                   data_per_sample=data, models=models, oversubscribed_message=crowding, host=describe(mpi_library()),
                    measured=f"{time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({platform.processor() or platform.machine()}, "
                             f"{os.cpu_count()} cores), {comm.Get_size()} ranks, torch threads 1"
                             + ("" if effort == FULL else f", {effort.name} calibration (few points)"))

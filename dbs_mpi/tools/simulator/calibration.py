@@ -13,6 +13,7 @@ from ...mpi.collectives import barrier, bcast_object
 from ...options import UserError
 from ...planning import sharding
 from ..config import ArgumentParser, Config
+from ..fingerprint import MACHINES, describe, fingerprint
 from ..machine import FULL, QUICK, Effort, Machine, calibrate
 from .job import SYNC
 from .replaying import replay, replay_job
@@ -25,42 +26,67 @@ def mpi_bcast_tmp(comm) -> str:
     return bcast_object(comm, tempfile.mkdtemp(prefix="dbs-mpi-calibrate-") if comm.Get_rank() == 0 else None)
 
 
+EMULATED = (1.0, 0.25)        # speeds of the "emulated" run: a fast rank beside one whose slow-down sleeps
+
+
 def residual_runs(cores: int, world: int) -> dict:
     """The real runs whose time beyond the model is the machine's residual: name ->
-    (ranks, strategy). Equal speeds, LeNet-5 on synthetic data."""
-    runs = {"sync": (min(max(cores, 2), world), "ssgd"), "async": (min(cores + 1, world), "asgd")}
+    (ranks, strategy). LeNet-5 on synthetic data, equal speeds but for "emulated"
+    (speeds EMULATED, local batches of 256: the compute a training step adds, compute_extra)."""
+    runs = {"emulated": (2, "ssgd"), "sync": (min(max(cores, 2), world), "ssgd"), "async": (min(cores + 1, world), "asgd")}
     if world > cores:
         runs["sync_crowded"] = (world, "ssgd")
     return runs
 
 
 def measure_residuals(comm, machine: Machine, folder: Path, effort: Effort = FULL) -> dict:
-    """Collective. Seconds real runs of this machine take beyond the model, per synchronous
-    step ("sync": ranks on their own cores; "sync_crowded": more ranks than cores) and per
-    gradient of a parameter-server worker ("async"): each is one short run of the engine
-    (train.train on a sub-communicator; the other ranks sleep), replayed without residual;
-    the median over its epochs after the first of (measured - predicted) / steps."""
+    """Collective. First the compute a training step adds to the model's table
+    (machine.compute_extra, from the "emulated" run), then the seconds real runs of this
+    machine take beyond the model, per synchronous step ("sync": ranks on their own cores;
+    "sync_crowded": more ranks than cores) and per gradient of a parameter-server worker
+    ("async"): each is one short run of the engine (train.train on a sub-communicator; the
+    other ranks sleep), replayed without residual; the median over its epochs after the
+    first of (measured - predicted) / steps."""
     from ..train import train            # the engine (torch): only calibrating runs it
     runs, residual = residual_runs(machine.cores, comm.Get_size()), {}
     for name, (ranks, strategy) in runs.items():
         member = comm.Get_rank() < ranks
         sub = comm.Split(0 if member else 1)
         if member and ranks >= 2:
+            local = 256 if name == "emulated" else 64
             cfg = Config(dataset="synthetic", synthetic_samples=effort.residual_samples, test_subset=100,
-                         model="lenet5", epochs=effort.residual_epochs,
-                         global_batch=64 * (ranks - (strategy == "asgd")), strategy=strategy, benchmark_steps=3,
+                         model="lenet5", epochs=effort.residual_epochs, speeds=EMULATED if name == "emulated" else (),
+                         global_batch=local * (ranks - (strategy == "asgd")), strategy=strategy, benchmark_steps=3,
                          checkpoint_every=0, progress=False, threads=1)
             train(sub, cfg, out=str(folder / f"{name}.h5"), log=lambda msg: None)
         sub.Free()
         barrier(comm, timeout=3600)
     if comm.Get_rank() == 0:
+        machine.compute_extra = compute_extra(folder / "emulated.h5", machine)
         machine.residual = {}
         machine.noise = {"alone": _spread(folder / "sync.h5")}
         machine.noise["crowded"] = _spread(folder / "sync_crowded.h5") if "sync_crowded" in runs else \
             machine.noise["alone"]
         for name in runs:
-            residual[name] = _residual(folder / f"{name}.h5", machine)
+            if name != "emulated":
+                residual[name] = _residual(folder / f"{name}.h5", machine)
     return residual
+
+
+def compute_extra(path: Path, machine: Machine) -> dict:
+    """Seconds a training step's compute takes beyond the model's table (measured one rank
+    at a time, nothing between the steps) on a rank of the "emulated" run that waits
+    spinning (rank 0) and on one whose emulated slow-down sleeps (rank 1, which the
+    engine stretches by its CPU time: its pre-collective time is factor x its compute):
+    the means over the steps after the first epoch of pre_time / factor - table (means: an
+    epoch lasts the sum of its steps, and a step's compute time has a long tail)."""
+    import h5py
+    with h5py.File(path, "r") as f:
+        pre, batches, epoch = f["step/pre_time"][()], f["step/batch_sizes"][()], f["step/epoch"][()]
+    keep = (epoch > 0) & np.all(batches > 0, axis=1)
+    factor = max(EMULATED) / np.asarray(EMULATED)
+    extra = pre[keep] / factor - machine.models["lenet5"].compute(batches[keep])
+    return {"spinning": max(0.0, float(extra[:, 0].mean())), "sleeping": max(0.0, float(extra[:, 1].mean()))}
 
 
 def _spread(path: Path) -> float:
@@ -89,7 +115,8 @@ def _residual(path: Path, machine: Machine) -> float:
 def _calibrate(comm, argv) -> int:
     p = ArgumentParser(prog="dbs-mpi simulate calibrate", description="Measure the machine constants (run under "
                 "mpirun -n 2 on one node, nothing else running).")
-    p.add_argument("--out", required=True, metavar="FILE.json")
+    p.add_argument("--out", metavar="FILE.json", help="where to write the constants (default: this machine's file, "
+                   "results/machine/<fingerprint>.json, which replays on this hardware then read)")
     p.add_argument("--name", default="this machine")
     p.add_argument("--quick", action="store_true", help="a few points of each constant: seconds, not minutes "
                    "(a sane file for a test, not one to keep)")
@@ -98,6 +125,7 @@ def _calibrate(comm, argv) -> int:
         raise UserError("simulate calibrate: run it under mpirun -n 2 or more, on one node (mpirun -n 4 on a "
                         "2-core machine also measures crowded collectives)")
     effort = QUICK if args.quick else FULL
+    args.out = args.out or str(MACHINES / f"{fingerprint(describe())}.json")
     machine = calibrate(comm, args.name, effort)
     folder = Path(mpi_bcast_tmp(comm))
     machine.residual = measure_residuals(comm, machine, folder, effort)
@@ -109,5 +137,6 @@ def _calibrate(comm, argv) -> int:
               f"{1 / machine.beta / 1e9:.2f} GB/s, sleeping wait {machine.sleep_wait * 1e6:.0f} us, crowded "
               f"message {machine.oversubscribed_message * 1e6:.0f} us, {machine.cores} cores; step-time spread "
               + ", ".join(f"{k} {v:.3f}" for k, v in machine.noise.items()) + "; residuals "
-              + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in machine.residual.items()) + ")")
+              + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in machine.residual.items()) + "; a training step's compute "
+              + ", ".join(f"{k} +{v * 1e3:.2f} ms" for k, v in machine.compute_extra.items()) + ")")
     return 0

@@ -3,7 +3,9 @@
 * compute: a rank's forward and backward at local batch b costs w(b) core-seconds (the
   machine's measured table, tools/machine.py) divided by its device speed, times lognormal
   noise; an emulated slow-down (a sleep of (1/s - 1) times the compute's CPU time, plus
-  the epoch's disturbance) uses no core; a coupled rank (`--couple`) is K times slower in a
+  the epoch's disturbance) uses no core; in a replay, a training step's compute takes
+  the machine's compute_extra more (what the engine's step adds to the bare model's, measured
+  by the calibration; more on a rank that sleeps); a coupled rank (`--couple`) is K times slower in a
   step where another rank of its host computes (Emulator.factor_with), in the calibration
   too (every rank computes there);
 * cores: the ranks of a node share its cores (processor sharing: while k ranks compute on
@@ -113,9 +115,19 @@ class Compute:
     def pre(self, local_batches: np.ndarray, factor: np.ndarray, sleep: np.ndarray) -> np.ndarray:
         """(ranks,) seconds before the collective of one step: data, compute, emulation."""
         data = np.asarray(local_batches, float) * self.job.data_per_sample
-        work = self.work(local_batches)
+        work = self.work(local_batches) + self.extra(local_batches, factor)
         wall = processor_sharing(work + data, self.cluster.nodes, self.cluster.node_cores())
         return wall + work * (factor - 1.0) + sleep      # the engine stretches the CPU work of every step
+
+    def extra(self, local_batches: np.ndarray, factor: np.ndarray) -> np.ndarray:
+        """Core-seconds a training step's compute takes beyond the model's table on every rank
+        with samples (Machine.compute_extra: "sleeping" where an emulated slow-down sleeps
+        after it, else "spinning"; 0 where the machine file does not say)."""
+        extra = self.job.compute_extra
+        if not extra:
+            return 0.0
+        per = np.where(np.asarray(factor) > 1.0, extra.get("sleeping", 0.0), extra.get("spinning", 0.0))
+        return np.where(np.asarray(local_batches) > 0, per * self.load, 0.0)
 
     def update(self) -> float:
         """Seconds of the optimizer update and the loop's own work, all ranks at once."""

@@ -5,17 +5,19 @@ constants, `simulate crossover` (projecting.py) tells when mixing pays.
     dbs-mpi simulate --from results/grid/strategies-dbs-s0.h5 --json      # replay a run
     dbs-mpi simulate --ranks 1024 --strategy dbs --model resnet20 --speed-spread 4 --epochs 3
     dbs-mpi simulate --speeds my-cluster.toml --strategy dbs --model resnet20 --epochs 3   # docs/simulator.md
-    mpirun -n 2 dbs-mpi simulate calibrate --out results/machine/NAME.json   # tools/machine.py
+    mpirun -n 2 dbs-mpi simulate calibrate       # this machine's file (tools/machine.py, tools/fingerprint.py)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from ...mpi.agreement import agree
 from ...options import UserError, parse_interval
 from ..config import ArgumentParser
+from ..fingerprint import elsewhere_note, machine_file
 from ..machine import Machine
 from .calibration import _calibrate
 from .cluster import DEFAULT_NOISE
@@ -30,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
                 "--speeds); `dbs-mpi simulate calibrate` measures the machine constants.")
     p.add_argument("--from", dest="source", metavar="RUN.h5", help="replay this result file from its configuration "
                    "and start-up calibration")
-    p.add_argument("--machine", metavar="FILE", help="machine constants (default: results/machine/dev-2core.json)")
+    p.add_argument("--machine", metavar="FILE", help="machine constants (default: this machine's, "
+                   "results/machine/<fingerprint>.json, if it was calibrated, else results/machine/dev-2core.json)")
     p.add_argument("--ranks", type=int, default=0, help="projection: ranks (one per device)")
     p.add_argument("--strategy", default="dbs", choices=[*SYNC, *ASYNC])
     p.add_argument("--model", default="resnet20", help="projection: a model of the machine file")
@@ -72,6 +75,8 @@ def _print(out: dict) -> None:
         lines.append(f"speed-up over {out['compared']}: {out['speedup']:.3f}x")
     if _measured_note(out):
         lines.append(_measured_note(out))
+    if "machine_note" in out:
+        lines.append(out["machine_note"])
     print("\n".join(lines))
 
 
@@ -80,6 +85,7 @@ def _setup(argv):
     args = _parser().parse_args(argv)
     if not args.source and not (args.ranks or args.speeds):
         raise UserError("simulate: give --from RUN.h5, or --ranks N (or --speeds FILE.toml)")
+    args.machine = args.machine or str(machine_file())
     try:
         machine = Machine.load(args.machine)
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -132,6 +138,8 @@ def main(comm, argv) -> int:
         return 0
     if args.source:
         out = replay(args.source, machine, args.noise, args.seed)
+        out.update(machine=args.machine, **({"machine_note": note} if (note := elsewhere_note(
+            machine.host, args.machine)) else {}))
     else:
         out = project(args, machine)
         if args.compare:
@@ -140,6 +148,8 @@ def main(comm, argv) -> int:
                        speedup=sum(other["epoch_time_predicted"]) / sum(out["epoch_time_predicted"]))
     if args.json:
         print(json.dumps(out))
+        if "machine_note" in out:
+            print(out["machine_note"], file=sys.stderr)
     else:
         _print(out)
     return 0

@@ -41,6 +41,7 @@ class Job:
     bucket_mb: float = 25.0
     first_bucket_mb: float = 1.0
     residual: dict = field(default_factory=dict)   # the machine's (machine.Machine.residual)
+    compute_extra: dict = field(default_factory=dict)   # the machine's (Machine.compute_extra): replays only
 
 
 @dataclass

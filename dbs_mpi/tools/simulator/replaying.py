@@ -57,7 +57,7 @@ def replay_job(path, machine: Machine) -> tuple[Job, Cluster, Network, dict, dic
     shape = tuple(cfg["synthetic_shape"]) if cfg["dataset"] == "synthetic" else \
         ((3, 32, 32) if cfg["dataset"] == "cifar10" else (1, 28, 28))
     job = job_from_config(cfg, machine.models[cfg["model"]], machine.data_cost(shape))
-    job.residual = dict(machine.residual)
+    job.residual, job.compute_extra = dict(machine.residual), dict(machine.compute_extra)
     nodes, cores = placement_of(inputs, machine)
     cluster = Cluster(nodes=nodes, cores=cores, device=np.ones(len(nodes)), sleeping=inputs["sleeping"],
                       hosts=np.array(inputs["hostnames"]))
