@@ -86,6 +86,15 @@ def test_on_a_coupled_host_the_fastest_rank_alone_is_tried_kept_and_the_pair_rev
     assert np.mean(step_time[-200:]) <= 1.05 * alone, switches
 
 
+def test_where_every_rank_must_take_part_no_set_is_tried():
+    """participation "all": the coupled host of the test above, and no rank is ever left out."""
+    replanner = dynamic.Replanner(0, 2, B, model=SpeedModel(np.array([2e-4, 4e-4]), np.array([1e-3, 1e-3])),
+                                  hosts=["node", "node"], participation="all")
+    rows, switches = run(replanner, 300, coupled_times(np.random.default_rng(1)), [340, 172])
+    assert (rows > 0).all(), switches
+    assert all(cause not in ("trial", "revert") for _, _, cause in switches), switches
+
+
 def test_without_a_shared_host_or_coupling_the_trials_stop():
     """Ranks on two hosts are never tried alone; on one host, a trial that shows no coupling
     (rank 0 as fast beside rank 1) ends the trials."""

@@ -20,10 +20,12 @@ SLACK = 6            # seconds the job may take beyond it to end
 # stopped there, and the job ended as it should (naming the rank), but in the checkpoint's
 # gather, not in the wait the tests name. Without it, the next wait is a step's (asgd: the
 # run stays inside the protocol; the server logs "epoch 1/500 trained" as soon as the
-# epoch's samples are applied).
+# epoch's samples are applied). The launch gets a limit of its own (--startup-timeout): on
+# CI's busy cores, three ranks importing torch took more than 10 s, and the job ended
+# before the rank was stopped.
 RUN = ["train", "--dataset", "synthetic", "--synthetic-samples", "3000", "--test-subset", "100", "--epochs", "500",
        "--global-batch", "60", "--benchmark-steps", "1", "--benchmark-warmup", "0", "--comm-timeout", str(TIMEOUT),
-       "--progress", "false", "--checkpoint-every", "0"]
+       "--startup-timeout", "120", "--progress", "false", "--checkpoint-every", "0"]
 
 
 def stop_one_rank(tmp_path, args, ranks, victim):

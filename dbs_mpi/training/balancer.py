@@ -64,13 +64,14 @@ POLICIES = ("ssgd", "static", "dbs")
 
 
 SLOW_START = 8.0      # a rank this many times slower than the fastest at a tiny batch is not timed further
+TINY_STEPS = 3        # timed steps at that tiny batch (their median: one step of a busy machine's noise fooled it)
 
 
 def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int = 2, stretch=None,
               affine: bool = True, timeout: float = 600.0) -> tuple[allocation.SpeedModel, np.ndarray]:
     """Collective: every rank times step(small) and step(large); returns the fitted
     speed model of every rank and the (ranks x 2) median step times. First every rank
-    times one step of 2 samples (after one untimed): a rank SLOW_START times slower than
+    times TINY_STEPS steps of 2 samples (after one untimed): a rank SLOW_START times slower than
     the fastest there would take its share's time many times over (at 1:0.02 the two
     batches took 17 s, a short run's start-up lost to its fast rank alone), so it is
     not timed further; its times are the fastest rank's scaled by that ratio (it will sit
@@ -79,7 +80,7 @@ def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int
     # then the same whether a launch calibrated or reused a calibration (use_calibration).
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=cuda):
-        tiny = allgather_array(comm, [time_step(step, min(small, 2), 1, 1, stretch)], timeout)[:, 0]
+        tiny = allgather_array(comm, [time_step(step, min(small, 2), TINY_STEPS, 1, stretch)], timeout)[:, 0]
         slow = tiny > SLOW_START * tiny.min()
         mine = [np.nan, np.nan] if slow[comm.Get_rank()] else \
             [time_step(step, small, steps, warmup, stretch), time_step(step, large, steps, warmup, stretch)]

@@ -164,10 +164,10 @@ class StepPlanner:
 
     def _checked(self, current: np.ndarray) -> Proposal | None:
         """A proposal the set check makes (set_check.py): back to the vector before a set
-        change that measured slower, or a trial of the fastest ranks alone."""
+        change that measured slower, or a trial of the fastest ranks alone (where ranks may sit out)."""
         model = self.estimator.model
         vector, cause = self.sets.verdict(self.step), "revert"
-        if vector is None:
+        if vector is None and self.participation == "auto":      # (under "all" no rank may sit out)
             part, cause = self.sets.trial(self.step, current, model.per_sample), "trial"
             vector = None if part is None else allocate_for(model, self.global_batch, self.min_local,
                                                             self.max_local, within=part)
