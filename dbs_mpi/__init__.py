@@ -26,6 +26,8 @@ checks that):
     allocation.py     batch-size vectors from measured speed
     participation.py  which ranks take part: a rank that would slow every step sits out
     dynamic/          dynamic batch size: estimate.py, within_epoch.py (the planner), per_epoch.py
+    noise_scale.py    the gradient noise scale, from the uneven local batches' gradient norms
+    goodput.py        the global batch with the most progress per second (planning only, so far)
     sharding.py       uneven shards with equal step counts; HeteroSampler; allocation invariance
     heterogeneity.py  emulated speeds and disturbances
     schedule.py       learning-rate schedules over the run's steps

@@ -49,6 +49,7 @@ def test_library_modules_do_not_import_the_command_line(module, loaded_by_librar
 
 
 NO_MPI = ["tools.models", "tools.data", "training.batches", "planning.allocation", "planning.dynamic",
+          "planning.noise_scale", "planning.goodput",
           "planning.sharding", "planning.heterogeneity", "tools.config", "options", "mpi", "training", "tools",
           "tools.bench_tracking", "mpi.startup",                   # startup: it must run before MPI_Init
           "training.results", "tools.analysis", "tools.machine",  # see LAZY

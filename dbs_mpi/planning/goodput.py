@@ -1,0 +1,75 @@
+"""Goodput: the global batch that trains fastest per second, not per sample.
+
+A step at global batch B takes T(B) seconds on the ranks there are (the planner's
+prediction: its best vector for B, participation included) and makes gain(B) steps' worth
+of progress at the starting batch B0 (noise_scale.py). Progress per second, the goodput,
+
+    goodput(B) = gain(B) / T(B) = (B / T(B)) efficiency(B) / B0
+
+is throughput times statistical efficiency, as Pollux (OSDI'21) puts it. Throughput
+grows with B while each step's fixed costs (the exchange, a rank's a_i) are spread over
+more samples; efficiency falls once B passes the noise scale. The choice is the best of
+CANDIDATES batches spaced evenly in log B between the bounds, kept only where it is
+predicted at least MIN_GAIN faster than the current batch (a change costs a re-plan, and
+a prediction has errors). Pure code: the training layer calls it with its planner's
+prediction, on every rank alike.
+
+The learning rate follows the batch by one of three rules (LR_SCALING): `adascale`
+multiplies it by gain(B), `sqrt` by sqrt(B / B0), `linear` by B / B0.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .noise_scale import efficiency, gain
+
+
+CANDIDATES = 48       # batches tried between the bounds (log-spaced)
+MIN_GAIN = 0.05       # a new batch must be predicted this much more goodput
+
+
+LR_SCALING = ("adascale", "sqrt", "linear")
+
+
+def candidates(lower: int, upper: int, count: int = CANDIDATES) -> np.ndarray:
+    """Distinct integer batches from lower to upper, log-spaced (both ends included)."""
+    if not 1 <= lower <= upper:
+        raise ValueError(f"goodput: the bounds must satisfy 1 <= lower <= upper; got {lower}, {upper}")
+    return np.unique(np.round(np.geomspace(lower, upper, count)).astype(np.int64))
+
+
+def goodput(global_batch: int, seconds: float, noise: float, start: int) -> float:
+    """Progress per second, in steps at the starting batch (0 where the step cannot run)."""
+    if not math.isfinite(seconds) or seconds <= 0:
+        return 0.0
+    return gain(global_batch, noise, start) / seconds
+
+
+def choose(step_time, noise: float | None, current: int, start: int, lower: int, upper: int,
+           min_gain: float = MIN_GAIN) -> int | None:
+    """The batch in [lower, upper] with the most goodput, where it beats the current one's
+    by min_gain; None if none does or there is no noise scale yet. step_time(B): the
+    predicted seconds of a step at B (inf where B cannot run)."""
+    if noise is None:
+        return None
+    tried = candidates(lower, upper)
+    values = np.array([goodput(int(b), step_time(int(b)), noise, start) for b in tried])
+    best = int(np.argmax(values))
+    now = goodput(current, step_time(current), noise, start)
+    if values[best] <= 0 or int(tried[best]) == current or values[best] < (1.0 + min_gain) * now:
+        return None
+    return int(tried[best])
+
+
+def lr_factor(rule: str, global_batch: int, start: int, noise: float | None) -> float:
+    """The factor on the learning rate at `global_batch` (1 at the starting batch).
+    adascale without a noise scale yet: 1, as where the batch has not changed."""
+    if rule == "linear":
+        return global_batch / start
+    if rule == "sqrt":
+        return math.sqrt(global_batch / start)
+    if rule == "adascale":
+        return 1.0 if noise is None else gain(global_batch, noise, start)
+    raise ValueError(f"lr scaling: must be one of {', '.join(LR_SCALING)}; got {rule!r}")
