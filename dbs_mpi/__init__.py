@@ -50,6 +50,7 @@ checks that):
     balancer.py       the vector of a policy (ssgd, static, dbs), calibration, epoch timing
     exchange.py       the bucketed sample-weighted allreduce of every step
     participants.py   ranks that sit out: out of the gradient's sum, then caught up from rank 0
+    gradient_noise.py the gradient noise scale measured as training runs (its norms ride the step)
     optimizer.py      DistributedOptimizer: sample-weighted gradients, weighted or mean; the step's plan
     accumulation.py   micro-batches, each weighted by its share of the local batch
     clipping.py       clipping the global gradient; a warning where the local one was changed

@@ -218,8 +218,8 @@ class CudaAwareMPI(_Gated):
     def loss(self) -> float:
         return float(self.flat[self.loss_at])
 
-    def extra(self):
-        return self.flat[self.loss_at + 1:].cpu().numpy()
+    def extra(self):     # a copy: on the CPU .numpy() is a view, which the next step's zeroing would clear
+        return self.flat[self.loss_at + 1:].cpu().numpy().copy()
 
 
 class Local:
@@ -255,8 +255,8 @@ class Local:
     def loss(self) -> float:
         return float(self.flat[self.loss_at])
 
-    def extra(self):
-        return self.flat[self.loss_at + 1:].cpu().numpy()
+    def extra(self):     # a copy: on the CPU .numpy() is a view, which the next step's zeroing would clear
+        return self.flat[self.loss_at + 1:].cpu().numpy().copy()
 
 
 class TorchDistributed:
@@ -297,8 +297,8 @@ class TorchDistributed:
     def loss(self) -> float:
         return float(self.flat[self.loss_at])   # waits for the collectives (bounded by the supervisor's deadline)
 
-    def extra(self):
-        return self.flat[self.loss_at + 1:].cpu().numpy()
+    def extra(self):     # a copy: on the CPU .numpy() is a view, which the next step's zeroing would clear
+        return self.flat[self.loss_at + 1:].cpu().numpy().copy()
 
 
 def _write_tail(flat: torch.Tensor, loss_at: int, value: float, extra) -> None:

@@ -43,10 +43,12 @@ SMOOTHING = 0.95      # the EMA's decay per step (about 20 steps' memory)
 MIN_STEPS = 10        # steps with an estimate before the noise scale is given
 
 
-def fit_step(batches, local_sq_norms, global_sq_norm: float, global_batch: int) -> tuple[float, float] | None:
+def fit_step(batches, local_sq_norms, global_sq_norm: float, global_batch: float) -> tuple[float, float] | None:
     """One step's (|G|^2, tr(Sigma)) from every rank's local batch and squared gradient
     norm (0 batch: sat out, ignored) and the summed gradient's squared norm at the global
     batch; None where the points have one abscissa."""
+    if not global_batch > 0:
+        return None
     b = np.asarray(batches, float)
     s = np.asarray(local_sq_norms, float)
     taking_part = (b > 0) & np.isfinite(s)
@@ -70,16 +72,16 @@ class NoiseScale:
         self.grad_sq = self.trace = 0.0     # the EMAs, not yet bias-corrected
         self.steps = 0                      # steps that gave an estimate
 
-    def observe(self, batches, local_sq_norms, global_sq_norm: float, global_batch: int) -> bool:
-        """One step's norms (see fit_step); True where it gave an estimate."""
+    def observe(self, batches, local_sq_norms, global_sq_norm: float, global_batch: float):
+        """One step's norms (see fit_step); returns its (|G|^2, tr(Sigma)), or None."""
         pair = fit_step(batches, local_sq_norms, global_sq_norm, global_batch)
         if pair is None:
-            return False
+            return None
         beta = self.smoothing
         self.grad_sq = beta * self.grad_sq + (1.0 - beta) * pair[0]
         self.trace = beta * self.trace + (1.0 - beta) * pair[1]
         self.steps += 1
-        return True
+        return pair
 
     def smoothed(self) -> tuple[float, float]:
         """The bias-corrected (|G|^2, tr(Sigma)) (0, 0 before any estimate)."""

@@ -102,6 +102,7 @@ class Config:
     dbs_min_gain: float = 0.03       # re-allocate only if the predicted step time falls by this share
     dbs_interval: str = "1"          # dbs re-plans every N steps from a robust estimate of every rank's step time (the new vector applies within the epoch) | epoch: once per epoch from its compute time (the DBS paper's rule)
     dbs_window: int = 32             # steps of history per rank for dbs's step-time estimate (dbs_interval in steps)
+    noise_scale: bool = False        # measure the gradient noise scale every step from the ranks' gradient norms (step/noise_scale, step/grad_sq, step/grad_trace); synchronous strategies
     # --- asynchronous strategies (parameter server: rank 0 serves, the others work) ---
     softsync_n: int = 1              # nsoftsync: the server applies after floor(workers / n) gradients
     staleness_lr: bool = False       # scale the learning rate by 1/staleness (alpha0 where staleness is 0)
@@ -324,6 +325,9 @@ def _check_choices(c: Config) -> None:
     if c.sample_dropout and c.strategy in ASYNC_STRATEGIES:
         _fail("sample_dropout", f"keys masks by the position in a synchronous step's global batch: strategies "
                                 f"{', '.join(SYNC_STRATEGIES)} only (got {c.strategy})")
+    if c.noise_scale and c.strategy in ASYNC_STRATEGIES:
+        _fail("noise_scale", f"fits the gradients of a synchronous step's ranks: strategies {', '.join(SYNC_STRATEGIES)} "
+                             f"only (got {c.strategy})")
     if c.calibration_from and c.strategy not in ("static", "dbs"):
         _fail("calibration_from", f"static and dbs plan from a calibration; {c.strategy} has none to reuse")
     choice("compile_backend", COMPILE_BACKENDS)

@@ -52,7 +52,8 @@ class Effort:
     name: str = "full"
     batches: tuple = BATCHES            # local batches of every model's table of step times
     repeats: int = 15                   # timed calls per point (medians)
-    overhead_steps: int = 100           # steps of each epoch of loop_overhead
+    overhead_steps: int = 100           # steps of each epoch of loop_overhead ...
+    overhead_seconds: float = 1.0       # ... fewer (at least OVERHEAD_MIN_STEPS) where its bare epoch would take longer
     overhead_pairs: int = 7             # loop_overhead's timed pairs of epochs (after one untimed)
     data_repeats: int = 30              # batches read by measure_data
     allreduce_sizes: tuple = (2 ** 10, 2 ** 14, 2 ** 17, 2 ** 19, 2 ** 21)   # bytes of the 2-rank allreduces
@@ -60,6 +61,9 @@ class Effort:
     crowding_repeats: int = 100         # allreduces per size with more ranks than cores
     residual_samples: int = 6000        # synthetic training samples of each residual run (calibration.py)
     residual_epochs: int = 3            # epochs of each residual run (the first is not counted)
+
+
+OVERHEAD_MIN_STEPS = 10       # the fewest steps of an epoch of loop_overhead
 
 
 FULL = Effort()
@@ -154,8 +158,12 @@ def measure_model(name: str, effort: Effort = FULL) -> ModelCost:
     update = _median_time(optimizer.step, repeats)
     numel = sum(p.numel() for p in model.parameters())
     acc, grad = torch.zeros(numel), torch.ones(numel)
+    # A slow model's loop overhead is timed over fewer steps: ResNet-20's 1,600 steps of 32
+    # samples took 5.6 of the 11-12 minutes of a calibration, to measure 1.5 ms of a 210 ms step.
+    per_step = float(np.interp(32, batches, times))
+    steps = min(effort.overhead_steps, max(OVERHEAD_MIN_STEPS, round(effort.overhead_seconds / per_step)))
     return ModelCost(batches=list(batches), step_time=times, update=update,
-                     overhead=loop_overhead(name, effort.overhead_steps, effort.overhead_pairs), numel=numel,
+                     overhead=loop_overhead(name, steps, effort.overhead_pairs), numel=numel,
                      add=_median_time(lambda: acc.add_(grad, alpha=0.5), repeats))
 
 

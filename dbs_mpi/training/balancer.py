@@ -58,6 +58,7 @@ from ..options import UserError, parse_interval
 from ..planning import allocation, dynamic, participation, sharding
 from ..planning.heterogeneity import Emulator, others_compute
 from .batches import first_samples
+from .gradient_noise import GradientNoise
 from .profiling import StepTimes, model_step, split_wait, time_step
 
 POLICIES = ("ssgd", "static", "dbs")
@@ -124,10 +125,12 @@ class EpochStats:
     diagnostics: dict = field(default_factory=dict)   # dbs per epoch: speed_ratio (R,) measured / predicted
     changes: list = field(default_factory=list)       # dbs within the epoch: its vector changes (Change)
     probes: tuple = ()                                # (S, R) samples and seconds of own-time probes (prober.py)
+    noise: np.ndarray | None = None                   # (S, 3) the noise scale after each step, its |G|^2, tr(Sigma)
 
     @classmethod
     def of(cls, epoch: int, vector: np.ndarray, table: np.ndarray, duration: float, phases: tuple,
-           next_vector: np.ndarray, diagnostics: dict, changes: list, probes: tuple = ()) -> "EpochStats":
+           next_vector: np.ndarray, diagnostics: dict, changes: list, probes: tuple = (),
+           noise: np.ndarray | None = None) -> "EpochStats":
         """The stats of an epoch from its table and every rank's phases of its steps (_phases)."""
         data_t, compute_t, comm_t, wait_t, pre_t, loss = phases
         return cls(epoch=epoch, batch_sizes=vector, table=table, duration=duration, data_time=data_t.sum(axis=1),
@@ -135,7 +138,7 @@ class EpochStats:
                    speed=table.sum(axis=0) / np.maximum(pre_t.sum(axis=1), 1e-12), step_loss=loss[0],
                    step_compute=compute_t.T, step_comm=comm_t.T, step_wait=wait_t.T, step_data=data_t.T,
                    step_pre=pre_t.T, next_batch_sizes=next_vector, diagnostics=diagnostics, changes=changes,
-                   probes=probes)
+                   probes=probes, noise=noise)
 
     @property
     def steps(self) -> int:
@@ -157,10 +160,12 @@ class EpochStats:
     def step_rows(self, epoch_index: int) -> dict:
         """The epoch's rows of step/* in the result file."""
         samples, seconds = self.probes or (np.zeros(self.table.shape, np.int64), np.full(self.table.shape, np.nan))
+        noise = np.full((self.steps, 3), np.nan) if self.noise is None else self.noise
         return dict(loss=self.step_loss, epoch=np.full(self.steps, epoch_index, dtype=np.int64),
                     batch_sizes=self.table.astype(np.int64), compute_time=self.step_compute,
                     comm_time=self.step_comm, wait_time=self.step_wait, data_time=self.step_data,
-                    pre_time=self.step_pre, probe_samples=samples.astype(np.int64), probe_time=seconds)
+                    pre_time=self.step_pre, probe_samples=samples.astype(np.int64), probe_time=seconds,
+                    noise_scale=noise[:, 0], grad_sq=noise[:, 1], grad_trace=noise[:, 2])
 
     def replan_rows(self) -> dict:
         """The epoch's vector changes as rows of replan/* in the result file (none: {})."""
@@ -225,11 +230,20 @@ class _Epoch:
     measured_from: int = 0      # first step this world ran (an epoch resumed on another rank count)
     probe_samples: np.ndarray | None = None   # (S, R) own-time probes that rode each step: samples ...
     probe_time: np.ndarray | None = None      # ... and seconds (NaN: none)
+    noise: np.ndarray | None = None           # (S, 3) gradient_noise.py's records of each step (NaN: none)
 
     def __post_init__(self):
         if self.probe_samples is None:
             self.probe_samples = np.zeros(self.table.shape, np.int64)
             self.probe_time = np.full(self.table.shape, np.nan)
+        if self.noise is None:
+            self.noise = np.full((len(self.table), 3), np.nan)
+
+    def measured_noise(self, step: int, values) -> None:
+        """The noise scale after `step`, and that step's fit (GradientNoise.incoming; the step
+        before this epoch's first is not recorded)."""
+        if values is not None and step >= self.measured_from:
+            self.noise[step] = values
 
     def probed(self, step: int, probes) -> None:
         """The own-time probes (samples, seconds per rank; None: none) that rode `step`."""
@@ -261,6 +275,7 @@ class _Epoch:
         if first_step != 0 and "probe_samples" in restored and not restored.get("other_world"):
             opened.probe_samples[:] = restored["probe_samples"]
             opened.probe_time[:] = restored["probe_time"]
+            opened.noise[:] = restored.get("noise", opened.noise)
         return opened
 
     @property
@@ -295,7 +310,7 @@ class _Epoch:
         return {"epoch": self.epoch, "step": self.step, "elapsed": self.elapsed,
                 "times": self.times.snapshot(self.step), "table": self.table.copy(),
                 "changes": [c.state() for c in self.changes], "probe_samples": self.probe_samples.copy(),
-                "probe_time": self.probe_time.copy()}
+                "probe_time": self.probe_time.copy(), "noise": self.noise.copy()}
 
 
 def steps_before_resume(states: list[dict], epoch_index: int) -> dict:
@@ -358,7 +373,8 @@ def _within_epoch(comm, policy: str, interval, global_batch: int, min_local: int
 class Calibration:
     """The start-up calibration of a BatchPolicy (its base class: the same attributes):
     time every rank at two local batches (or reuse a timing recorded before), fit every
-    rank's step time, and (static, dbs) allocate the vector from the fit."""
+    rank's step time, and (static, dbs) allocate the vector from the fit; and the emulated
+    speeds that every timing sees (stretch)."""
 
     def calibration_batches(self, largest: int = 0) -> tuple[int, int]:
         return allocation.calibration_batches(self.global_batch, self.world_size, self.min_local,
@@ -416,6 +432,17 @@ class Calibration:
         self.sample_inputs = inputs
         return self.calibrate(model_step(model, loss_fn, inputs, targets), steps, warmup, largest)
 
+    def on_device(self, device) -> None:
+        """This rank computes on `device`: on a GPU, emulated speeds stretch the step's wall
+        time (DistributedOptimizer and calibrate_model tell the balancer)."""
+        self.emulator.wall_clock = torch.device(device).type == "cuda"
+
+    def stretch(self, compute_seconds: float, cpu_seconds: float | None = None, row=None) -> float:
+        """Sleep as the emulated device would be slower (heterogeneity.Emulator.stretch).
+        row: the step's local batches, every rank's (None: every rank computes, as in the
+        calibration); a coupled rank is slower where another rank of its host computes."""
+        others = self.emulator.couple != 1.0 and bool(others_compute(self.hosts, row)[self.rank])
+        return self.emulator.stretch(compute_seconds, cpu_seconds, others)
 
 
 class BatchPolicy(Calibration):
@@ -427,9 +454,10 @@ class BatchPolicy(Calibration):
 
     def __init__(self, comm, global_batch: int, policy: str, min_local_batch: int, max_local_batch: int,
                  dbs_model: str, rule: dict, interval, window: int, speeds, emulator: Emulator | None,
-                 timeout: float):
+                 timeout: float, noise_scale: bool = False):
         _check_settings(comm, timeout, policy=policy, global_batch=global_batch, min_local_batch=min_local_batch,
-                        max_local_batch=max_local_batch, dbs_model=dbs_model, interval=interval, window=window, **rule)
+                        max_local_batch=max_local_batch, dbs_model=dbs_model, interval=interval, window=window,
+                        noise_scale=bool(noise_scale), **rule)
         self.comm, self.rank, self.world_size = comm, comm.Get_rank(), comm.Get_size()
         allocation.check_feasible(global_batch, self.world_size, min_local_batch, max_local_batch or None)
         self.policy, self.global_batch = policy, int(global_batch)
@@ -441,6 +469,7 @@ class BatchPolicy(Calibration):
         self.replanner = _within_epoch(comm, policy, self.interval, self.global_batch, self.min_local, self.max_local,
                                        window, rule)
         self.emulator = _emulator(speeds, emulator, self.rank, self.world_size)
+        self.noise = GradientNoise(self.rank, self.world_size) if noise_scale else None
         self.hosts = [host for host, _ in placement(comm, timeout)]    # every rank's host (cached on comm)
         if self.replanner is not None:
             self.replanner.on_hosts(self.hosts)
@@ -459,18 +488,6 @@ class BatchPolicy(Calibration):
         """This rank's local batch of a full step."""
         return int(self.batch_sizes[self.rank])
 
-    def on_device(self, device) -> None:
-        """This rank computes on `device`: on a GPU, emulated speeds stretch the step's wall
-        time (DistributedOptimizer and calibrate_model tell the balancer)."""
-        self.emulator.wall_clock = torch.device(device).type == "cuda"
-
-    def stretch(self, compute_seconds: float, cpu_seconds: float | None = None, row=None) -> float:
-        """Sleep as the emulated device would be slower (heterogeneity.Emulator.stretch).
-        row: the step's local batches, every rank's (None: every rank computes, as in the
-        calibration); a coupled rank is slower where another rank of its host computes."""
-        others = self.emulator.couple != 1.0 and bool(others_compute(self.hosts, row)[self.rank])
-        return self.emulator.stretch(compute_seconds, cpu_seconds, others)
-
     def _new_table(self, epoch: int, num_samples: int, drop_last: bool, first_step: int, seed=None) -> np.ndarray:
         """An epoch's (steps x ranks) table of local batches from the current vector, once
         the ranks agree on what the epoch is (collective: one allgather, none on one rank)."""
@@ -485,11 +502,32 @@ class BatchPolicy(Calibration):
                             f"(with drop_last nothing is left)")
         return table
 
+    def settle_with(self, settle, remove: bool = False) -> None:
+        """Register (or remove) `settle()` of a clock that amends steps late (LateSteps): called before the
+        records are read (end_epoch, state_dict), it amends every step recorded so far, returns how many."""
+        (self._settlers.remove if remove else self._settlers.append)(settle)
+
     # --- re-planning --------------------------------------------------------------
     @property
     def telemetry_size(self) -> int:
-        """Floats telemetry() returns (0: nothing to carry)."""
-        return 0 if self.replanner is None else self.replanner.size
+        """Floats telemetry() returns (0: nothing to carry): the replanner's, then the noise's."""
+        return self.noise_slot - self.rank + (0 if self.noise is None else self.noise.size)
+
+    @property
+    def noise_slot(self) -> int:
+        """Where this rank's squared gradient norm goes in telemetry() (the exchange writes it)."""
+        return (0 if self.replanner is None else self.replanner.size) + self.rank
+
+    def _slots(self, compute_seconds: float, handed: int, probe) -> np.ndarray | None:
+        parts = ([] if self.replanner is None else [self.replanner.outgoing(compute_seconds, handed, probe)]) + \
+            ([] if self.noise is None else [self.noise.outgoing()])
+        return np.concatenate(parts) if parts else None
+
+    def _noise_heard(self, telemetry, row):
+        """The noise scale's records of the step before (GradientNoise.incoming), or None."""
+        if telemetry is None or self.noise is None:
+            return None
+        return self.noise.incoming(telemetry[len(telemetry) - self.noise.size:], row)
 
     def propose(self, vector) -> None:
         """Ask for another vector (dbs with a step interval): rank 0's request is announced
@@ -534,6 +572,7 @@ class BatchPolicy(Calibration):
         return {"speed_model": self.speed_model.state_dict() if self.speed_model is not None else None,
                 "controller": self.controller.state_dict() if self.controller is not None else None,
                 "replanner": self.replanner.state_dict() if self.replanner is not None else None,
+                "noise": self.noise.state_dict() if self.noise is not None else None,
                 "startup": self.startup, "rank": self.rank}
 
     def _load_policy(self, state: dict) -> bool:
@@ -547,6 +586,8 @@ class BatchPolicy(Calibration):
         if state["world_size"] == self.world_size and state.get("rank", self.rank) != self.rank:
             raise UserError(f"balancer: this state was saved by rank {state['rank']}, and this is rank {self.rank}: "
                             f"every rank loads its own part of a checkpoint (its per-rank state)")
+        if self.noise is not None and state.get("noise") is not None:     # (on any number of ranks)
+            self.noise.load_state_dict(state["noise"])
         if state["world_size"] != self.world_size:
             self.batch_sizes = allocation.equal(self.global_batch, self.world_size, self.min_local, self.max_local)
             self.speed_model = self.controller = self.startup = None
@@ -577,15 +618,17 @@ class Balancer(BatchPolicy):
     the controllers' damping (planning/dynamic/). participation: "auto" (a rank that would
     slow every step sits out) or "all". speeds: emulated relative speeds, one per rank (or
     an `emulator`, for disturbances too). timeout: seconds any collective may wait.
-    The vector's half is BatchPolicy; this class keeps the epochs and the run's position."""
+    noise_scale: measure the gradient noise scale every step (gradient_noise.py). The
+    vector's half is BatchPolicy; this class keeps the epochs and the run's position."""
 
     def __init__(self, comm, global_batch: int, policy: str = "dbs", *, min_local_batch: int = 1,
                  max_local_batch: int = 0, dbs_model: str = "affine", smoothing: float = 0.5, follow: float = 0.25,
                  min_gain: float = 0.03, interval=dynamic.DEFAULT_INTERVAL, window: int = dynamic.WINDOW,
-                 participation: str = "auto", speeds=None, emulator: Emulator | None = None, timeout: float = 600.0):
+                 participation: str = "auto", speeds=None, emulator: Emulator | None = None, timeout: float = 600.0,
+                 noise_scale: bool = False):
         super().__init__(comm, global_batch, policy, min_local_batch, max_local_batch, dbs_model,
                          dict(smoothing=smoothing, follow=follow, min_gain=min_gain, participation=participation),
-                         interval, window, speeds, emulator, timeout)
+                         interval, window, speeds, emulator, timeout, noise_scale)
         self.next_epoch = 0                   # epochs ended so far
         self.run_steps = 0                    # steps taken so far, all epochs
         self.trained_before = 0.0             # seconds of training in the epochs ended so far
@@ -599,7 +642,7 @@ class Balancer(BatchPolicy):
                    max_local_batch=cfg.share_bound, dbs_model=cfg.dbs_model, smoothing=cfg.dbs_smoothing,
                    follow=cfg.dbs_follow, min_gain=cfg.dbs_min_gain, interval=cfg.dbs_interval,
                    window=cfg.dbs_window, participation=cfg.participation, timeout=cfg.comm_timeout,
-                   emulator=emulator or Emulator.from_config(cfg, comm.Get_rank()))
+                   emulator=emulator or Emulator.from_config(cfg, comm.Get_rank()), noise_scale=cfg.noise_scale)
 
     # --- an epoch -----------------------------------------------------------------
     def begin_epoch(self, epoch: int, num_samples: int, drop_last: bool = False, first_step: int = 0,
@@ -655,12 +698,11 @@ class Balancer(BatchPolicy):
             e.handed = step + 1
 
     def telemetry(self, compute_seconds: float, probe=None) -> np.ndarray | None:
-        """dbs within the epoch: this rank's slots of the step's sum (its compute seconds, its
-        sampler's position, rank 0's proposal, a probe it ran on its own time: (samples,
-        seconds) or None), for the gradient allreduce to carry (dynamic.Replanner); None otherwise."""
-        if self.replanner is None:
-            return None
-        return self.replanner.outgoing(compute_seconds, 0 if self._open is None else self._open.handed, probe)
+        """This rank's slots of the step's sum, for the gradient allreduce to carry (None: none):
+        dbs within the epoch, its compute seconds, its sampler's position, rank 0's proposal, a
+        probe it ran on its own time ((samples, seconds) or None; dynamic.Replanner); with
+        noise_scale, the gradients' squared norms (gradient_noise.py)."""
+        return self._slots(compute_seconds, 0 if self._open is None else self._open.handed, probe)
 
     def record_step(self, data: float, pre: float, collective: float, update: float,
                     loss: float = float("nan"), telemetry=None) -> None:
@@ -670,20 +712,17 @@ class Balancer(BatchPolicy):
         e.times.record(e.step, data, pre, collective, update, loss)
         e.step += 1
         self.run_steps += 1
+        e.measured_noise(e.step - 2, self._noise_heard(telemetry, e.table[e.step - 1]))
         if telemetry is not None and self.replanner is not None:
             self._heard = True
-            switch = self.replanner.incoming(telemetry, e.table[e.step - 1], self.batch_sizes, e.step)
+            switch = self.replanner.incoming(telemetry[:self.replanner.size], e.table[e.step - 1], self.batch_sizes,
+                                             e.step)
             e.probed(e.step - 1, self.replanner.probes)
             if switch is not None:      # a new vector from the switch's step on (this epoch and later ones)
                 e.switch(switch, self.global_batch, self.run_steps)
                 self.batch_sizes = switch.vector.copy()
         e.last_end = time.perf_counter()
         self.emulator.step_done(self.trained_before + e.elapsed_before + e.last_end - e.start)
-
-    def settle_with(self, settle, remove: bool = False) -> None:
-        """Register (or remove) `settle()` of a clock that amends steps late (LateSteps): called before the
-        records are read (end_epoch, state_dict), it amends every step recorded so far, returns how many."""
-        (self._settlers.remove if remove else self._settlers.append)(settle)
 
     def amend_step(self, epoch: int, step: int, pre: float, collective: float, update: float, loss=np.nan) -> None:
         """Step `step` of epoch `epoch`, recorded, gets the times and loss measured late."""
@@ -708,7 +747,8 @@ class Balancer(BatchPolicy):
         self._open, self.next_epoch = None, e.epoch + 1
         self.trained_before += duration
         return EpochStats.of(e.epoch, vector, table, duration, phases, self.batch_sizes.copy(), diagnostics,
-                             list(e.changes), (e.probe_samples[e.measured_from:], e.probe_time[e.measured_from:]))
+                             list(e.changes), (e.probe_samples[e.measured_from:], e.probe_time[e.measured_from:]),
+                             e.noise[e.measured_from:])
 
     # --- checkpoints ------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -721,12 +761,11 @@ class Balancer(BatchPolicy):
                 "open": None if self._open is None else self._open.position(), "emulator": self.emulator.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from state_dict(). A state saved by another number of ranks (a run
-        resumed on another allocation) gives the position only: the epoch, the step in it
-        and the run's counters; the vector starts even and the models and the step-time
-        estimates start afresh (call calibrate() or calibrate_model() again for static and
-        dbs); the emulated disturbances' step and time windows go on counting over the run. The epoch in progress is recorded from the step this
-        world began at (EpochStats covers its steps; the earlier ones were another world's)."""
+        """Continue from state_dict(). A state saved by another number of ranks (a run resumed
+        on another allocation) gives the position only (epoch, step, the run's counters, the
+        noise scale): the vector starts even, the models afresh (static and dbs: calibrate
+        again); emulated disturbances count over the run. The epoch in progress is recorded
+        from the step this world began at (the earlier ones were another world's)."""
         this_world = self._load_policy(state)
         self.next_epoch = int(state["next_epoch"])
         self.run_steps = int(state.get("run_steps", 0))

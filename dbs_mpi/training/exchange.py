@@ -197,6 +197,8 @@ class BucketSchedule:
         self.last = len(buffer.layout) - 1       # the final bucket
         self.hooks = [p.register_post_accumulate_grad_hook(self._hook_for(buffer, index))
                       for index, p in enumerate(buffer.params)] if overlap else []
+        self.measure, self.norm_slot = False, None   # measure_into: the squared norm of this rank's gradient
+        self.local_squared = 0.0                     # ... of the last step (0: no samples, out of the sum)
         self.reset()
 
     def reset(self) -> None:
@@ -208,6 +210,7 @@ class BucketSchedule:
         self.next = 0                            # next bucket to start
         self.requests = []                       # in flight: buckets 0 .. self.next - 1
         self.oldest = 0                          # first request not known to be complete
+        self.squared = 0.0                       # measure: the squared norm of the buckets started so far
         self.route(self.world)
 
     def route(self, transport) -> None:
@@ -238,11 +241,29 @@ class BucketSchedule:
 
     def start(self, bucket: int, weight: float) -> None:
         """Weight `bucket` (unless backward did) and start its sum; it is the next one in order."""
+        if self.measure:
+            self.squared = self.squared + squared_norm(self.buckets[bucket], weight if self.prescaled else 1.0)
         if weight != 1.0 and not self.prescaled:
             scale(self.buckets[bucket], weight)
         self.transport.stage(bucket)
         self.requests.append(self.transport.start(bucket))
         self.next = bucket + 1
+
+    def measure_into(self, slot: int) -> None:
+        """Every step from now on writes the squared norm of this rank's own gradient (its mean
+        over the local batch, before the weighting) into extra slot `slot` (gradient_noise.py)."""
+        self.measure, self.norm_slot, self.local_squared = True, int(slot), 0.0
+
+    def note_final(self, final, weight: float) -> None:
+        """The step's squared norm, with the final bucket's (before it is weighted)."""
+        if self.measure:
+            self.local_squared = float(self.squared + squared_norm(final, weight if self.prescaled else 1.0))
+
+    def noted(self, extra):
+        """The tail's extra slots with this rank's squared norm in its slot (where measured)."""
+        if self.norm_slot is not None:
+            extra[self.norm_slot] = self.local_squared
+        return extra
 
     def start_ready(self) -> None:
         """Start every bucket before the final one that backward has filled, in order."""
@@ -304,16 +325,14 @@ class GradientExchange(GradientBuffer):
         return self.last_route.transport
 
     @property
-    def busy(self) -> bool:
-        """True while buckets started during backward are being reduced."""
+    def busy(self) -> bool:             # buckets started during backward are being reduced
         return bool(self._schedule.requests)
 
     @property
     def num_buckets(self) -> int:
         return len(self.layout)
 
-    def close(self) -> None:
-        """Remove the hooks (the .grad views stay)."""
+    def close(self) -> None:             # the hooks go, the .grad views stay
         self._schedule.close()
         self.overlap = False
 
@@ -349,6 +368,10 @@ class GradientExchange(GradientBuffer):
         part = transports.HostMPI(sub, self.flat, bounds, self.world.transport.staged, tail)
         part.share_host_copy(self.world.transport)
         return Route(part, sub)
+
+    def measure_norm(self, slot: int) -> None:
+        """Each step writes this rank's squared gradient norm into extra slot `slot` (BucketSchedule.measure_into)."""
+        self._schedule.measure_into(slot)
 
     def hold(self, holding: bool) -> None:
         """Gradient accumulation (accumulation.py): while holding, backward's hooks start
@@ -397,12 +420,13 @@ class GradientExchange(GradientBuffer):
             self.last_route = route
             while schedule.next < last:    # not started yet (no backward, unused parameters, no weight given)
                 schedule.start(schedule.next, weight)
+            schedule.note_final(self.final_grads, weight)
             if weight != 1.0 and not schedule.prescaled:
                 scale(self.final_grads, weight)
             transport = route.transport
             transport.stage(last)
             if route.tail:
-                transport.set_tail(loss_share, extra if self.extra_slots else None)
+                transport.set_tail(loss_share, schedule.noted(extra) if self.extra_slots else None)
             if route.comm.Get_size() > 1:
                 # Every bucket's collective is under way before the barrier (on a GPU some
                 # wait for their data): all ranks call the collectives in the same order.
@@ -425,7 +449,8 @@ class GradientExchange(GradientBuffer):
         group, or over none on this rank): a non-blocking allreduce, waited for sleeping
         where the wait policy or `sleep` (a probe computes beside: prober.py) says so, else
         polling (the same call on every rank, whichever way each waits)."""
-        tail = np.array([float(loss_share), *(() if extra is None else extra)], dtype=np.float32)
+        extra = () if extra is None else self._schedule.noted(extra)
+        tail = np.array([float(loss_share), *extra], dtype=np.float32)
         if self.world_size > 1:
             pause = POLL_SLEEP_MAX if self.sleep_while_waiting or sleep else 0.0
             wait(self.comm.Iallreduce(MPI.IN_PLACE, tail, op=MPI.SUM), self.timeout,
@@ -437,6 +462,7 @@ class GradientExchange(GradientBuffer):
         if self._schedule.requests:
             raise RuntimeError("a rank out of the step's group started gradient buckets")
         self._schedule.reset()
+        self._schedule.local_squared = 0.0
 
 
 
@@ -458,6 +484,16 @@ def _one_float32_device(params) -> torch.device:
         raise ValueError(f"GradientExchange: the parameters are on several devices ({sorted(map(str, devices))}); "
                          f"move the model to one device (model.to(device)) before wrapping the optimizer")
     return devices.pop() if devices else torch.device("cpu")
+
+
+def squared_norm(view, seed: float):
+    """|view / seed|^2 (0 where seed is 0: no samples); a float, or a 0-dim tensor on a GPU
+    (read once, at the end of the step)."""
+    if seed == 0.0:
+        return 0.0
+    if isinstance(view, np.ndarray):
+        return float(np.dot(view, view)) / (seed * seed)
+    return torch.dot(view, view) / (seed * seed)
 
 
 def scale(view, weight: float) -> None:

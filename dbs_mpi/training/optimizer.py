@@ -313,24 +313,37 @@ def _trainable(model, optimizer) -> list:
     return params
 
 
-def build_exchange(comm, params, device, telemetry: int, timeout: float, settings: dict):
+def build_exchange(comm, params, device, balancer, timeout: float, settings: dict):
     """Collective: the optimizer's exchange, with what its ranks agree once, here: the
     settings every rank must share (aggregation, wait policy, bucket caps, ...), the
     transport (transport.agree: cached on the communicator, so a launcher that checked it
     early shares the agreement) and the placement (gathered once per communicator), hence
     the wait policy. A StopRequest's flags ride the tail where it is in host memory (MPI on
     host memory: elsewhere writing and reading it would wait for the device every step).
+    The balancer's telemetry rides it too, and where the balancer measures the gradient
+    noise scale, the exchange writes this rank's gradient norm into its slot.
     Returns (the GradientExchange, whether a node is oversubscribed)."""
     if settings["aggregation"] not in AGGREGATIONS:
         raise ValueError(f"aggregation: must be one of {', '.join(AGGREGATIONS)}; got {settings['aggregation']!r}")
     agree_settings(comm, settings, timeout, "DistributedOptimizer")
     places = placement(comm, timeout)
     name = transport.agree(comm, settings["exchange"], device, timeout)
-    extra = telemetry + (StopRequest.FLAGS if name == "host" else 0)
+    extra = balancer.telemetry_size + (StopRequest.FLAGS if name == "host" else 0)
     exchange = GradientExchange(comm, params, timeout, sleep_while_waiting(settings["wait_policy"], places),
                                 bucket_bytes=int(settings["bucket_mb"] * MIB),
                                 first_bucket_bytes=int(settings["first_bucket_mb"] * MIB), transport=name, extra=extra)
+    if balancer.noise is not None:
+        exchange.measure_norm(balancer.noise_slot)
+        balancer.noise.aggregation = settings["aggregation"]
     return exchange, oversubscribed(places)
+
+
+def _summed_noise(exchange, balancer) -> None:
+    """Rank 0, where the balancer measures the noise scale: the squared norm of the step's
+    summed gradient (it rides the next step: gradient_noise.py). Reads the device once."""
+    if balancer.noise is not None and balancer.rank == 0:
+        summed = exchange.flat[:exchange.numel]
+        balancer.noise.sum_done(float(torch.dot(summed, summed)))
 
 
 def _plan_next(steps, balancer, prober, participants) -> None:
@@ -449,7 +462,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         balancer.on_device(self.device)
         check_same_parameters(self.comm, params, self.timeout)
         self.exchange, self.oversubscribed = build_exchange(
-            self.comm, params, self.device, balancer.telemetry_size, self.timeout,
+            self.comm, params, self.device, balancer, self.timeout,
             dict(aggregation=aggregation, wait_policy=wait_policy, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                  broadcast_buffers=bool(broadcast_buffers), leave_exchange=bool(leave_exchange), exchange=exchange))
         self.sleep_while_waiting = self.exchange.sleep_while_waiting
@@ -540,6 +553,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         sums = self._part.reduce(plan.route, plan.weight, share, _tail(telemetry, stop, rides),
                                  sleep=self._prober is not None and self._prober.thread is not None)
         self._telemetry = _after_tail(sums.extra, telemetry, stop, rides)
+        _summed_noise(self.exchange, self.balancer)
         self._loss = sums.loss if loss is not None else float("nan")
         self._times = self._clock.phases(began, pre_end, in_sync)
         self._synced = True
@@ -579,8 +593,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         return broadcast_state(self.comm, self.model, self.optimizer.state, self.exchange.params, root, self.timeout)
 
     def close(self) -> None:
-        """Remove the hooks (the .grad tensors stay views of the exchange buffer); the
-        steps still to be read late are read first."""
+        """Remove the hooks (the .grad tensors stay the buffer's views); late steps are read first."""
         if self._clock.late is not None:
             self._clock.late.close()
         if self._prober is not None:

@@ -132,6 +132,12 @@ SCHEMA_DATASETS = {
     "step/probe_time": ("(S, R)", "s", "... and its measured seconds (NaN: none)"),
     "step/pre_time": ("(S, R)", "s", "compute before the step's collective (forward, backward, emulated slow-down): "
                                      "what `dbs` measures and re-plans from"),
+    "step/noise_scale": ("(S,)", "samples", "`noise_scale`: the gradient noise scale tr(Sigma) / G^2 after the "
+                         "step, smoothed over steps (NaN: not measured, or not yet known)"),
+    "step/grad_sq": ("(S,)", "(grad)^2", "`noise_scale`: G^2, the squared norm of the whole data's gradient, "
+                     "fitted to the step's gradient norms alone "
+                     "(unsmoothed; NaN: none, as for an epoch's last step, whose sum is heard in the next epoch)"),
+    "step/grad_trace": ("(S,)", "(grad)^2", "... and tr(Sigma), the summed variance of one sample's gradient"),
     "replan/epoch": ("(V,) int", "epoch", "`dbs` within the epoch (a step `dbs_interval`): epoch (from 0) of "
                                           "every vector change"),
     "replan/step": ("(V,) int", "step", "the epoch's first step under the new vector (the epoch's step count: "
