@@ -140,3 +140,35 @@ def test_on_a_model_at_rest_the_fit_finds_the_true_noise_scale(comm):
     assert np.mean(fitted[:, 2]) == pytest.approx(trace, rel=0.10)
     # the smoothed value (an average of about 20 steps: noisy), over the last two epochs
     assert np.mean(fitted[-60:, 0]) == pytest.approx(trace / grad_sq, rel=0.20)
+
+
+def train_epochs(comm, balancer, epochs, first=0):
+    """`epochs` epochs of the network at rest (a fresh optimizer: nothing else carries over)."""
+    data = Regression(512)
+    sampler = dbs_mpi.HeteroSampler(data, balancer, seed=4)
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, balancer)
+    for epoch in range(first, first + epochs):
+        sampler.set_epoch(epoch)
+        for x, y in torch.utils.data.DataLoader(data, batch_sampler=sampler):
+            optimizer.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+        balancer.end_epoch()
+    optimizer.close()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_run_stopped_between_epochs_continues_the_estimate_exactly(comm):
+    """Three epochs straight, against one, the balancer's state through a state_dict, two
+    more: the same estimator, and the step before the stop fitted once its sum arrives."""
+    straight = measuring(comm, 32)
+    train_epochs(comm, straight, 3)
+    first = measuring(comm, 32)
+    train_epochs(comm, first, 1)
+    resumed = measuring(comm, 32)
+    resumed.load_state_dict(first.state_dict())
+    train_epochs(comm, resumed, 2, first=1)
+    assert resumed.noise.estimator.state_dict() == straight.noise.estimator.state_dict()
+    assert straight.noise.estimator.steps == (0 if comm.Get_size() == 1 else 3 * 16 - 1)
