@@ -378,7 +378,7 @@ def test_a_quick_calibration_writes_a_machine_file_that_the_simulator_reads(tmp_
     """`simulate calibrate --quick` at 2 ranks, end to end (~25 s on the 2-core machine):
     every constant of its file is there and sane, and a replay and a projection read it."""
     from dbs_mpi.mpi.placement import available_cores
-    from dbs_mpi.tools.machine import QUICK, SHAPES
+    from dbs_mpi.tools.machine import DRIFT_LIMIT, QUICK, SHAPES
     out = tmp_path / "machine.json"
     run = run_cli(["simulate", "calibrate", "--quick", "--name", "quick test", "--out", str(out)], ranks=2,
                   timeout=300)
@@ -395,6 +395,8 @@ def test_a_quick_calibration_writes_a_machine_file_that_the_simulator_reads(tmp_
     assert all(math.isfinite(v) and v >= 0 for v in [*machine.residual.values(), *machine.noise.values(),
                                                       *machine.compute_extra.values()])
     assert set(machine.models) == set(SHAPES) and machine.models["lenet5"].numel == 61706
+    assert math.isfinite(machine.drift) and f"the machine moved {machine.drift:+.1%}" in run.stdout
+    assert (abs(machine.drift) > DRIFT_LIMIT) == ("calibrate again when nothing else runs" in run.stderr)
     for name, cost in machine.models.items():
         assert cost.batches == list(QUICK.batches) and len(cost.step_time) == len(cost.batches), name
         assert 0 < cost.step_time[0] <= cost.step_time[-1] < 10, (name, cost.step_time)
@@ -423,3 +425,14 @@ def test_a_bad_crossover_is_one_line_and_exit_2():
     proc = run_cli(["simulate", "crossover", "--ratios", "0.5,fast"])
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "dbs-mpi: error: crossover: --ratios and --network are numbers; got '0.5,fast', 'ib-100g'"], proc.stderr
+
+
+def test_a_calibration_whose_machine_moved_says_so_and_an_old_file_reads_as_steady(tmp_path):
+    from dbs_mpi.tools.machine import DRIFT_LIMIT, drift_note
+    assert drift_note(DRIFT_LIMIT / 2) == "" and drift_note(-DRIFT_LIMIT / 2) == ""
+    assert "+52%" in drift_note(0.52) and "calibrate again" in drift_note(-0.2)
+    data = json.loads((ROOT / "results/machine/dev-2core.json").read_text())
+    data.pop("drift", None)                           # (files written before it was measured)
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    assert Machine.load(old).drift == 0.0

@@ -108,6 +108,7 @@ class Machine:
     measured: str = ""          # when and how
     compute_extra: dict = field(default_factory=dict)   # seconds a training step's compute takes beyond the model's table: "spinning" (a rank that waits spinning), "sleeping" (one whose emulated slow-down sleeps)
     host: dict = field(default_factory=dict)   # what it was measured on (fingerprint.describe: CPU, CPUs, threads per core, memory, torch, MPI, date)
+    drift: float = 0.0          # LeNet-5's step at its largest batch up to 256, timed again at the end, over the table's, minus 1
 
     @classmethod
     def load(cls, path=None) -> "Machine":
@@ -131,6 +132,37 @@ def _median_time(fn, repeats: int, warmup: int = 3) -> float:
     """Median seconds of fn() over `repeats` calls after `warmup` untimed ones."""
     from ..training.profiling import time_step
     return time_step(lambda _: fn(), 0, repeats, warmup)
+
+
+DRIFT_LIMIT = 0.10    # a calibration whose machine moved more than this while it ran says so
+
+
+def steadiness(machine: Machine) -> float:
+    """LeNet-5's step time at the table's largest batch up to 256, timed again (at the end
+    of a calibration), over the table's, minus 1: how far the machine's speed moved while
+    it was measured (compute_extra, from runs at the end, absorbs any move)."""
+    import torch
+    import torch.nn.functional as F
+
+    from .models import build_model
+    cost = machine.models["lenet5"]
+    batch = max(b for b in cost.batches if b <= 256)
+    torch.manual_seed(0)
+    model = build_model("lenet5", SHAPES["lenet5"], 10)
+    x, y = torch.randn(batch, *SHAPES["lenet5"]), torch.randint(10, (batch,))
+
+    def step():
+        model.zero_grad(set_to_none=False)
+        F.cross_entropy(model(x), y).backward()
+    return _median_time(step, 15) / float(cost.compute(batch)) - 1.0
+
+
+def drift_note(drift: float) -> str:
+    """The line a calibration adds where its machine moved (empty where it held still)."""
+    if abs(drift) <= DRIFT_LIMIT:
+        return ""
+    return (f"dbs-mpi: the machine's speed moved while it was calibrated (LeNet-5's step time {drift:+.0%} from the "
+            f"table to the end): replays from this file may be off by as much; calibrate again when nothing else runs")
 
 
 def measure_model(name: str, effort: Effort = FULL) -> ModelCost:

@@ -5,6 +5,7 @@ measures all of them from a few points (machine.QUICK: seconds, for a test).
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ from ...options import UserError
 from ...planning import sharding
 from ..config import ArgumentParser, Config
 from ..fingerprint import MACHINES, describe, fingerprint
-from ..machine import FULL, QUICK, Effort, Machine, calibrate
+from ..machine import FULL, QUICK, Effort, Machine, calibrate, drift_note, steadiness
 from .job import SYNC
 from .replaying import replay, replay_job
 
@@ -132,11 +133,15 @@ def _calibrate(comm, argv) -> int:
     if comm.Get_rank() == 0:
         import shutil
         shutil.rmtree(folder, ignore_errors=True)
+        machine.drift = steadiness(machine)
         machine.save(args.out)
         print(f"machine constants: {args.out} (alpha {machine.alpha * 1e6:.2f} us, beta "
               f"{1 / machine.beta / 1e9:.2f} GB/s, sleeping wait {machine.sleep_wait * 1e6:.0f} us, crowded "
               f"message {machine.oversubscribed_message * 1e6:.0f} us, {machine.cores} cores; step-time spread "
               + ", ".join(f"{k} {v:.3f}" for k, v in machine.noise.items()) + "; residuals "
               + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in machine.residual.items()) + "; a training step's compute "
-              + ", ".join(f"{k} +{v * 1e3:.2f} ms" for k, v in machine.compute_extra.items()) + ")")
+              + ", ".join(f"{k} +{v * 1e3:.2f} ms" for k, v in machine.compute_extra.items())
+              + f"; the machine moved {machine.drift:+.1%} while it was measured)")
+        if drift_note(machine.drift):
+            print(drift_note(machine.drift), file=sys.stderr)
     return 0
