@@ -551,8 +551,11 @@ def test_static_resumed_on_the_same_allocation_keeps_its_vector_bit_for_bit(tmp_
     proc = run_cli(["train", "--resume", str(cut)], ranks=2, timeout=240)
     assert proc.returncode == 0, proc.stderr
     assert_same_run(whole, cut)
-    vectors = read_run(cut)["data"]["epoch/batch_sizes"]
-    assert (vectors == vectors[0]).all() and vectors[0][0] > vectors[0][1], vectors
+    data = read_run(cut)["data"]
+    vectors, first = data["epoch/batch_sizes"], data["startup/batch_sizes"]
+    # (the first launch's vector itself is a calibration's: on CI's busy cores it once
+    # came out [26, 38], the slow rank timed faster; the point is that it stays)
+    assert (vectors == first).all() and first.sum() == 64, (vectors, first)
 
 
 PERSISTENT_WORKERS_LOOP = textwrap.dedent("""
