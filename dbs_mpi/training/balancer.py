@@ -519,9 +519,10 @@ class BatchPolicy(Calibration):
         return (0 if self.replanner is None else self.replanner.size) + self.rank
 
     def _slots(self, compute_seconds: float, handed: int, probe) -> np.ndarray | None:
-        parts = ([] if self.replanner is None else [self.replanner.outgoing(compute_seconds, handed, probe)]) + \
-            ([] if self.noise is None else [self.noise.outgoing()])
-        return np.concatenate(parts) if parts else None
+        planner = None if self.replanner is None else self.replanner.outgoing(compute_seconds, handed, probe)
+        if self.noise is None:
+            return planner                 # (the replanner's reused array, as before: no copy per step)
+        return self.noise.outgoing() if planner is None else np.concatenate([planner, self.noise.outgoing()])
 
     def _noise_heard(self, telemetry, row):
         """The noise scale's records of the step before (GradientNoise.incoming), or None."""
