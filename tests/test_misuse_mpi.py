@@ -3,6 +3,7 @@ mpi, any number of ranks, run at 1, 2 and 4): a loop that forgets sampler.set_ep
 warned once a job, at its own line; clipping has a one-call form that clips the global
 gradient, as one process would; a checkpoint part of another rank is refused naming both
 ranks; a sampler reports the position a checkpoint gave it before it is iterated."""
+import copy
 import warnings
 
 import numpy as np
@@ -93,6 +94,23 @@ def test_clipping_the_local_gradient_is_warned_once_at_the_users_line(comm, zero
     assert "dbs_mpi.clip_grad_norm_" in str(found[0].message)
     assert not local_edit_warnings(comm, clip=0.05, zero_grad=zero_grad)
     assert not local_edit_warnings(comm, zero_grad=zero_grad, scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_copys_backward_is_not_read_as_the_models(comm):
+    """A copy of the model (what a rank sitting out probes on, in a thread) shares the
+    watcher's hook; its backward ending is not the model's: read as the model's, the
+    exchange's zeroing after the step looked like a local edit (warned in every run where a
+    rank sat out and probed)."""
+    from dbs_mpi.training.clipping import LocalEdits
+    torch.manual_seed(0)
+    model = UserNet()
+    edits = LocalEdits(model, list(model.parameters()))
+    x, y = torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 0, 1])
+    F.cross_entropy(copy.deepcopy(model)(x), y).backward()
+    assert edits.after_backward is None
+    F.cross_entropy(model(x), y).backward()
+    assert edits.after_backward is not None                  # the model's own backward is read
 
 
 @pytest.mark.mpi(min_size=1)

@@ -47,7 +47,7 @@ class LocalEdits:
     step's last backward and its exchange."""
 
     def __init__(self, model: torch.nn.Module, params: list):
-        self.params = params
+        self.params, self.model = params, weakref.ref(model)
         self.after_backward = None        # the counters' sum when the step's last backward ended (None: unknown)
         self.warned = False
         self._handle = model.register_forward_hook(_OutputHook(self))
@@ -72,8 +72,9 @@ class LocalEdits:
 
 class _OutputHook:
     """The model's forward hook, holding the watcher weakly (a deepcopy of the model shares
-    it, a pickled model drops it): a training forward's output gets an autograd pre-hook
-    that, when backward reaches it, queues the reading for the end of that backward."""
+    it and is ignored by it, a pickled model drops it): a training forward's output gets an
+    autograd pre-hook that, when backward reaches it, queues the reading for the end of
+    that backward."""
 
     def __init__(self, edits: LocalEdits):
         self.edits = weakref.ref(edits)
@@ -81,9 +82,11 @@ class _OutputHook:
     def __call__(self, module, args, output):
         if torch.compiler.is_compiling() or not module.training or not torch.is_grad_enabled():
             return None
-        node = getattr(_first_graph_tensor(output), "grad_fn", None)
         edits = self.edits()
-        if node is not None and edits is not None:
+        if edits is None or module is not edits.model():     # a copy's forward (a probe's): not the watched grads
+            return None
+        node = getattr(_first_graph_tensor(output), "grad_fn", None)
+        if node is not None:
             node.register_prehook(_QueueReading(self.edits))
         return None
 
