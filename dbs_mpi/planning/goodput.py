@@ -23,6 +23,7 @@ import math
 
 import numpy as np
 
+from ..options import DEFAULT_START, DEFAULT_UPPER, LR_SCALING  # noqa: F401 (this module's settings)
 from .noise_scale import efficiency, gain
 
 
@@ -30,7 +31,6 @@ CANDIDATES = 48       # batches tried between the bounds (log-spaced)
 MIN_GAIN = 0.05       # a new batch must be predicted this much more goodput
 
 
-LR_SCALING = ("adascale", "sqrt", "linear")
 
 
 def candidates(lower: int, upper: int, count: int = CANDIDATES) -> np.ndarray:
@@ -73,3 +73,24 @@ def lr_factor(rule: str, global_batch: int, start: int, noise: float | None) -> 
     if rule == "adascale":
         return 1.0 if noise is None else gain(global_batch, noise, start)
     raise ValueError(f"lr scaling: must be one of {', '.join(LR_SCALING)}; got {rule!r}")
+
+
+def predicted_step(model, global_batch: int, vector_at, fixed: float) -> float:
+    """Seconds of a step at `global_batch`: the slowest taking-part rank's compute under
+    `model` (allocation.SpeedModel) for the vector `vector_at(B)` gives (None: B cannot
+    run, inf), plus the step's `fixed` seconds that do not grow with B (fixed_seconds)."""
+    vector = vector_at(int(global_batch))
+    if vector is None:
+        return math.inf
+    return float(np.max(model.predict(vector))) + float(fixed)
+
+
+def fixed_seconds(data, compute, comm, wait, pre) -> float:
+    """The seconds of a step beyond its slowest rank's compute before the collective (the
+    exchange, the update, the batch's loading): each (ranks x steps) array of an epoch's
+    phases; the median over its steps of every rank's step less the slowest pre-collective
+    compute (0 where nothing was measured)."""
+    total = np.mean(np.asarray(data) + np.asarray(compute) + np.asarray(comm) + np.asarray(wait), axis=0)
+    rest = total - np.max(np.asarray(pre), axis=0)
+    rest = rest[np.isfinite(rest)]
+    return max(float(np.median(rest)), 0.0) if len(rest) else 0.0

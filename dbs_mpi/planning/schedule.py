@@ -15,7 +15,8 @@ the schedule (SequentialLR). W may be fractional.
 
 The schedule counts steps, not epochs: every rank takes the same steps (one global
 batch each, whatever the vector), so every rank's lr is the same at every step, and a
-schedule's length is epochs x steps per epoch. Its state (torch's state_dict) travels in
+schedule's length is epochs x steps per epoch. Where the global batch adapts, steps are
+counted at the starting batch and the schedule advances by samples (`position`). Its state (torch's state_dict) travels in
 checkpoints: a run stopped in the middle of an epoch resumes the schedule at the step
 it stopped at, bit for bit. Its length is fixed when the run starts: a resume that
 changes the number of epochs of a schedule whose shape depends on it (cosine, onecycle,
@@ -49,6 +50,22 @@ def make_scheduler(optimizer, kind: str, *, epochs: int, steps_per_epoch: int, w
         return main
     ramp = lr_scheduler.LinearLR(optimizer, start_factor=1.0 / warmup, end_factor=1.0, total_iters=warmup)
     return lr_scheduler.SequentialLR(optimizer, [ramp, main], milestones=[warmup])
+
+
+def position(epoch: int, done: int, total: int, steps_per_epoch: int) -> int:
+    """The steps a schedule of `steps_per_epoch` steps an epoch has taken once `done` of
+    the `total` samples of epoch `epoch` (from 0) are trained: epoch x steps_per_epoch
+    plus the epoch's share of them, rounded down. At a fixed global batch that is one
+    step per training step (the epoch's last, partial one included); where the batch
+    changes (global_batch="auto", steps_per_epoch counted at the starting batch) an epoch
+    is the same share of the schedule at any batch."""
+    return int(epoch) * int(steps_per_epoch) + (int(done) * int(steps_per_epoch)) // max(int(total), 1)
+
+
+def step_to(scheduler, target: int) -> None:
+    """Step `scheduler` until it has taken `target` steps (its last_epoch; none if it has)."""
+    while scheduler is not None and scheduler.last_epoch < target:
+        scheduler.step()
 
 
 def check(kind: str, epochs: int, warmup_epochs: float, milestones) -> str | None:

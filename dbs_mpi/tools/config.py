@@ -18,8 +18,8 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # pragma: no cover - older Pythons on clusters
     import tomli as tomllib
 
-from ..options import (DEVICE_SPEC, EXCHANGES, PARTICIPATION, ConfigError, UserError,  # noqa: F401 (UserError)
-                       parse_couple, parse_interval)
+from ..options import (DEFAULT_START, DEVICE_SPEC, EXCHANGES, LR_SCALING, PARTICIPATION, ConfigError,
+                       UserError, parse_couple, parse_interval)  # noqa: F401 (UserError)
 from ..planning import schedule
 
 
@@ -102,6 +102,10 @@ class Config:
     dbs_min_gain: float = 0.03       # re-allocate only if the predicted step time falls by this share
     dbs_interval: str = "1"          # dbs re-plans every N steps from a robust estimate of every rank's step time (the new vector applies within the epoch) | epoch: once per epoch from its compute time (the DBS paper's rule)
     dbs_window: int = 32             # steps of history per rank for dbs's step-time estimate (dbs_interval in steps)
+    global_batch_auto: bool = False  # what `--global-batch auto` sets: B adapts after every epoch to the most goodput (throughput x statistical efficiency, from the measured gradient noise scale), from global_batch_start up to max_global_batch; synchronous strategies
+    global_batch_start: int = 0      # global_batch = auto: B0, the first epochs' global batch, which lr is tuned for (0: 128)
+    max_global_batch: int = 0        # global_batch = auto: the largest B it may choose (0: 4096; never more than the training samples)
+    lr_scaling: str = "adascale"     # global_batch = auto: the lr at B is lr x adascale (AdaScale's gain at the measured noise scale) | sqrt (sqrt(B / B0)) | linear (B / B0); schedules run on samples, an epoch is the same share of the schedule at any B
     noise_scale: bool = False        # measure the gradient noise scale every step from the ranks' gradient norms (step/noise_scale, step/grad_sq, step/grad_trace); synchronous strategies
     # --- asynchronous strategies (parameter server: rank 0 serves, the others work) ---
     softsync_n: int = 1              # nsoftsync: the server applies after floor(workers / n) gradients
@@ -325,6 +329,8 @@ def _check_choices(c: Config) -> None:
     if c.sample_dropout and c.strategy in ASYNC_STRATEGIES:
         _fail("sample_dropout", f"keys masks by the position in a synchronous step's global batch: strategies "
                                 f"{', '.join(SYNC_STRATEGIES)} only (got {c.strategy})")
+    choice("lr_scaling", LR_SCALING)
+    _check_adaptive(c)
     if c.noise_scale and c.strategy in ASYNC_STRATEGIES:
         _fail("noise_scale", f"fits the gradients of a synchronous step's ranks: strategies {', '.join(SYNC_STRATEGIES)} "
                              f"only (got {c.strategy})")
@@ -345,6 +351,23 @@ def _check_choices(c: Config) -> None:
                 _fail(name, f"{spec!r} is not a device; use auto, cpu, cuda or cuda:N")
 
 
+def _check_adaptive(c: Config) -> None:
+    """global_batch = auto and its bounds."""
+    if not c.global_batch_auto:
+        for name in ("global_batch_start", "max_global_batch"):
+            if getattr(c, name):
+                _fail(name, "bounds the adaptive global batch: set global_batch = auto (--global-batch auto)")
+        return
+    if c.strategy in ASYNC_STRATEGIES:
+        _fail("global_batch", f"auto adapts a synchronous step's global batch: strategies "
+                              f"{', '.join(SYNC_STRATEGIES)} only (got {c.strategy})")
+    if c.global_batch_start and c.global_batch_start != c.global_batch:
+        _fail("global_batch_start", f"is {c.global_batch_start}, but global_batch, where auto starts, is "
+                                    f"{c.global_batch}")
+    if c.max_global_batch and c.max_global_batch < c.global_batch:
+        _fail("max_global_batch", f"must be at least the start, {c.global_batch}; got {c.max_global_batch}")
+
+
 def _check_ranges(c: Config) -> None:
     def positive(name):
         if getattr(c, name) <= 0:
@@ -359,7 +382,8 @@ def _check_ranges(c: Config) -> None:
         positive(name)
     for name in ("lr", "momentum", "weight_decay", "subset", "test_subset", "max_local_batch",
                  "benchmark_warmup", "threads", "checkpoint_every", "sleep_prob", "dbs_min_gain",
-                 "bucket_mb", "first_bucket_mb", "num_classes", "loader_workers", "startup_timeout", "micro_batch"):
+                 "bucket_mb", "first_bucket_mb", "num_classes", "loader_workers", "startup_timeout", "micro_batch",
+                 "global_batch_start", "max_global_batch"):
         non_negative(name)
     if c.time_budget < 0:
         _fail("time_budget", f"must be zero (no limit) or positive seconds; got {c.time_budget}")
@@ -441,7 +465,15 @@ def from_dict(values: dict) -> Config:
     unknown = sorted(set(values) - set(FIELDS))
     if unknown:
         _fail(unknown[0], f"unknown configuration key (known: {', '.join(FIELDS)})")
-    return Config(**{k: _coerce(k, v) for k, v in values.items()})
+    return Config(**{k: _coerce(k, v) for k, v in _adaptive_batch(values).items()})
+
+
+def _adaptive_batch(values: dict) -> dict:
+    """global_batch = "auto": global_batch becomes the start (B0), global_batch_auto true."""
+    if str(values.get("global_batch", "")).strip().lower() != "auto":
+        return values
+    start = _to_int("global_batch_start", values.get("global_batch_start") or DEFAULT_START)
+    return {**values, "global_batch": start, "global_batch_start": start, "global_batch_auto": True}
 
 
 def load_toml(path: str | Path) -> dict:

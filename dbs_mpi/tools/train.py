@@ -315,9 +315,10 @@ class SyncTrainer:
         self.precision = Precision(cfg.amp, run.device)
         # (compiled: a wrapper around the model; the state dicts stay the model's)
         self.forward = torch.compile(run.model, backend=cfg.compile_backend) if cfg.compile else run.model
+        self.steps_per_epoch = steps_per_epoch(len(run.train_set), cfg.global_batch, cfg.drop_last)   # (at B0)
         self.scheduler = schedule.make_scheduler(
             optimizer, cfg.lr_schedule, epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs, milestones=cfg.lr_milestones,
-            gamma=cfg.lr_gamma, steps_per_epoch=steps_per_epoch(len(run.train_set), cfg.global_batch, cfg.drop_last))
+            gamma=cfg.lr_gamma, steps_per_epoch=self.steps_per_epoch)
         self.last_lr = optimizer.param_groups[0]["lr"]
         self.parts = dict(model=run.model, optimizer=optimizer, balancer=balancer, sampler=sampler)
         if run.state is not None:
@@ -362,10 +363,10 @@ class SyncTrainer:
                 with precision.autocast():
                     loss = loss_fn(model(x), y)
                 precision.backward(loss)
+            lr = optimizer.param_groups[0]["lr"] * optimizer.balancer.lr_factor     # (the step's, as applied)
             precision.step(optimizer, loss)
-            self.last_lr = optimizer.param_groups[0]["lr"]
-            if self.scheduler is not None:
-                self.scheduler.step()
+            self.last_lr = lr
+            schedule.step_to(self.scheduler, optimizer.balancer.schedule_position(self.steps_per_epoch))
             signal = stop.agreed()
             if signal:
                 return signal
@@ -389,7 +390,7 @@ class SyncTrainer:
         run.summary.epochs.append(record)
         run.log(f"epoch {stats.epoch + 1}/{cfg.epochs}  train loss {record['train_loss']:.4f}  test loss "
                 f"{test_loss:.4f}  accuracy {100 * test_accuracy:.2f}%  time {stats.duration:.2f} s  "
-                f"batch sizes {stats.batch_sizes.tolist()}{_sat_out(stats.table, cfg.global_batch)}")
+                f"batch sizes {stats.batch_sizes.tolist()}{_sat_out(stats.table, int(stats.batch_sizes.sum()))}")
 
     def save(self, where: str, stopped: int = 0) -> None:
         """Collective: a checkpoint of the model, the optimizer and the position; every rank's
@@ -463,7 +464,7 @@ def format_summary(summary: RunSummary, cfg: Config, world: int) -> str:
         return "no epoch ran"
     last = summary.epochs[-1]
     lines = [f"run: {cfg.strategy} / {cfg.aggregation}, {cfg.model} on {cfg.dataset}, {world} rank(s), "
-             f"global batch {cfg.global_batch}"
+             f"global batch {cfg.global_batch}" + (" (adaptive start)" if cfg.global_batch_auto else "")
              + (f", speeds {','.join(f'{s:g}' for s in cfg.speeds)}" if cfg.speeds else "")
              + (" [oversubscribed: more ranks than cores, times are shared-core times]"
                 if summary.oversubscribed else ""),

@@ -58,6 +58,7 @@ from ..options import UserError, parse_interval
 from ..planning import allocation, dynamic, participation, sharding
 from ..planning.heterogeneity import Emulator, others_compute
 from .batches import first_samples
+from .global_batch import AdaptiveBatch, Resizing
 from .gradient_noise import GradientNoise
 from .profiling import StepTimes, model_step, split_wait, time_step
 
@@ -370,6 +371,16 @@ def _within_epoch(comm, policy: str, interval, global_batch: int, min_local: int
                              participation=rule["participation"])
 
 
+def _arguments(cfg) -> dict:
+    """Balancer's arguments of a dbs-mpi configuration (config.Config), the emulator aside."""
+    adaptive = dict(global_batch="auto", global_batch_start=cfg.global_batch, max_global_batch=cfg.max_global_batch,
+                    lr_scaling=cfg.lr_scaling) if cfg.global_batch_auto else dict(global_batch=cfg.global_batch)
+    return dict(policy=cfg.strategy, min_local_batch=cfg.min_local_batch, max_local_batch=cfg.share_bound,
+                dbs_model=cfg.dbs_model, smoothing=cfg.dbs_smoothing, follow=cfg.dbs_follow,
+                min_gain=cfg.dbs_min_gain, interval=cfg.dbs_interval, window=cfg.dbs_window,
+                participation=cfg.participation, timeout=cfg.comm_timeout, noise_scale=cfg.noise_scale, **adaptive)
+
+
 class Calibration:
     """The start-up calibration of a BatchPolicy (its base class: the same attributes):
     time every rank at two local batches (or reuse a timing recorded before), fit every
@@ -445,7 +456,7 @@ class Calibration:
         return self.emulator.stretch(compute_seconds, cpu_seconds, others)
 
 
-class BatchPolicy(Calibration):
+class BatchPolicy(Calibration, Resizing):
     """The batch vector of a policy on one rank and what sets it: the start-up calibration
     (static and dbs allocate from its fit), dbs's re-planning (dynamic.DBSController once
     per epoch, dynamic.Replanner within it) and the emulated speeds that every timing sees.
@@ -454,10 +465,10 @@ class BatchPolicy(Calibration):
 
     def __init__(self, comm, global_batch: int, policy: str, min_local_batch: int, max_local_batch: int,
                  dbs_model: str, rule: dict, interval, window: int, speeds, emulator: Emulator | None,
-                 timeout: float, noise_scale: bool = False):
+                 timeout: float, noise_scale: bool = False, adaptive: AdaptiveBatch | None = None):
         _check_settings(comm, timeout, policy=policy, global_batch=global_batch, min_local_batch=min_local_batch,
                         max_local_batch=max_local_batch, dbs_model=dbs_model, interval=interval, window=window,
-                        noise_scale=bool(noise_scale), **rule)
+                        noise_scale=bool(noise_scale), adaptive=adaptive and adaptive.state_dict(), **rule)
         self.comm, self.rank, self.world_size = comm, comm.Get_rank(), comm.Get_size()
         allocation.check_feasible(global_batch, self.world_size, min_local_batch, max_local_batch or None)
         self.policy, self.global_batch = policy, int(global_batch)
@@ -470,6 +481,7 @@ class BatchPolicy(Calibration):
                                        window, rule)
         self.emulator = _emulator(speeds, emulator, self.rank, self.world_size)
         self.noise = GradientNoise(self.rank, self.world_size) if noise_scale else None
+        self.adaptive = adaptive              # the global batch adapts (global_batch.py), or None
         self.hosts = [host for host, _ in placement(comm, timeout)]    # every rank's host (cached on comm)
         if self.replanner is not None:
             self.replanner.on_hosts(self.hosts)
@@ -492,7 +504,8 @@ class BatchPolicy(Calibration):
         """An epoch's (steps x ranks) table of local batches from the current vector, once
         the ranks agree on what the epoch is (collective: one allgather, none on one rank)."""
         agree_settings(self.comm, dict(epoch=epoch, dataset_length=num_samples, drop_last=drop_last,
-                                       first_step=first_step, seed=seed), self.timeout, "HeteroSampler")
+                                       first_step=first_step, seed=seed, global_batch=self.global_batch),
+                       self.timeout, "HeteroSampler")
         if self.policy == "static" and self.speed_model is None and first_step == 0 and epoch == 0:
             raise RuntimeError("policy 'static' allocates from the start-up calibration: call balancer.calibrate() "
                                "(or calibrate_model()) before the first epoch")
@@ -574,6 +587,7 @@ class BatchPolicy(Calibration):
                 "controller": self.controller.state_dict() if self.controller is not None else None,
                 "replanner": self.replanner.state_dict() if self.replanner is not None else None,
                 "noise": self.noise.state_dict() if self.noise is not None else None,
+                "adaptive": self.adaptive and self.adaptive.state_dict(),
                 "startup": self.startup, "rank": self.rank}
 
     def _load_policy(self, state: dict) -> bool:
@@ -581,6 +595,7 @@ class BatchPolicy(Calibration):
         (another number of ranks), an even vector and none of them. Returns whether the
         state is this world's."""
         self.loads += 1
+        self._load_global_batch(state)
         for key, mine in (("policy", self.policy), ("global_batch", self.global_batch)):
             if state[key] != mine:
                 raise UserError(f"balancer: the state was saved with {key} {state[key]!r}, this balancer has {mine!r}")
@@ -619,17 +634,21 @@ class Balancer(BatchPolicy):
     the controllers' damping (planning/dynamic/). participation: "auto" (a rank that would
     slow every step sits out) or "all". speeds: emulated relative speeds, one per rank (or
     an `emulator`, for disturbances too). timeout: seconds any collective may wait.
-    noise_scale: measure the gradient noise scale every step (gradient_noise.py). The
-    vector's half is BatchPolicy; this class keeps the epochs and the run's position."""
+    noise_scale: measure the gradient noise scale every step (gradient_noise.py).
+    global_batch="auto", global_batch_start, max_global_batch, lr_scaling: global_batch.py.
+    The vector's half is BatchPolicy; this class keeps the epochs and the run's position."""
 
-    def __init__(self, comm, global_batch: int, policy: str = "dbs", *, min_local_batch: int = 1,
+    def __init__(self, comm, global_batch: int | str, policy: str = "dbs", *, min_local_batch: int = 1,
                  max_local_batch: int = 0, dbs_model: str = "affine", smoothing: float = 0.5, follow: float = 0.25,
                  min_gain: float = 0.03, interval=dynamic.DEFAULT_INTERVAL, window: int = dynamic.WINDOW,
                  participation: str = "auto", speeds=None, emulator: Emulator | None = None, timeout: float = 600.0,
-                 noise_scale: bool = False):
-        super().__init__(comm, global_batch, policy, min_local_batch, max_local_batch, dbs_model,
-                         dict(smoothing=smoothing, follow=follow, min_gain=min_gain, participation=participation),
-                         interval, window, speeds, emulator, timeout, noise_scale)
+                 noise_scale: bool = False, global_batch_start: int = 0, max_global_batch: int = 0,
+                 lr_scaling: str = "adascale"):
+        adaptive = AdaptiveBatch.of(global_batch, global_batch_start, max_global_batch, lr_scaling)
+        super().__init__(comm, adaptive.start if adaptive else global_batch, policy, min_local_batch, max_local_batch,
+                         dbs_model, dict(smoothing=smoothing, follow=follow, min_gain=min_gain,
+                                         participation=participation),
+                         interval, window, speeds, emulator, timeout, noise_scale or adaptive is not None, adaptive)
         self.next_epoch = 0                   # epochs ended so far
         self.run_steps = 0                    # steps taken so far, all epochs
         self.trained_before = 0.0             # seconds of training in the epochs ended so far
@@ -639,11 +658,7 @@ class Balancer(BatchPolicy):
     @classmethod
     def from_config(cls, comm, cfg, emulator: Emulator | None = None) -> "Balancer":
         """The balancer of a dbs-mpi configuration (config.Config) and its emulated speeds."""
-        return cls(comm, cfg.global_batch, cfg.strategy, min_local_batch=cfg.min_local_batch,
-                   max_local_batch=cfg.share_bound, dbs_model=cfg.dbs_model, smoothing=cfg.dbs_smoothing,
-                   follow=cfg.dbs_follow, min_gain=cfg.dbs_min_gain, interval=cfg.dbs_interval,
-                   window=cfg.dbs_window, participation=cfg.participation, timeout=cfg.comm_timeout,
-                   emulator=emulator or Emulator.from_config(cfg, comm.Get_rank()), noise_scale=cfg.noise_scale)
+        return cls(comm, **_arguments(cfg), emulator=emulator or Emulator.from_config(cfg, comm.Get_rank()))
 
     # --- an epoch -----------------------------------------------------------------
     def begin_epoch(self, epoch: int, num_samples: int, drop_last: bool = False, first_step: int = 0,
@@ -746,6 +761,7 @@ class Balancer(BatchPolicy):
         vector = full[-1].copy() if len(full) else self.batch_sizes.copy()
         diagnostics = self._replan(table, phases[4].sum(axis=1))
         self._open, self.next_epoch = None, e.epoch + 1
+        diagnostics.update(self._adapt(table, phases, e.num_samples))    # global_batch="auto": the next B
         self.trained_before += duration
         return EpochStats.of(e.epoch, vector, table, duration, phases, self.batch_sizes.copy(), diagnostics,
                              list(e.changes), (e.probe_samples[e.measured_from:], e.probe_time[e.measured_from:]),

@@ -64,6 +64,7 @@ from .clipping import LocalEdits, clip_grad_norm_  # noqa: F401 (clip_grad_norm_
 from .event_clock import LateSteps
 from .step_clock import StepClock
 from .exchange import GradientExchange
+from .global_batch import scaled_step
 from .loss_scaling import skip_update
 from .participants import Participants
 from .prober import Prober
@@ -472,7 +473,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         self.checks = StepChecks(model, check_batch)
         self._micro = MicroBatches(self.exchange, bool(channels))
         # ranks leave the sum only over MPI on host memory (the same name on every rank)
-        self._part = Participants(self.comm, self.exchange, model, optimizer, balancer.global_batch, self.timeout,
+        self._part = Participants(self.comm, self.exchange, model, optimizer, balancer, self.timeout,
                                   leave_exchange and not channels and self.exchange.agreed == "host")
         self._buffers = [b for b in model.buffers() if b.is_floating_point()] \
             if broadcast_buffers and self.comm.Get_size() > 1 else []
@@ -573,7 +574,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         startup.done()                      # a launch watchdog (startup.arm) is not needed any more
         start = time.perf_counter()
         if self._part.updates(grad_scaler) and not skip_update(self, grad_scaler, self.exchange):
-            self.optimizer.step()
+            scaled_step(self.optimizer, self.balancer.lr_factor)     # global_batch="auto": lr x gain
         self._part.updated(self.balancer, self._buffers, self._steps.plan.row)   # buffers; stale ranks; the epoch's end
         self.exchange.flat.zero_()          # the gradients are applied: the next step starts from zero
         self._clock.record(self.balancer, start, self._times, self._loss, self._telemetry)

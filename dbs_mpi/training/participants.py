@@ -46,11 +46,12 @@ class Participants:
     the ranks that fell behind while they were out of it. It decides who takes part and
     when; the exchange (exchange.py) sums over the route it is given.
 
+    balancer: its global_batch tells a partial step (it may change between epochs).
     enabled: ranks may leave the sum (agreed by the caller: the same on every rank)."""
 
-    def __init__(self, comm, exchange, model, optimizer, global_batch: int, timeout: float, enabled: bool):
+    def __init__(self, comm, exchange, model, optimizer, balancer, timeout: float, enabled: bool):
         self.comm, self.rank, self.timeout = comm, comm.Get_rank(), float(timeout)
-        self.global_batch = int(global_batch)
+        self.balancer = balancer
         self.exchange, self.model, self.optimizer = exchange, model, optimizer
         self.everyone = tuple(range(comm.Get_size()))
         self.enabled = len(self.everyone) > 1 and bool(enabled)
@@ -64,7 +65,7 @@ class Participants:
         than the global batch) keeps the group it comes after, with these added."""
         if not self.enabled or (self.group == self.everyone and np.all(row)):    # (the common step: at once)
             return self.everyone
-        keep = self.group if int(np.sum(row)) < self.global_batch else ()
+        keep = self.group if int(np.sum(row)) < self.balancer.global_batch else ()
         return tuple(r for r in self.everyone if r == 0 or row[r] > 0 or r in keep)
 
     def plan(self, row) -> Route | None:

@@ -110,6 +110,17 @@ SCHEMA_DATASETS = {
     "epoch/speed": ("(E, R)", "samples/s", "samples per second of pre-collective compute"),
     "epoch/steps": ("(E,) int", "steps", "steps of the epoch (the same on every rank)"),
     "epoch/speed_ratio": ("(E, R)", "ratio", "`dbs`: measured / predicted compute time (docs/method.md, section 5)"),
+    "epoch/global_batch": ("(E,) int", "samples", "`global_batch = auto`: B of the epoch's steps (docs/method.md, "
+                                                  "section 5.5)"),
+    "epoch/next_global_batch": ("(E,) int", "samples", "`global_batch = auto`: B chosen for the next epoch"),
+    "epoch/gain": ("(E,)", "steps", "`global_batch = auto`: the gain at the epoch's B and its last noise scale: one "
+                                    "step's progress in steps at the start B0 (NaN: no noise scale yet)"),
+    "epoch/lr_factor": ("(E,)", "ratio", "`global_batch = auto`: the factor on the lr (`lr_scaling`) at the epoch's "
+                                         "end (`epoch/lr` includes it)"),
+    "epoch/goodput": ("(E,)", "steps/s", "`global_batch = auto`: predicted progress per second at the epoch's B, in "
+                                         "steps at B0 (gain / predicted_step)"),
+    "epoch/predicted_step": ("(E,)", "s", "`global_batch = auto`: the predicted seconds of a step at the epoch's B "
+                                          "(the planner's compute plus the measured fixed seconds)"),
     "epoch/samples": ("(E,) int", "samples", "asynchronous: samples applied in the epoch"),
     "epoch/updates": ("(E,) int", "updates", "asynchronous: server updates in the epoch"),
     "epoch/gradients": ("(E, R) int", "gradients", "asynchronous: gradients applied (rank 0: all of them), per rank"),

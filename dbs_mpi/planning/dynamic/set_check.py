@@ -97,6 +97,11 @@ class SetCheck:
         self.pending = {"old": np.asarray(old).copy(), "new": members(new), "before": before, "trial": trial,
                         "at": int(step), "per_rank": self._per_rank(members(old))}
 
+    def resized(self) -> None:
+        """The global batch changed: step times before it do not compare with those after."""
+        self.times.clear()
+        self.pending = None
+
     def banned_set(self, vector, step: int) -> bool:
         return self.banned.get(members(vector), -1) > step
 

@@ -190,6 +190,11 @@ class StepPlanner:
         limit = np.minimum(np.where(share < TINY_SHARE, np.maximum(2 * current, current + lift), np.inf), bound)
         return limit if limit.sum() >= self.global_batch else self.max_local
 
+    def resize(self, global_batch: int) -> None:
+        """Another global batch from the next step on (set_check.SetCheck.resized)."""
+        self.global_batch = int(global_batch)
+        self.sets.resized()
+
     def scheduled(self, ahead: int, old=None, new=None, cause: str = "plan") -> None:
         """A new vector applies `ahead` steps after the last step observed (0: from the next
         one): plan again once RECENT steps have run with it, re-estimating often while the
@@ -299,6 +304,13 @@ class Replanner:
     @property
     def size(self) -> int:
         return 5 * self.world_size + 1
+
+    def resize(self, global_batch: int) -> None:
+        """Another global batch from the next step on (between epochs): a proposal of the
+        old one is dropped; the estimate, per rank, goes on."""
+        self.global_batch, self.announce, self.proposal = int(global_batch), None, None
+        if self.planner is not None:
+            self.planner.resize(self.global_batch)
 
     def propose(self, vector) -> None:
         """Ask for `vector` (rank 0's request is the one all ranks follow)."""

@@ -1,0 +1,183 @@
+"""The global batch that adapts: Balancer(global_batch="auto"), `dbs-mpi train --global-batch auto`.
+
+The run starts at the global batch B0 (`global_batch_start`), with the learning rate the
+user tuned for B0, and measures the gradient noise scale every step (gradient_noise.py).
+After every epoch each rank:
+
+  1. predicts a step's seconds T(B) at every candidate B between B0 and the upper bound
+     (`max_global_batch`, the training set, ranks x max_local_batch): the slowest rank's
+     compute under the planner's speed model (the within-epoch estimate under dbs, else
+     the calibration's) for the vector it would run at B, plus the epoch's measured
+     seconds of a step that do not grow with B (exchange, update, loading);
+  2. takes the B of most goodput, gain(B) / T(B) (planning/goodput.py), where it beats
+     the current B's by at least 5%.
+
+Rank 0's choice and its vector are broadcast (one bounded collective per epoch), so the
+ranks can never split over a float's last bit, and the next epoch runs at it: B changes
+between epochs only, at the same step on every rank, and an epoch still has the training
+set's samples (ceil(N / B) steps). The learning rate of every step is the user's
+(schedule included) times lr_factor: AdaScale's gain at the current B and noise scale
+(default), sqrt(B / B0) or B / B0 (`lr_scaling`). DistributedOptimizer applies it for the
+wrapped optimizer's step and puts the user's value back after it, so schedulers and
+checkpoints see the unscaled one.
+
+`set_global_batch(B)` sets B by hand between epochs (a schedule of batch sizes, or a
+test's), with any global batch. The method, with its formulas: docs/method.md, section 5.5.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..mpi.waits import wait
+from ..options import UserError
+from ..planning import allocation, goodput, participation, schedule
+from ..planning.goodput import DEFAULT_START, DEFAULT_UPPER  # noqa: F401 (the defaults, with the class)
+from ..planning.noise_scale import gain
+
+
+class AdaptiveBatch:
+    """The settings of an adaptive global batch and its last decision (no MPI)."""
+
+    def __init__(self, start: int, upper: int, lr_scaling: str = "adascale"):
+        if lr_scaling not in goodput.LR_SCALING:
+            raise UserError(f"lr_scaling: must be one of {', '.join(goodput.LR_SCALING)}; got {lr_scaling!r}")
+        if not 1 <= int(start) <= int(upper):
+            raise UserError(f"max_global_batch: must be at least global_batch_start ({start}); got {upper}")
+        self.start, self.upper, self.rule = int(start), int(upper), lr_scaling
+
+    @classmethod
+    def of(cls, global_batch, start: int, upper: int, lr_scaling: str) -> "AdaptiveBatch | None":
+        """Balancer's arguments: the adaptive batch of global_batch="auto" (None: B is fixed)."""
+        if global_batch == "auto":
+            return cls(start or DEFAULT_START, upper or DEFAULT_UPPER, lr_scaling)
+        if start or upper:
+            raise UserError("global_batch_start / max_global_batch: bounds of global_batch=\"auto\" only")
+        return None
+
+    def factor(self, global_batch: int, noise: float | None) -> float:
+        """The learning rate's factor at `global_batch` (1 at the start)."""
+        return goodput.lr_factor(self.rule, global_batch, self.start, noise)
+
+    def decide(self, current: int, noise: float | None, step_time, upper: int) -> tuple[int, dict]:
+        """The next epoch's B (the current one where none pays) and the epoch's records."""
+        upper = max(min(self.upper, upper), self.start)
+        choice = goodput.choose(step_time, noise, current, self.start, self.start, upper) or current
+        now = step_time(current)
+        g = math.nan if noise is None else gain(current, noise, self.start)
+        return choice, {"global_batch": np.int64(current), "gain": g, "lr_factor": self.factor(current, noise),
+                        "goodput": goodput.goodput(current, now, noise, self.start) if noise else math.nan,
+                        "predicted_step": now}
+
+    def state_dict(self) -> dict:
+        return {"start": self.start, "upper": self.upper, "rule": self.rule}
+
+
+
+class Resizing:
+    """The global batch's half of a BatchPolicy (its subclass: the same attributes):
+    setting B between epochs, the adaptive choice after each, the learning rate's factor."""
+
+    @property
+    def lr_factor(self) -> float:
+        """The factor on the learning rate of the coming step (1: B fixed)."""
+        if self.adaptive is None:
+            return 1.0
+        return self.adaptive.factor(self.global_batch, self.noise.estimator.value())
+
+    def schedule_position(self, steps_per_epoch: int) -> int:
+        """Steps a schedule of `steps_per_epoch` steps an epoch (at the starting B) has taken
+        by now: the epochs done and the open epoch's share of its samples (schedule.position)."""
+        e = self._open
+        if e is None:
+            return schedule.position(self.next_epoch, 0, 1, steps_per_epoch)
+        return schedule.position(e.epoch, int(e.table[:e.step].sum()), int(e.table.sum()), steps_per_epoch)
+
+    def _load_global_batch(self, state: dict) -> None:
+        """A checkpoint's B, where B adapts (its start must be this run's: the schedule's
+        steps are counted at it); a fixed B's state and an adaptive one do not mix."""
+        saved = state.get("adaptive")
+        if (saved is None) != (self.adaptive is None) or (saved and int(saved["start"]) != self.adaptive.start):
+            said = lambda a: "a fixed global batch" if a is None else f"a global batch adapting from {a['start']}"
+            raise UserError(f"balancer: the state was saved with {said(saved)}, this balancer has "
+                            f"{said(self.adaptive and self.adaptive.state_dict())}")
+        if self.adaptive is not None:
+            self.global_batch = int(state["global_batch"])
+            if self.replanner is not None:
+                self.replanner.resize(self.global_batch)
+
+    def set_global_batch(self, global_batch: int, _agreed: bool = True) -> np.ndarray:
+        """Collective, between epochs: the next epochs' global batch and its vector (rank
+        0's). Every rank passes the same B (checked). Returns the vector."""
+        if self._open is not None:
+            raise RuntimeError(f"set_global_batch() in epoch {self._open.epoch + 1}: the global batch changes between "
+                               f"epochs (after end_epoch(), before the sampler's next epoch)")
+        mine = np.array([int(global_batch), *self._vector_at(int(global_batch))], dtype=np.int64)
+        chosen = mine.copy()
+        if self.world_size > 1:
+            wait(self.comm.Ibcast(chosen, root=0), self.timeout, "broadcasting the new global batch")
+        if _agreed and chosen[0] != mine[0]:
+            raise UserError(f"set_global_batch: rank {self.rank} asked for {mine[0]}, rank 0 for {chosen[0]}: every "
+                            f"rank sets the same global batch")
+        self.global_batch, self.batch_sizes = int(chosen[0]), chosen[1:].copy()
+        if self.replanner is not None:
+            self.replanner.resize(self.global_batch)
+        if self.controller is not None:
+            self.controller.global_batch = self.global_batch
+        return self.batch_sizes
+
+    def _vector_at(self, global_batch: int) -> np.ndarray:
+        """The vector this policy runs at `global_batch` (checked against the bounds)."""
+        allocation.check_feasible(global_batch, self.world_size, self.min_local, self.max_local)
+        model = self._planning_model()
+        vector = None if self.policy == "ssgd" or model is None else participation.allocate_for(
+            model, global_batch, self.min_local, self.max_local, self.participation)
+        if vector is None:
+            return allocation.equal(global_batch, self.world_size, self.min_local, self.max_local)
+        return vector
+
+    def _planning_model(self):
+        """The speed model that plans now: dbs's within-epoch estimate, else the per-epoch
+        controller's, else the calibration's (None: not calibrated)."""
+        if self.replanner is not None and self.replanner.planner is not None:
+            return self.replanner.planner.model
+        return self.controller.model if self.controller is not None else self.speed_model
+
+    def _adapt(self, table: np.ndarray, phases: tuple, num_samples: int) -> dict:
+        """Collective where B adapts (end_epoch): choose the next epoch's B, set it on every
+        rank, and return the epoch's records."""
+        if self.adaptive is None:
+            return {}
+        if self._planning_model() is None:      # not calibrated: the epoch's measurement is the model
+            self.speed_model = allocation.SpeedModel.measured(table.sum(axis=0), phases[4].sum(axis=1))
+        fixed = goodput.fixed_seconds(*phases[:5])
+        upper = min(num_samples, self.world_size * self.max_local) if self.max_local else num_samples
+        model = self._planning_model()
+
+        def step_time(b: int) -> float:
+            try:
+                return goodput.predicted_step(model, b, self._vector_at, fixed)
+            except UserError:                # outside the bounds: cannot run
+                return math.inf
+
+        choice, records = self.adaptive.decide(self.global_batch, self.noise.estimator.value(), step_time, upper)
+        self.set_global_batch(choice, _agreed=False)
+        records["next_global_batch"] = np.int64(self.global_batch)
+        return records
+
+
+def scaled_step(optimizer, factor: float) -> None:
+    """optimizer.step() with every group's lr times `factor`, put back after it (the
+    user's lr, which schedulers and checkpoints hold, stays unscaled)."""
+    if factor == 1.0:
+        optimizer.step()
+        return
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group, lr in zip(optimizer.param_groups, saved):
+        group["lr"] = lr * factor
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved):
+            group["lr"] = lr

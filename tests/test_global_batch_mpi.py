@@ -1,0 +1,144 @@
+"""The adaptive global batch under MPI (Balancer(global_batch="auto"), global_batch.py), at
+any number of ranks (run at 1, 2 and 4):
+
+* B changes between epochs, to the same value on every rank, and the next epoch's
+  steps all sum to it; one rank alone has no noise estimate and keeps its start;
+* allocation invariance at a changing B: uneven ranks train as one process does on the
+  same sequence of global batches (the lr scaled alike);
+* a run stopped after a B switch resumes bit for bit.
+"""
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dbs_mpi
+from dbs_mpi.mpi.collectives import allgather_array
+from dbs_mpi.planning import allocation
+from mpi4py import MPI
+from test_gradient_noise_mpi import Net, Regression, speeds_for
+
+TIMEOUT = 60.0
+
+
+def adaptive(comm, start=8, upper=64, rule="adascale", policy="dbs"):
+    return dbs_mpi.Balancer(comm, "auto", policy, global_batch_start=start, max_global_batch=upper, lr_scaling=rule,
+                            timeout=TIMEOUT)
+
+
+class Run:
+    """A model, its optimizer and a sampler over a balancer: epochs of training."""
+
+    def __init__(self, comm, balancer, calibrate=True, lr=0.02):
+        self.data, self.balancer = Regression(512, seed=3), balancer
+        torch.manual_seed(0)
+        self.model = Net()
+        if calibrate:
+            balancer.calibrate_model(self.model, F.mse_loss, self.data, steps=2, warmup=1)
+        self.sampler = dbs_mpi.HeteroSampler(self.data, balancer, seed=4)
+        self.optimizer = dbs_mpi.DistributedOptimizer(torch.optim.SGD(self.model.parameters(), lr=lr),
+                                                      self.model, balancer)
+
+    def epochs(self, first, last, between=None):
+        """Epochs [first, last); between(epoch): after each epoch's end (a forced B)."""
+        tables = []
+        for epoch in range(first, last):
+            self.sampler.set_epoch(epoch)
+            for x, y in torch.utils.data.DataLoader(self.data, batch_sampler=self.sampler):
+                self.optimizer.zero_grad()
+                loss = F.mse_loss(self.model(x), y)
+                loss.backward()
+                self.optimizer.step(loss=loss)
+            tables.append(self.balancer.end_epoch().table)
+            if between is not None:
+                between(epoch)
+        return tables
+
+    def params(self):
+        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_global_batch_changes_between_epochs_alike_on_every_rank(comm):
+    """The tiny network's step costs about the same at any B, and its noise scale is far
+    above the start: where it is measured (2 ranks or more), the most goodput is at the
+    upper bound, chosen after the first epoch."""
+    run = Run(comm, adaptive(comm))
+    tables = run.epochs(0, 3)
+    sizes = [int(t[0].sum()) for t in tables]
+    everyone = allgather_array(comm, [run.balancer.global_batch, *sizes], TIMEOUT)
+    assert (everyone == everyone[0]).all(), everyone
+    if comm.Get_size() == 1:
+        assert sizes == [8, 8, 8] and run.balancer.lr_factor == 1.0
+        return
+    assert sizes[0] == 8 and sizes[1] > 8 and run.balancer.global_batch == sizes[2], sizes
+    for table in tables:                                     # every step a whole B but the epoch's last
+        assert (table[:-1].sum(axis=1) == table[0].sum()).all() and table.sum() == 512
+    assert run.balancer.lr_factor > 1.0
+
+
+@pytest.mark.mpi(min_size=1)
+def test_uneven_ranks_at_a_changing_batch_train_as_one_process(comm):
+    """The same sequence of global batches set by hand (set_global_batch), the lr scaled
+    linearly with B: uneven ranks against one process, the same parameters."""
+    sequence = {0: 24, 1: 64, 2: 16, 3: 16}
+    n = comm.Get_size()
+
+    def forced(balancer, uneven):
+        def between(epoch):
+            if epoch in sequence:
+                balancer.set_global_batch(sequence[epoch])
+                if uneven:
+                    balancer.batch_sizes = allocation.proportional(sequence[epoch], speeds_for(n))
+        return between
+
+    ranks = Run(comm, adaptive(comm, rule="linear"), calibrate=False)
+    ranks.balancer.batch_sizes = allocation.proportional(8, speeds_for(n))
+    ranks.epochs(0, 4, forced(ranks.balancer, True))
+    alone = Run(MPI.COMM_SELF, adaptive(MPI.COMM_SELF, rule="linear"), calibrate=False)
+    alone.epochs(0, 4, forced(alone.balancer, False))
+    assert ranks.balancer.global_batch == alone.balancer.global_batch == 16
+    torch.testing.assert_close(ranks.params(), alone.params(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_run_stopped_after_a_switch_resumes_bit_for_bit(comm):
+    """Two epochs of a run, against its state after the first (model, optimizer and
+    balancer through their state_dicts: B has just switched) loaded into a new run for the
+    second: the same global batch and vector, the same parameters. (static: no timing
+    moves the vector within the epoch.)"""
+    saved = {}
+    straight = Run(comm, adaptive(comm, policy="static"))
+
+    def save(epoch):
+        if epoch == 0:
+            saved.update(copy.deepcopy(dict(model=straight.model.state_dict(),
+                                             optimizer=straight.optimizer.state_dict(),
+                                             balancer=straight.balancer.state_dict())))
+
+    tables = straight.epochs(0, 2, save)
+    resumed = Run(comm, adaptive(comm, policy="static"), calibrate=False)
+    resumed.model.load_state_dict(saved["model"])
+    resumed.optimizer.load_state_dict(saved["optimizer"])
+    resumed.balancer.load_state_dict(saved["balancer"])
+    resumed.sampler.load_state_dict({"epoch": 1, "step": 0, "seed": 4})
+    assert np.array_equal(resumed.epochs(1, 2)[0], tables[1])
+    assert torch.equal(resumed.params(), straight.params())
+    if comm.Get_size() > 1:                              # (one rank has no noise estimate: B stays)
+        assert saved["balancer"]["global_batch"] > 8     # it switched after the first epoch
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_fixed_batchs_state_and_an_adaptive_one_do_not_mix(comm):
+    fixed = dbs_mpi.Balancer(comm, 8, "dbs", timeout=TIMEOUT)
+    with pytest.raises(dbs_mpi.UserError, match="saved with a fixed global batch"):
+        adaptive(comm).load_state_dict(fixed.state_dict())
+    with pytest.raises(dbs_mpi.UserError, match="adapting from 16"):
+        adaptive(comm).load_state_dict(adaptive(comm, start=16).state_dict())
+    with pytest.raises(RuntimeError, match="between epochs"):
+        run = Run(comm, adaptive(comm), calibrate=False)
+        run.sampler.set_epoch(0)
+        iter(torch.utils.data.DataLoader(run.data, batch_sampler=run.sampler)).__next__()
+        run.balancer.set_global_batch(16)
