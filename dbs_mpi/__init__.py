@@ -27,7 +27,7 @@ checks that):
     participation.py  which ranks take part: a rank that would slow every step sits out
     dynamic/          dynamic batch size: estimate.py, within_epoch.py (the planner), per_epoch.py
     noise_scale.py    the gradient noise scale, from the uneven local batches' gradient norms
-    goodput.py        the global batch with the most progress per second (planning only, so far)
+    goodput.py        the global batch with the most progress per second; the lr's scaling with it
     sharding.py       uneven shards with equal step counts; HeteroSampler; allocation invariance
     heterogeneity.py  emulated speeds and disturbances
     schedule.py       learning-rate schedules over the run's steps
@@ -51,6 +51,7 @@ checks that):
     exchange.py       the bucketed sample-weighted allreduce of every step
     participants.py   ranks that sit out: out of the gradient's sum, then caught up from rank 0
     gradient_noise.py the gradient noise scale measured as training runs (its norms ride the step)
+    global_batch.py   global_batch="auto": the next epoch's B by goodput, the lr scaled with it
     optimizer.py      DistributedOptimizer: sample-weighted gradients, weighted or mean; the step's plan
     accumulation.py   micro-batches, each weighted by its share of the local batch
     clipping.py       clipping the global gradient; a warning where the local one was changed

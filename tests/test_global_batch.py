@@ -10,7 +10,8 @@ import torch
 from dbs_mpi.options import UserError
 from dbs_mpi.planning import allocation, goodput, schedule
 from dbs_mpi.tools import config
-from dbs_mpi.training.global_batch import AdaptiveBatch, scaled_step
+from dbs_mpi.planning.goodput import AdaptiveBatch
+from dbs_mpi.training.global_batch import scaled_step
 
 
 MODEL = allocation.SpeedModel(per_sample=np.array([1e-4, 2e-4]), overhead=np.array([0.01, 0.01]))

@@ -329,6 +329,32 @@ def test_simulate_projects_a_large_job_and_compares_strategies():
     assert math.isclose(out["compute_share"] + out["comm_share"] + out["wait_share"], 1.0)
 
 
+def test_an_adaptive_projection_makes_the_engines_choice_at_the_noise_scale():
+    """Where a step is mostly its fixed costs (a slow network), B grows after the first
+    epoch, the more so the larger the noise scale; at a small one it stays; every epoch
+    keeps its samples."""
+    def projected(noise):
+        common = ["simulate", "--ranks", "16", "--model", "resnet20", "--network", "1e-3,1e-8", "--local-batch", "8",
+                  "--samples", "20000", "--epochs", "3", "--json"]
+        run = run_cli(common + (["--global-batch", "auto", "--noise-scale", str(noise)] if noise else []), timeout=120)
+        assert run.returncode == 0, run.stderr
+        return json.loads(run.stdout)
+
+    fixed, small, large, larger = projected(0), projected(10), projected(2000), projected(50000)
+    assert fixed["global_batches"] == small["global_batches"] == [128, 128, 128]
+    assert large["global_batches"][0] == 128 and 128 < large["global_batches"][1] < larger["global_batches"][1]
+    assert sum(larger["epoch_time_predicted"][1:]) < sum(fixed["epoch_time_predicted"][1:])
+
+
+def test_a_replay_of_an_adaptive_run_follows_the_batches_it_recorded():
+    """The engine's choice came from a noise scale measured on gradients: the replay runs
+    each epoch at the run's recorded B (with the engine's vector for it)."""
+    sized = job("dbs", samples=2048, global_batch=64, epochs=3, global_batches=(64, 256, 128))
+    result = simulate_sync(sized, cluster([1.0, 0.5]), Network(1e-5, 1e-9))
+    assert [sum(v) for v in result.batch_sizes] == [64, 256, 128]
+    assert result.batch_sizes[1][0] > result.batch_sizes[1][1]          # the engine's uneven vector at the new B
+
+
 def test_simulate_reads_speed_mixes_from_toml(tmp_path):
     mix = tmp_path / "mix.toml"
     mix.write_text('[[mix]]\nname = "new"\nspeed = 1.0\ncount = 6\n\n[[mix]]\nname = "old"\nspeed = 0.5\ncount = 2\n')
@@ -349,6 +375,9 @@ def test_simulate_reads_speed_mixes_from_toml(tmp_path):
     (["--ranks", "8", "--speed-spread", "0.5"], "speed-spread"),
     (["--speeds", "nosuch.toml"], "speeds"),
     ([], "simulate"),
+    (["--ranks", "8", "--global-batch", "many"], "global-batch"),
+    (["--ranks", "8", "--global-batch", "auto"], "noise-scale"),
+    (["--ranks", "8", "--global-batch", "auto", "--noise-scale", "100", "--strategy", "asgd"], "global-batch"),
 ])
 def test_simulate_bad_input_is_one_line(args, field):
     run = run_cli(["simulate", *args], timeout=60)

@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from ..options import DEFAULT_START, DEFAULT_UPPER, LR_SCALING  # noqa: F401 (this module's settings)
+from ..options import DEFAULT_START, DEFAULT_UPPER, LR_SCALING, UserError
 from .noise_scale import efficiency, gain
 
 
@@ -94,3 +94,40 @@ def fixed_seconds(data, compute, comm, wait, pre) -> float:
     rest = total - np.max(np.asarray(pre), axis=0)
     rest = rest[np.isfinite(rest)]
     return max(float(np.median(rest)), 0.0) if len(rest) else 0.0
+
+
+class AdaptiveBatch:
+    """The settings of an adaptive global batch and its last decision (no MPI)."""
+
+    def __init__(self, start: int, upper: int, lr_scaling: str = "adascale"):
+        if lr_scaling not in LR_SCALING:
+            raise UserError(f"lr_scaling: must be one of {', '.join(LR_SCALING)}; got {lr_scaling!r}")
+        if not 1 <= int(start) <= int(upper):
+            raise UserError(f"max_global_batch: must be at least global_batch_start ({start}); got {upper}")
+        self.start, self.upper, self.rule = int(start), int(upper), lr_scaling
+
+    @classmethod
+    def of(cls, global_batch, start: int, upper: int, lr_scaling: str) -> "AdaptiveBatch | None":
+        """Balancer's arguments: the adaptive batch of global_batch="auto" (None: B is fixed)."""
+        if global_batch == "auto":
+            return cls(start or DEFAULT_START, upper or DEFAULT_UPPER, lr_scaling)
+        if start or upper:
+            raise UserError("global_batch_start / max_global_batch: bounds of global_batch=\"auto\" only")
+        return None
+
+    def factor(self, global_batch: int, noise: float | None) -> float:
+        """The learning rate's factor at `global_batch` (1 at the start)."""
+        return lr_factor(self.rule, global_batch, self.start, noise)
+
+    def decide(self, current: int, noise: float | None, step_time, upper: int) -> tuple[int, dict]:
+        """The next epoch's B (the current one where none pays) and the epoch's records."""
+        upper = max(min(self.upper, upper), self.start)
+        choice = choose(step_time, noise, current, self.start, self.start, upper) or current
+        now = step_time(current)
+        g = math.nan if noise is None else gain(current, noise, self.start)
+        return choice, {"global_batch": np.int64(current), "gain": g, "lr_factor": self.factor(current, noise),
+                        "goodput": goodput(current, now, noise, self.start) if noise else math.nan,
+                        "predicted_step": now}
+
+    def state_dict(self) -> dict:
+        return {"start": self.start, "upper": self.upper, "rule": self.rule}

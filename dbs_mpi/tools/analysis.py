@@ -20,7 +20,9 @@ seconds of *training* only: evaluation after each epoch and the start-up benchma
 not in `duration`, `wall_time` or `train_time`. `wall_time` in `epochs` is the training
 time at the end of the epoch (cumulative durations); in `steps` it is the training time
 at the end of the step, each epoch's duration spread over its steps in proportion to the
-steps' measured times (compute + communication + wait, mean over ranks); in `updates` it
+steps' measured times (compute + communication + wait, mean over ranks), and `samples`
+is the step's global batch (its local batches' sum), `noise_scale` the measured gradient
+noise scale after it (NaN: not measured); in `updates` it
 is the server's clock when the gradient was applied (`update/time`).
 
 `variant` is the strategy, except that dbs under the DBS paper's per-epoch rule
@@ -245,8 +247,12 @@ def _step_rows(name: str, data: dict) -> pd.DataFrame:
         wall[mask] = offset + np.cumsum(share) * total
         offset += total
     index_in_epoch = pd.Series(epoch).groupby(epoch).cumcount().to_numpy()
+    batches = data.get("step/batch_sizes")
+    samples = batches.sum(axis=1) if batches is not None and len(batches) == n else np.full(n, np.nan)
+    noise = data.get("step/noise_scale")
     return pd.DataFrame({"run": [name] * n, "step": np.arange(n), "epoch": epoch, "step_in_epoch": index_in_epoch,
-                         "loss": loss, "step_time": step_time, "wall_time": wall})
+                         "loss": loss, "step_time": step_time, "wall_time": wall, "samples": samples,
+                         "noise_scale": noise if noise is not None and len(noise) == n else np.full(n, np.nan)})
 
 
 def _vector_rows(name: str, data: dict) -> pd.DataFrame:

@@ -16,6 +16,7 @@ file:
     job.py               the run to simulate and what it did: Job, Result, SYNC, ASYNC
     sync.py              the synchronous strategies: simulate_sync, the start-up calibration,
                          the DBS controller and Replanner
+    adaptive.py          the global batch of every epoch where it adapts: next_batch, resized
     parameter_server.py  the asynchronous strategies: ServerSim, simulate_async
     replaying.py         replaying a recorded run: replay, replay_job, read_inputs
     projecting.py        a run at scale: projection, project, speeds_from; when mixing pays:

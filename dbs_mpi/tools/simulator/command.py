@@ -43,7 +43,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--samples", type=int, default=50000, help="projection: training samples (default: CIFAR-10's)")
     p.add_argument("--local-batch", type=int, default=32, help="projection: B = this x ranks unless --global-batch")
-    p.add_argument("--global-batch", type=int, default=0)
+    p.add_argument("--global-batch", default="0", metavar="B|auto", help="projection: B (0: --local-batch x ranks); "
+                   "auto: after every epoch the engine's goodput choice at --noise-scale (from --global-batch-start, "
+                   "default --local-batch x ranks, up to --max-global-batch, default 4096)")
+    p.add_argument("--noise-scale", type=float, default=0.0, metavar="N",
+                   help="projection with --global-batch auto: the gradient noise scale, in samples (a run's "
+                        "step/noise_scale)")
+    p.add_argument("--global-batch-start", type=int, default=0)
+    p.add_argument("--max-global-batch", type=int, default=0)
     p.add_argument("--network", default="ib-100g", help=f"{', '.join(NETWORKS)} or ALPHA,BETA (seconds, s/byte)")
     p.add_argument("--algorithm", default="auto", choices=["auto", "ring", "tree"])
     p.add_argument("--compute-scale", type=float, default=1.0, metavar="K",
@@ -71,6 +78,8 @@ def _print(out: dict) -> None:
         lines.append(row)
     lines.append(f"compute {100 * out['compute_share']:.1f}%, comm {100 * out['comm_share']:.1f}%, wait "
                  f"{100 * out['wait_share']:.1f}%; simulated in {out['simulate_seconds']:.2f} s")
+    if len(set(out.get("global_batches", []))) > 1:
+        lines.append(f"global batch by epoch: {', '.join(str(b) for b in out['global_batches'])}")
     if "speedup" in out:
         lines.append(f"speed-up over {out['compared']}: {out['speedup']:.3f}x")
     if _measured_note(out):
@@ -107,6 +116,7 @@ def _check_values(args, machine: Machine) -> None:
     if not args.speed_spread >= 1:
         raise UserError(f"speed-spread: must be at least 1 (speeds log-uniform in [1/R, 1]), got {args.speed_spread}")
     parse_interval(args.dbs_interval)                               # one line naming dbs_interval
+    _check_adaptive(args)
     if args.network not in NETWORKS:
         try:
             alpha, beta = (float(v) for v in args.network.split(","))
@@ -126,6 +136,24 @@ def _check_values(args, machine: Machine) -> None:
         except (OSError, KeyError, ValueError, TypeError) as exc:
             raise UserError(f"from: {args.source} is no dbs-mpi result file this machine file can replay "
                             f"({exc})") from None
+
+
+def _check_adaptive(args) -> None:
+    """--global-batch B|auto and, with auto, the noise scale and bounds."""
+    given = args.global_batch.strip().lower()
+    if given != "auto":
+        args.global_batch = int(given) if given.isdigit() else -1
+        if args.global_batch < 0:
+            raise UserError(f"global-batch: a number of samples (0: --local-batch x ranks) or auto; got {given!r}")
+        return
+    args.global_batch = "auto"
+    if args.strategy not in SYNC:
+        raise UserError(f"global-batch: auto adapts a synchronous step's global batch ({', '.join(SYNC)})")
+    if not args.noise_scale > 0:
+        raise UserError("noise-scale: --global-batch auto projects the engine's choice at a noise scale; give it "
+                        "(samples, e.g. a run's step/noise_scale)")
+    if args.global_batch_start < 0 or args.max_global_batch < 0:
+        raise UserError("global-batch-start, max-global-batch: must be positive (0: the default)")
 
 
 def main(comm, argv) -> int:

@@ -42,6 +42,8 @@ class Job:
     first_bucket_mb: float = 1.0
     residual: dict = field(default_factory=dict)   # the machine's (machine.Machine.residual)
     compute_extra: dict = field(default_factory=dict)   # the machine's (Machine.compute_extra): replays only
+    global_batches: tuple = ()       # a replay of global_batch = auto: the B of every epoch, as recorded
+    adaptive: dict = field(default_factory=dict)   # a projection of it: start, upper, rule, noise (adaptive.py)
 
 
 @dataclass
@@ -62,7 +64,8 @@ class Result:
 
     def as_dict(self) -> dict:
         out = {"epoch_time_predicted": [float(t) for t in self.epoch_time],
-               "batch_sizes": [[int(b) for b in v] for v in self.batch_sizes], **self.shares(),
+               "batch_sizes": [[int(b) for b in v] for v in self.batch_sizes],
+               "global_batches": [int(sum(v)) for v in self.batch_sizes], **self.shares(),
                "simulate_seconds": self.simulate_seconds}
         if self.staleness:
             s = np.asarray(self.staleness)

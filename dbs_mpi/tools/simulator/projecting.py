@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ...mpi.agreement import agree
-from ...options import UserError
+from ...options import DEFAULT_UPPER, UserError
 from ..config import ArgumentParser, tomllib
 from ..machine import Machine
 from .cluster import DEFAULT_NOISE, Cluster
@@ -52,16 +52,17 @@ def _speeds_file(path: Path) -> np.ndarray:
 def projection(machine: Machine, speeds, strategy: str = "dbs", model: str = "resnet20", epochs: int = 3,
                samples: int = 50000, global_batch: int = 0, local_batch: int = 32, network=NETWORKS["ib-100g"],
                algorithm: str = "auto", ranks_per_node: int = 1, compute_scale: float = 1.0, noise: float = 0.03,
-               seed: int = 0, dbs_interval: str = "1", participation: str = "auto") -> dict:
+               seed: int = 0, dbs_interval: str = "1", participation: str = "auto", adaptive: dict | None = None) -> dict:
     """A run at scale: one rank per device of relative speed `speeds[i]` (1 = the fastest,
     which computes `compute_scale` times as fast as the machine's core), `ranks_per_node`
-    ranks per node, each with its own cores; network = (alpha, beta)."""
+    ranks per node, each with its own cores; network = (alpha, beta). adaptive: the
+    global batch adapts from global_batch (adaptive.py: start, upper, rule, noise)."""
     speeds = np.asarray(speeds, float)
     ranks = len(speeds)
     global_batch = global_batch or local_batch * ranks
     job = Job(strategy=strategy, model=machine.models[model], samples=samples, global_batch=global_batch,
               epochs=epochs, seed=seed, dbs_interval=str(dbs_interval),    # no residual: that is this machine's
-              participation=participation)
+              participation=participation, adaptive=dict(adaptive or {}))
     alpha, beta = network
     cluster = Cluster(nodes=np.arange(ranks) // ranks_per_node, cores=ranks_per_node, device=speeds * compute_scale)
     start = time.perf_counter()
@@ -77,10 +78,16 @@ def projection(machine: Machine, speeds, strategy: str = "dbs", model: str = "re
 def project(args, machine: Machine) -> dict:
     """`dbs-mpi simulate --ranks/--speeds`: projection() from the command's arguments."""
     network = NETWORKS[args.network] if args.network in NETWORKS else tuple(map(float, args.network.split(",")))
-    return projection(machine, speeds_from(args, args.ranks), args.strategy, args.model, args.epochs, args.samples,
-                      args.global_batch, args.local_batch, network, args.algorithm, args.ranks_per_node,
-                      args.compute_scale, DEFAULT_NOISE if args.noise is None else args.noise, args.seed,
-                      args.dbs_interval, args.participation)
+    speeds = speeds_from(args, args.ranks)
+    adaptive = None
+    if args.global_batch == "auto":
+        start = args.global_batch_start or args.local_batch * len(speeds)
+        adaptive = dict(start=start, upper=max(args.max_global_batch or DEFAULT_UPPER, start), rule="adascale",
+                        noise=args.noise_scale)
+    return projection(machine, speeds, args.strategy, args.model, args.epochs, args.samples,
+                      adaptive["start"] if adaptive else args.global_batch, args.local_batch, network, args.algorithm,
+                      args.ranks_per_node, args.compute_scale, DEFAULT_NOISE if args.noise is None else args.noise,
+                      args.seed, args.dbs_interval, args.participation, adaptive)
 
 
 def crossover(machine: Machine, slow: int, ratios, model: str = "lenet5", global_batch: int = 512,

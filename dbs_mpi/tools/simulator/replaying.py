@@ -58,6 +58,7 @@ def replay_job(path, machine: Machine) -> tuple[Job, Cluster, Network, dict, dic
         ((3, 32, 32) if cfg["dataset"] == "cifar10" else (1, 28, 28))
     job = job_from_config(cfg, machine.models[cfg["model"]], machine.data_cost(shape))
     job.residual, job.compute_extra = dict(machine.residual), dict(machine.compute_extra)
+    job.global_batches = inputs.get("global_batches", ())
     nodes, cores = placement_of(inputs, machine)
     cluster = Cluster(nodes=nodes, cores=cores, device=np.ones(len(nodes)), sleeping=inputs["sleeping"],
                       hosts=np.array(inputs["hostnames"]))
@@ -67,15 +68,17 @@ def replay_job(path, machine: Machine) -> tuple[Job, Cluster, Network, dict, dic
 
 def read_inputs(path) -> dict:
     """What a replay may read of a run: its configuration, placement and start-up
-    calibration; never its epoch or step timings."""
+    calibration, and where its global batch adapted the B of every epoch (chosen from the
+    noise scale the run measured, which a simulation cannot); never its epoch or step timings."""
     import h5py
     with h5py.File(path, "r") as f:
         attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
         startup = {k: f[f"startup/{k}"][()] for k in ("local_batch", "step_time", "batch_sizes")
                    if f"startup/{k}" in f and len(f[f"startup/{k}"])}      # (empty: killed before its calibration)
+        sizes = tuple(int(b) for b in f["epoch/global_batch"][()]) if "epoch/global_batch" in f else ()
     return {"config": json.loads(attrs["config"]), "hostnames": list(attrs["hostnames"]),
             "rank_cores": list(attrs.get("rank_cores", [])), "sleeping": bool(attrs.get("sleep_while_waiting", False)),
-            "startup": startup}
+            "startup": startup, "global_batches": sizes}
 
 
 def placement_of(inputs: dict, machine: Machine) -> tuple[np.ndarray, list]:

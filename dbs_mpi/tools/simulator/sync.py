@@ -12,6 +12,7 @@ import numpy as np
 
 from ...options import parse_interval
 from ...planning import allocation, dynamic, participation, sharding
+from .adaptive import next_batch, resized
 from .cluster import Cluster, Compute, emulators, free_running_rate, step_factor
 from .job import Job, Result
 from .network import Network, buckets
@@ -85,14 +86,21 @@ def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0
     controller = dbs_controller(job, fit) if job.strategy == "dbs" and replanner is None else None
     extra = 0 if replanner is None else replanner.size
     clock = _SyncClock(compute, emus, ExchangeCost(job, cluster, network, extra), compute.update(), replanner)
+    global_batch, fixed = int(vector.sum()), 0.0
     for epoch in range(job.epochs):
-        table = sharding.step_batch_sizes(job.samples, job.global_batch, vector, job.drop_last)
+        if epoch:                                          # global_batch = auto (adaptive.py)
+            model = _planning_model(replanner, controller, fit)
+            chosen = next_batch(job, epoch, global_batch, model, fixed, n)
+            if chosen != global_batch:
+                global_batch, vector = chosen, resized(job, chosen, model, n, replanner, controller, clock.comm)
+        table = sharding.step_batch_sizes(job.samples, global_batch, vector, job.drop_last)
         for e in emus:
             e.start_epoch(epoch, len(table))
         result.batch_sizes.append(vector.tolist())
         pre, comm = clock.epoch(table, job)                                 # (steps, ranks), (steps,)
         vector = clock.vector if clock.vector is not None else vector
         slowest = pre.max(axis=1)
+        fixed = float(np.median(comm)) + clock.update
         result.epoch_time.append(float((slowest + comm + clock.update).sum()))
         result.compute += float(pre.sum() + clock.update * pre.size)
         result.wait += float((slowest[:, None] - pre).sum())
@@ -100,6 +108,13 @@ def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0
         if controller is not None:
             vector, _ = controller.update(vector, table, pre.sum(axis=0))
     return result
+
+
+def _planning_model(replanner, controller, fit):
+    """The speed model that plans now, as the engine's (global_batch.Resizing._planning_model)."""
+    if replanner is not None and replanner.planner is not None:
+        return replanner.planner.model
+    return controller.model if controller is not None else fit
 
 
 def step_replanner(job: Job, fit: allocation.SpeedModel, ranks: int) -> dynamic.Replanner | None:
@@ -201,5 +216,5 @@ class _SyncClock:
             return
         self.vector = switch.vector
         if switch.first_step < len(table):
-            rows = sharding.step_batch_sizes(job.samples, job.global_batch, switch.vector, job.drop_last)
+            rows = sharding.step_batch_sizes(job.samples, int(switch.vector.sum()), switch.vector, job.drop_last)
             table[switch.first_step:] = rows[switch.first_step:]
