@@ -347,6 +347,15 @@ def test_a_batch_that_is_not_the_sampler_s_is_refused_before_the_forward(comm, g
 
 
 @pytest.mark.mpi(min_size=1)
+def test_an_adaptive_global_batch_is_refused_by_the_hook(comm, group):
+    """global_batch="auto" chooses B from the ranks' gradient norms, which the hook does not carry."""
+    model, _ = models()
+    balancer = dbs_mpi.Balancer(comm, "auto", "ssgd", global_batch_start=16)
+    with pytest.raises(ValueError, match="DistributedOptimizer"):
+        ddp.sample_weighted(model, balancer=balancer)
+
+
+@pytest.mark.mpi(min_size=1)
 def test_a_forward_without_a_batch_first_tensor_needs_the_local_batch_by_hand(comm, group):
     model, reference = models(BoxedNet)
     state = ddp.sample_weighted(model)

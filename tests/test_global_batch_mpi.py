@@ -131,12 +131,44 @@ def test_a_run_stopped_after_a_switch_resumes_bit_for_bit(comm):
 
 
 @pytest.mark.mpi(min_size=1)
+def test_an_epoch_whose_batch_stays_keeps_its_vector(comm):
+    """No change of B, no change of anything else: the vector that ran (here one set by
+    hand, uneven under ssgd) stays, as do the planners."""
+    balancer = adaptive(comm, start=24, upper=24, policy="ssgd")
+    uneven = allocation.proportional(24, speeds_for(comm.Get_size()))
+    balancer.batch_sizes = uneven.copy()
+    Run(comm, balancer, calibrate=False).epochs(0, 2)
+    assert balancer.global_batch == 24 and balancer.batch_sizes.tolist() == uneven.tolist()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_batch_set_by_hand_is_agreed_first_and_resumes(comm):
+    """set_global_batch with another B on one rank fails on every rank, naming it, before
+    any rank moves; a fixed balancer whose B was set by hand resumes at that B."""
+    balancer = dbs_mpi.Balancer(comm, 24, "dbs", timeout=TIMEOUT)
+    mine = 48 if comm.Get_rank() == comm.Get_size() - 1 and comm.Get_size() > 1 else 32
+    if comm.Get_size() > 1:
+        with pytest.raises(dbs_mpi.AgreedError, match="global_batch"):
+            balancer.set_global_batch(mine)
+        assert balancer.global_batch == 24
+    balancer.set_global_batch(32)
+    assert balancer.global_batch == 32 and balancer.batch_sizes.sum() == 32
+    resumed = dbs_mpi.Balancer(comm, 24, "dbs", timeout=TIMEOUT)
+    resumed.load_state_dict(copy.deepcopy(balancer.state_dict()))
+    assert resumed.global_batch == 32 and resumed.batch_sizes.tolist() == balancer.batch_sizes.tolist()
+    with pytest.raises(dbs_mpi.UserError, match="saved with global_batch 24, this balancer has 16"):
+        dbs_mpi.Balancer(comm, 16, "dbs", timeout=TIMEOUT).load_state_dict(balancer.state_dict())
+
+
+@pytest.mark.mpi(min_size=1)
 def test_a_fixed_batchs_state_and_an_adaptive_one_do_not_mix(comm):
     fixed = dbs_mpi.Balancer(comm, 8, "dbs", timeout=TIMEOUT)
     with pytest.raises(dbs_mpi.UserError, match="saved with a fixed global batch"):
         adaptive(comm).load_state_dict(fixed.state_dict())
     with pytest.raises(dbs_mpi.UserError, match="adapting from 16"):
         adaptive(comm).load_state_dict(adaptive(comm, start=16).state_dict())
+    with pytest.raises(dbs_mpi.UserError, match="lr scaling sqrt"):
+        adaptive(comm).load_state_dict(adaptive(comm, rule="sqrt").state_dict())
     with pytest.raises(RuntimeError, match="between epochs"):
         run = Run(comm, adaptive(comm), calibrate=False)
         run.sampler.set_epoch(0)

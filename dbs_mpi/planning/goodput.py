@@ -110,7 +110,8 @@ class AdaptiveBatch:
     def of(cls, global_batch, start: int, upper: int, lr_scaling: str) -> "AdaptiveBatch | None":
         """Balancer's arguments: the adaptive batch of global_batch="auto" (None: B is fixed)."""
         if global_batch == "auto":
-            return cls(start or DEFAULT_START, upper or DEFAULT_UPPER, lr_scaling)
+            start = start or DEFAULT_START
+            return cls(start, upper or max(DEFAULT_UPPER, start), lr_scaling)
         if start or upper:
             raise UserError("global_batch_start / max_global_batch: bounds of global_batch=\"auto\" only")
         return None

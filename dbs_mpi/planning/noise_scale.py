@@ -71,6 +71,7 @@ class NoiseScale:
         self.smoothing, self.min_steps = float(smoothing), int(min_steps)
         self.grad_sq = self.trace = 0.0     # the EMAs, not yet bias-corrected
         self.steps = 0                      # steps that gave an estimate
+        self.last: float | None = None      # the last noise scale the EMAs gave (value() holds it)
 
     def observe(self, batches, local_sq_norms, global_sq_norm: float, global_batch: float):
         """One step's norms (see fit_step); returns its (|G|^2, tr(Sigma)), or None."""
@@ -81,6 +82,9 @@ class NoiseScale:
         self.grad_sq = beta * self.grad_sq + (1.0 - beta) * pair[0]
         self.trace = beta * self.trace + (1.0 - beta) * pair[1]
         self.steps += 1
+        grad_sq, trace = self.smoothed()
+        if self.steps >= self.min_steps and grad_sq > 0.0 and trace > 0.0:
+            self.last = trace / grad_sq
         return pair
 
     def smoothed(self) -> tuple[float, float]:
@@ -91,22 +95,27 @@ class NoiseScale:
         return self.grad_sq / correction, self.trace / correction
 
     def value(self) -> float | None:
-        """B_noise, in samples; None until MIN_STEPS estimates, or where the smoothed |G|^2
-        or tr(Sigma) is not positive (the noise swamps the signal: no basis for a choice)."""
-        grad_sq, trace = self.smoothed()
-        if self.steps < self.min_steps or grad_sq <= 0.0 or trace <= 0.0:
-            return None
-        return trace / grad_sq
+        """B_noise, in samples: the smoothed tr(Sigma) / |G|^2 once MIN_STEPS steps gave an
+        estimate; where one of them is not positive since (the noise swamps the signal for a
+        while), the last value they gave (an adaptive batch's lr keeps its scale); None
+        before any."""
+        return self.last
 
     def state_dict(self) -> dict:
         return {"smoothing": self.smoothing, "min_steps": self.min_steps, "grad_sq": self.grad_sq,
-                "trace": self.trace, "steps": self.steps}
+                "trace": self.trace, "steps": self.steps, "last": self.last}
 
     @classmethod
     def from_state(cls, state: dict) -> "NoiseScale":
         estimator = cls(float(state["smoothing"]), int(state["min_steps"]))
         estimator.grad_sq, estimator.trace = float(state["grad_sq"]), float(state["trace"])
         estimator.steps = int(state["steps"])
+        last = state.get("last")
+        if "last" not in state:                    # (saved before it was kept: what value() gave then)
+            grad_sq, trace = estimator.smoothed()
+            ok = estimator.steps >= estimator.min_steps and grad_sq > 0 and trace > 0
+            last = trace / grad_sq if ok else None
+        estimator.last = None if last is None else float(last)
         return estimator
 
 

@@ -472,6 +472,7 @@ class BatchPolicy(Calibration, Resizing):
         self.comm, self.rank, self.world_size = comm, comm.Get_rank(), comm.Get_size()
         allocation.check_feasible(global_batch, self.world_size, min_local_batch, max_local_batch or None)
         self.policy, self.global_batch = policy, int(global_batch)
+        self.initial_batch = self.global_batch        # B as built (global_batch changes by set_global_batch, or adapts)
         self.min_local, self.max_local = int(min_local_batch), int(max_local_batch) or None
         self.affine, self.timeout = dbs_model == "affine", float(timeout)
         self.participation = rule["participation"]
@@ -587,7 +588,7 @@ class BatchPolicy(Calibration, Resizing):
                 "controller": self.controller.state_dict() if self.controller is not None else None,
                 "replanner": self.replanner.state_dict() if self.replanner is not None else None,
                 "noise": self.noise.state_dict() if self.noise is not None else None,
-                "adaptive": self.adaptive and self.adaptive.state_dict(),
+                "adaptive": self.adaptive and self.adaptive.state_dict(), "initial_batch": self.initial_batch,
                 "startup": self.startup, "rank": self.rank}
 
     def _load_policy(self, state: dict) -> bool:
@@ -596,9 +597,9 @@ class BatchPolicy(Calibration, Resizing):
         state is this world's."""
         self.loads += 1
         self._load_global_batch(state)
-        for key, mine in (("policy", self.policy), ("global_batch", self.global_batch)):
-            if state[key] != mine:
-                raise UserError(f"balancer: the state was saved with {key} {state[key]!r}, this balancer has {mine!r}")
+        if state["policy"] != self.policy:
+            raise UserError(f"balancer: the state was saved with policy {state['policy']!r}, this balancer has "
+                            f"{self.policy!r}")
         if state["world_size"] == self.world_size and state.get("rank", self.rank) != self.rank:
             raise UserError(f"balancer: this state was saved by rank {state['rank']}, and this is rank {self.rank}: "
                             f"every rank loads its own part of a checkpoint (its per-rank state)")
@@ -761,8 +762,8 @@ class Balancer(BatchPolicy):
         vector = full[-1].copy() if len(full) else self.batch_sizes.copy()
         diagnostics = self._replan(table, phases[4].sum(axis=1))
         self._open, self.next_epoch = None, e.epoch + 1
-        diagnostics.update(self._adapt(table, phases, e.num_samples))    # global_batch="auto": the next B
         self.trained_before += duration
+        diagnostics.update(self._adapt(table, phases, e.num_samples))    # global_batch="auto": the next B
         return EpochStats.of(e.epoch, vector, table, duration, phases, self.batch_sizes.copy(), diagnostics,
                              list(e.changes), (e.probe_samples[e.measured_from:], e.probe_time[e.measured_from:]),
                              e.noise[e.measured_from:])

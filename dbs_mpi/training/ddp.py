@@ -376,6 +376,9 @@ def sample_weighted(ddp_model, process_group=None, *, balancer=None,
                          f"{balancer.world_size}) is not the DDP process group (rank {dist.get_rank(group)} of "
                          f"{dist.get_world_size(group)}): make both from the same communicator "
                          f"(dbs_mpi.init_process_group(comm), Balancer(comm, ...))")
+    if balancer is not None and balancer.adaptive is not None:
+        raise ValueError("sample_weighted: a balancer with global_batch=\"auto\" chooses B from the ranks' gradient "
+                         "norms, which DDP's hook does not carry: train it with dbs_mpi.DistributedOptimizer, or fix B")
     late = None
     if balancer is not None:
         device = model_device(ddp_model)

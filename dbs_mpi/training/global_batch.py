@@ -30,6 +30,7 @@ import math
 
 import numpy as np
 
+from ..mpi.agreement import agree_settings
 from ..mpi.waits import wait
 from ..options import UserError
 from ..planning import allocation, goodput, participation, schedule
@@ -56,37 +57,52 @@ class Resizing:
         return schedule.position(e.epoch, int(e.table[:e.step].sum()), int(e.table.sum()), steps_per_epoch)
 
     def _load_global_batch(self, state: dict) -> None:
-        """A checkpoint's B, where B adapts (its start must be this run's: the schedule's
-        steps are counted at it); a fixed B's state and an adaptive one do not mix."""
+        """A checkpoint's B: the balancer must have been built as the saved one was (the same
+        global batch, or the same adaptive settings: a schedule's steps are counted at the
+        start); B is then the state's (it changed by set_global_batch, or adapted). On another
+        number of ranks an adaptive B is brought within the new world's bounds."""
         saved = state.get("adaptive")
-        if (saved is None) != (self.adaptive is None) or (saved and int(saved["start"]) != self.adaptive.start):
-            said = lambda a: "a fixed global batch" if a is None else f"a global batch adapting from {a['start']}"
-            raise UserError(f"balancer: the state was saved with {said(saved)}, this balancer has "
-                            f"{said(self.adaptive and self.adaptive.state_dict())}")
-        if self.adaptive is not None:
-            self.global_batch = int(state["global_batch"])
+        mine = self.adaptive and self.adaptive.state_dict()
+        if saved != mine:
+            said = lambda a: "a fixed global batch" if a is None else \
+                f"a global batch adapting from {a['start']} (up to {a['upper']}, lr scaling {a['rule']})"
+            raise UserError(f"balancer: the state was saved with {said(saved)}, this balancer has {said(mine)}")
+        initial = int(state.get("initial_batch", state["global_batch"]))
+        if initial != self.initial_batch:
+            raise UserError(f"balancer: the state was saved with global_batch {initial}, this balancer has "
+                            f"{self.initial_batch}")
+        b = int(state["global_batch"])
+        if self.adaptive is not None and state["world_size"] != self.world_size:
+            n = self.world_size
+            b = max(min(b, n * self.max_local) if self.max_local else b, n * self.min_local)
+        if b != self.global_batch:
+            self.global_batch = b
             if self.replanner is not None:
-                self.replanner.resize(self.global_batch)
+                self.replanner.resize(b)
 
-    def set_global_batch(self, global_batch: int, _agreed: bool = True) -> np.ndarray:
-        """Collective, between epochs: the next epochs' global batch and its vector (rank
-        0's). Every rank passes the same B (checked). Returns the vector."""
+    def set_global_batch(self, global_batch: int) -> np.ndarray:
+        """Collective, between epochs: the global batch of the next epochs, with any policy
+        (every rank passes the same B: checked first, on every rank) and its vector (rank
+        0's). Nothing changes where B is the current one. Returns the vector."""
         if self._open is not None:
             raise RuntimeError(f"set_global_batch() in epoch {self._open.epoch + 1}: the global batch changes between "
                                f"epochs (after end_epoch(), before the sampler's next epoch)")
-        mine = np.array([int(global_batch), *self._vector_at(int(global_batch))], dtype=np.int64)
-        chosen = mine.copy()
-        if self.world_size > 1:
-            wait(self.comm.Ibcast(chosen, root=0), self.timeout, "broadcasting the new global batch")
-        if _agreed and chosen[0] != mine[0]:
-            raise UserError(f"set_global_batch: rank {self.rank} asked for {mine[0]}, rank 0 for {chosen[0]}: every "
-                            f"rank sets the same global batch")
-        self.global_batch, self.batch_sizes = int(chosen[0]), chosen[1:].copy()
-        if self.replanner is not None:
-            self.replanner.resize(self.global_batch)
-        if self.controller is not None:
-            self.controller.global_batch = self.global_batch
+        agree_settings(self.comm, dict(global_batch=int(global_batch)), self.timeout, "set_global_batch")
+        if int(global_batch) != self.global_batch:
+            self._resize(int(global_batch))
         return self.batch_sizes
+
+    def _resize(self, global_batch: int) -> None:
+        """B changes (every rank with the same B): rank 0's vector for it, the planners resized."""
+        allocation.check_feasible(global_batch, self.world_size, self.min_local, self.max_local)   # (on every rank)
+        vector = np.ascontiguousarray(self._vector_at(global_batch), dtype=np.int64)
+        if self.world_size > 1:
+            wait(self.comm.Ibcast(vector, root=0), self.timeout, "broadcasting the new global batch's vector")
+        self.global_batch, self.batch_sizes = global_batch, vector
+        if self.replanner is not None:
+            self.replanner.resize(global_batch)
+        if self.controller is not None:
+            self.controller.global_batch = global_batch
 
     def _vector_at(self, global_batch: int) -> np.ndarray:
         """The vector this policy runs at `global_batch` (checked against the bounds)."""
@@ -123,7 +139,11 @@ class Resizing:
                 return math.inf
 
         choice, records = self.adaptive.decide(self.global_batch, self.noise.estimator.value(), step_time, upper)
-        self.set_global_batch(choice, _agreed=False)
+        chosen = np.array([choice], dtype=np.int64)             # rank 0's: a float's last bit never splits them
+        if self.world_size > 1:
+            wait(self.comm.Ibcast(chosen, root=0), self.timeout, "broadcasting the next global batch")
+        if int(chosen[0]) != self.global_batch:                 # (else the vector and the planners go on as they are)
+            self._resize(int(chosen[0]))
         records["next_global_batch"] = np.int64(self.global_batch)
         return records
 

@@ -93,6 +93,7 @@ def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0
             chosen = next_batch(job, epoch, global_batch, model, fixed, n)
             if chosen != global_batch:
                 global_batch, vector = chosen, resized(job, chosen, model, n, replanner, controller, clock.comm)
+                clock.vector = None                        # (a switch of the old B's does not carry over)
         table = sharding.step_batch_sizes(job.samples, global_batch, vector, job.drop_last)
         for e in emus:
             e.start_epoch(epoch, len(table))
