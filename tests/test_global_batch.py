@@ -39,10 +39,12 @@ def test_the_fixed_seconds_are_a_step_beyond_its_slowest_compute():
     assert goodput.fixed_seconds(*(np.full((2, 0), 1.0),) * 5) == 0.0
 
 
-def test_a_step_time_flat_in_the_batch_takes_the_largest_batch_where_noise_is_large():
+def test_a_step_time_flat_in_the_batch_doubles_the_batch_where_noise_is_large():
     adaptive = AdaptiveBatch(16, 256)
     choice, records = adaptive.decide(16, 1e5, lambda b: 0.010 + 1e-6 * b, upper=10_000)
-    assert choice == 256
+    assert choice == 32                                                      # at most twice the current B ...
+    assert adaptive.decide(128, 1e5, lambda b: 0.010 + 1e-6 * b, upper=10_000)[0] == 256   # ... up to the bound
+    assert adaptive.decide(64, 1e5, lambda b: 0.010 + 1e-6 * b, upper=100)[0] == 100
     assert records["global_batch"] == 16 and records["gain"] == pytest.approx(1.0)
     assert records["goodput"] == pytest.approx(1 / (0.010 + 16e-6))
 

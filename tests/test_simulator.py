@@ -330,9 +330,8 @@ def test_simulate_projects_a_large_job_and_compares_strategies():
 
 
 def test_an_adaptive_projection_makes_the_engines_choice_at_the_noise_scale():
-    """Where a step is mostly its fixed costs (a slow network), B grows after the first
-    epoch, the more so the larger the noise scale; at a small one it stays; every epoch
-    keeps its samples."""
+    """Where a step is mostly its fixed costs (a slow network), B grows after every epoch
+    (at most doubling) at a large noise scale; at a small one it stays."""
     def projected(noise):
         common = ["simulate", "--ranks", "16", "--model", "resnet20", "--network", "1e-3,1e-8", "--local-batch", "8",
                   "--samples", "20000", "--epochs", "3", "--json"]
@@ -340,10 +339,10 @@ def test_an_adaptive_projection_makes_the_engines_choice_at_the_noise_scale():
         assert run.returncode == 0, run.stderr
         return json.loads(run.stdout)
 
-    fixed, small, large, larger = projected(0), projected(10), projected(2000), projected(50000)
+    fixed, small, large = projected(0), projected(10), projected(2000)
     assert fixed["global_batches"] == small["global_batches"] == [128, 128, 128]
-    assert large["global_batches"][0] == 128 and 128 < large["global_batches"][1] < larger["global_batches"][1]
-    assert sum(larger["epoch_time_predicted"][1:]) < sum(fixed["epoch_time_predicted"][1:])
+    assert large["global_batches"] == [128, 256, 512]                   # at most doubling at every decision
+    assert sum(large["epoch_time_predicted"][1:]) < sum(fixed["epoch_time_predicted"][1:])
 
 
 def test_a_replay_of_an_adaptive_run_follows_the_batches_it_recorded():

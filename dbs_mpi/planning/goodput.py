@@ -11,7 +11,8 @@ grows with B while each step's fixed costs (the exchange, a rank's a_i) are spre
 more samples; efficiency falls once B passes the noise scale. The choice is the best of
 CANDIDATES batches spaced evenly in log B between the bounds, kept only where it is
 predicted at least MIN_GAIN faster than the current batch (a change costs a re-plan, and
-a prediction has errors). Pure code: the training layer calls it with its planner's
+a prediction has errors); an adaptive run (AdaptiveBatch) grows B at most MAX_GROWTH
+times per decision, since the learning rate follows it. Pure code: the training layer calls it with its planner's
 prediction, on every rank alike.
 
 The learning rate follows the batch by one of three rules (LR_SCALING): `adascale`
@@ -29,6 +30,8 @@ from .noise_scale import efficiency, gain
 
 CANDIDATES = 48       # batches tried between the bounds (log-spaced)
 MIN_GAIN = 0.05       # a new batch must be predicted this much more goodput
+MAX_GROWTH = 2.0      # ... and at most this many times the current one (the lr moves with it: a run at lr 0.05,
+                      # momentum 0.9 that jumped from B = 128 to 2,444 in one decision, lr x 13, diverged)
 
 
 
@@ -122,7 +125,7 @@ class AdaptiveBatch:
 
     def decide(self, current: int, noise: float | None, step_time, upper: int) -> tuple[int, dict]:
         """The next epoch's B (the current one where none pays) and the epoch's records."""
-        upper = max(min(self.upper, upper), self.start)
+        upper = max(min(self.upper, upper, int(MAX_GROWTH * current)), self.start)
         choice = choose(step_time, noise, current, self.start, self.start, upper) or current
         now = step_time(current)
         g = math.nan if noise is None else gain(current, noise, self.start)
