@@ -30,6 +30,7 @@ FIGURES = [
     ("async-staleness", "Staleness distributions", "async.ipynb", False),
     ("dbs-sgd-study", "dbs-sgd against asgd and 1-softsync: 7 workers, 3 learning rates, 3 seeds", "async.ipynb",
      False),
+    ("adaptive-batch", "The global batch that adapts, against fixed global batches", "adaptive.ipynb", False),
     ("simulation", "Projected speed-up and communication share, 8 to 4,096 ranks (simulated)", "simulation.ipynb",
      False),
 ]
