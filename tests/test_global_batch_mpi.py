@@ -63,8 +63,8 @@ class Run:
 @pytest.mark.mpi(min_size=1)
 def test_the_global_batch_changes_between_epochs_alike_on_every_rank(comm):
     """The tiny network's step costs about the same at any B, and its noise scale is far
-    above the start: where it is measured (2 ranks or more), the most goodput is at the
-    upper bound, chosen after the first epoch."""
+    above the start: where it is measured (2 ranks or more), B grows after the first epoch,
+    at most doubling at each decision."""
     run = Run(comm, adaptive(comm))
     tables = run.epochs(0, 3)
     sizes = [int(t[0].sum()) for t in tables]
@@ -73,7 +73,9 @@ def test_the_global_batch_changes_between_epochs_alike_on_every_rank(comm):
     if comm.Get_size() == 1:
         assert sizes == [8, 8, 8] and run.balancer.lr_factor == 1.0
         return
-    assert sizes[0] == 8 and sizes[1] > 8 and run.balancer.global_batch == sizes[2], sizes
+    assert sizes[0] == 8 and sizes[1] > 8, sizes
+    after = sizes + [run.balancer.global_batch]
+    assert all(b <= 2 * a for a, b in zip(after, after[1:])), after              # at most doubling each time
     for table in tables:                                     # every step a whole B but the epoch's last
         assert (table[:-1].sum(axis=1) == table[0].sum()).all() and table.sum() == 512
     assert run.balancer.lr_factor > 1.0
