@@ -36,7 +36,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..options import PARTICIPATION
-from .allocation import AllocationError, SpeedModel, _bounds, allocate, check_feasible, least_time, step_time
+from .allocation import (AllocationError, SpeedModel, _bounds, allocate, check_feasible, equal, least_time,
+                         step_time)
 
 
 NEAR = 3              # sets tried on either side of the continuous optimum's
@@ -130,6 +131,18 @@ def allocate_for(model: SpeedModel, global_batch: int, min_local: int = 1, max_l
     if participation == "auto":
         return allocate_participating(global_batch, model.per_sample, model.overhead, min_local, max_local)
     return model.allocate(global_batch, min_local, max_local)
+
+
+def vector_at(policy: str, model: SpeedModel | None, global_batch: int, n: int, min_local: int = 1, max_local=None,
+              participation: str = "auto") -> np.ndarray:
+    """The vector a policy runs at `global_batch` on n ranks: equal shares for ssgd or
+    without a model, else allocate_for (where the bounds allow none: equal). Raises
+    AllocationError where no vector fits the bounds (the engine's Balancer and the
+    simulator alike, where the global batch changes)."""
+    check_feasible(global_batch, n, min_local, max_local)
+    vector = None if policy == "ssgd" or model is None else \
+        allocate_for(model, global_batch, min_local, max_local, participation)
+    return equal(global_batch, n, min_local, max_local) if vector is None else vector
 
 
 def least_step_time_sitting_out(per_sample, overhead, global_batch: int) -> float:

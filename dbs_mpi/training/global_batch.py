@@ -33,7 +33,7 @@ import numpy as np
 from ..mpi.agreement import agree_settings
 from ..mpi.waits import wait
 from ..options import UserError
-from ..planning import allocation, goodput, participation, schedule
+from ..planning import allocation, dynamic, goodput, participation, schedule
 from ..planning.goodput import AdaptiveBatch  # noqa: F401 (the settings and the decision: pure planning)
 
 
@@ -94,8 +94,7 @@ class Resizing:
 
     def _resize(self, global_batch: int) -> None:
         """B changes (every rank with the same B): rank 0's vector for it, the planners resized."""
-        allocation.check_feasible(global_batch, self.world_size, self.min_local, self.max_local)   # (on every rank)
-        vector = np.ascontiguousarray(self._vector_at(global_batch), dtype=np.int64)
+        vector = np.ascontiguousarray(self._vector_at(global_batch), dtype=np.int64)    # (checked on every rank)
         if self.world_size > 1:
             wait(self.comm.Ibcast(vector, root=0), self.timeout, "broadcasting the new global batch's vector")
         self.global_batch, self.batch_sizes = global_batch, vector
@@ -105,21 +104,12 @@ class Resizing:
             self.controller.global_batch = global_batch
 
     def _vector_at(self, global_batch: int) -> np.ndarray:
-        """The vector this policy runs at `global_batch` (checked against the bounds)."""
-        allocation.check_feasible(global_batch, self.world_size, self.min_local, self.max_local)
-        model = self._planning_model()
-        vector = None if self.policy == "ssgd" or model is None else participation.allocate_for(
-            model, global_batch, self.min_local, self.max_local, self.participation)
-        if vector is None:
-            return allocation.equal(global_batch, self.world_size, self.min_local, self.max_local)
-        return vector
+        """The vector this policy runs at `global_batch` (participation.vector_at)."""
+        return participation.vector_at(self.policy, self._planning_model(), global_batch, self.world_size,
+                                       self.min_local, self.max_local, self.participation)
 
     def _planning_model(self):
-        """The speed model that plans now: dbs's within-epoch estimate, else the per-epoch
-        controller's, else the calibration's (None: not calibrated)."""
-        if self.replanner is not None and self.replanner.planner is not None:
-            return self.replanner.planner.model
-        return self.controller.model if self.controller is not None else self.speed_model
+        return dynamic.planning_model(self.replanner, self.controller, self.speed_model)
 
     def _adapt(self, table: np.ndarray, phases: tuple, num_samples: int) -> dict:
         """Collective where B adapts (end_epoch): choose the next epoch's B, set it on every

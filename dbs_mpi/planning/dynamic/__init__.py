@@ -26,3 +26,12 @@ from .per_epoch import DBSController  # noqa: F401
 from .probe import PROBE_BELOW, PROBE_BUDGET, PROBE_FIRST, PROBE_MAX, PROBE_STEPS, Probes  # noqa: F401
 from .within_epoch import (DEFAULT_INTERVAL, GAIN_Z, Proposal, Replanner, StepPlanner, Switch,  # noqa: F401
                            least_step_time_every_rank, switch_step)
+
+
+def planning_model(replanner, controller, fallback):
+    """The speed model that plans now: the within-epoch estimate (a Replanner's, once it
+    has a planner), else the per-epoch controller's, else `fallback` (the calibration's;
+    None: none). The Balancer and the simulator ask it alike."""
+    if replanner is not None and replanner.planner is not None:
+        return replanner.planner.model
+    return controller.model if controller is not None else fallback

@@ -4,7 +4,7 @@ training/global_batch.py): a replay follows the B its run recorded for every epo
 the engine's AdaptiveBatch, from the planner's model and the epoch's simulated fixed
 seconds (the exchange and the update), at a noise scale the user gives (a simulation has
 no gradients to measure it: take it from a run's step/noise_scale). A new B gets the
-engine's vector for it (global_batch.Resizing._vector_at) and the planners are resized.
+engine's vector for it (participation.vector_at) and the planners are resized.
 """
 from __future__ import annotations
 
@@ -18,12 +18,9 @@ from .job import Job
 
 
 def vector_at(job: Job, global_batch: int, model: allocation.SpeedModel, n: int) -> np.ndarray:
-    """The vector the engine runs at `global_batch` (equal for ssgd or without a model)."""
-    bounds = (job.min_local_batch, job.max_local_batch or None)
-    allocation.check_feasible(global_batch, n, *bounds)
-    vector = None if job.strategy == "ssgd" or model is None else \
-        participation.allocate_for(model, global_batch, *bounds, job.participation)
-    return allocation.equal(global_batch, n, *bounds) if vector is None else vector
+    """The vector the engine runs at `global_batch` (participation.vector_at)."""
+    return participation.vector_at(job.strategy, model, global_batch, n, job.min_local_batch,
+                                   job.max_local_batch or None, job.participation)
 
 
 def next_batch(job: Job, epoch: int, current: int, model: allocation.SpeedModel, fixed: float, n: int) -> int:

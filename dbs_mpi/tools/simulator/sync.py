@@ -89,7 +89,7 @@ def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0
     global_batch, fixed = int(vector.sum()), 0.0
     for epoch in range(job.epochs):
         if epoch:                                          # global_batch = auto (adaptive.py)
-            model = _planning_model(replanner, controller, fit)
+            model = dynamic.planning_model(replanner, controller, fit)
             chosen = next_batch(job, epoch, global_batch, model, fixed, n)
             if chosen != global_batch:
                 global_batch, vector = chosen, resized(job, chosen, model, n, replanner, controller, clock.comm)
@@ -109,13 +109,6 @@ def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0
         if controller is not None:
             vector, _ = controller.update(vector, table, pre.sum(axis=0))
     return result
-
-
-def _planning_model(replanner, controller, fit):
-    """The speed model that plans now, as the engine's (global_batch.Resizing._planning_model)."""
-    if replanner is not None and replanner.planner is not None:
-        return replanner.planner.model
-    return controller.model if controller is not None else fit
 
 
 def step_replanner(job: Job, fit: allocation.SpeedModel, ranks: int) -> dynamic.Replanner | None:
