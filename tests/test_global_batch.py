@@ -39,6 +39,15 @@ def test_the_fixed_seconds_are_a_step_beyond_its_slowest_compute():
     assert goodput.fixed_seconds(*(np.full((2, 0), 1.0),) * 5) == 0.0
 
 
+def test_each_steps_gain_and_goodput_follow_its_noise_scale():
+    rows = goodput.per_step(512, [math.nan, 1000.0, 4000.0], 128, 0.25)
+    assert np.isnan(rows[0]).all()                                      # no noise scale yet
+    for row, noise in zip(rows[1:], (1000.0, 4000.0)):
+        assert row[0] == pytest.approx(goodput.gain(512, noise, 128)) and row[1] == pytest.approx(row[0] / 0.25)
+    assert rows[1, 0] < rows[2, 0] <= 4                                 # more noise: more gain, at most B / B0
+    assert np.isnan(goodput.per_step(512, [1000.0], 128, math.inf)[:, 1]).all()   # B cannot run: no prediction
+
+
 def test_a_step_time_flat_in_the_batch_doubles_the_batch_where_noise_is_large():
     adaptive = AdaptiveBatch(16, 256)
     choice, records = adaptive.decide(16, 1e5, lambda b: 0.010 + 1e-6 * b, upper=10_000)
@@ -149,3 +158,11 @@ def test_the_command_line_adapts_the_batch_and_records_it(tmp_path):
     assert epoch["steps"][0] == 64 and epoch["steps"][1] < 64
     assert epoch["lr_factor"][1] > 1.0 and epoch["gain"][1] == pytest.approx(epoch["lr_factor"][1])
     assert epoch["lr"][-1] < 0.05 * 0.01 * epoch["lr_factor"][-1]   # cosine over the run's samples: near 0
+    for e, b in enumerate(sizes):                                      # each step's gain and goodput at its B
+        at, noise = steps["epoch"] == e, steps["noise_scale"][steps["epoch"] == e]
+        known = np.isfinite(noise)
+        assert known[:-1].all() if e else known.any()     # (a last step is heard next epoch; epoch 1 starts unknown)
+        expected = [goodput.gain(int(b), n, 16) for n in noise[known]]
+        np.testing.assert_allclose(steps["gain"][at][known], expected, rtol=1e-9)
+        np.testing.assert_allclose(steps["goodput"][at][known], np.array(expected) / epoch["predicted_step"][e],
+                                   rtol=1e-9)

@@ -99,6 +99,16 @@ def fixed_seconds(data, compute, comm, wait, pre) -> float:
     return max(float(np.median(rest)), 0.0) if len(rest) else 0.0
 
 
+def per_step(global_batch: int, noise, start: int, seconds: float) -> np.ndarray:
+    """An epoch's steps at `global_batch`: the gain at each step's noise scale (NaN where
+    none is known) and the predicted goodput, that gain over the predicted step `seconds`.
+    (S, 2)."""
+    noise = np.asarray(noise, float)
+    gains = np.array([gain(global_batch, n, start) if math.isfinite(n) and n > 0 else math.nan for n in noise])
+    per_second = gains / seconds if math.isfinite(seconds) and seconds > 0 else np.full(len(noise), math.nan)
+    return np.stack([gains, per_second], axis=1) if len(noise) else np.zeros((0, 2))
+
+
 class AdaptiveBatch:
     """The settings of an adaptive global batch and its last decision (no MPI)."""
 

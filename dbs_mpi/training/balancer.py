@@ -127,11 +127,12 @@ class EpochStats:
     changes: list = field(default_factory=list)       # dbs within the epoch: its vector changes (Change)
     probes: tuple = ()                                # (S, R) samples and seconds of own-time probes (prober.py)
     noise: np.ndarray | None = None                   # (S, 3) the noise scale after each step, its |G|^2, tr(Sigma)
+    goodput: np.ndarray | None = None                 # (S, 2) global_batch="auto": each step's gain, predicted goodput
 
     @classmethod
     def of(cls, epoch: int, vector: np.ndarray, table: np.ndarray, duration: float, phases: tuple,
            next_vector: np.ndarray, diagnostics: dict, changes: list, probes: tuple = (),
-           noise: np.ndarray | None = None) -> "EpochStats":
+           noise: np.ndarray | None = None, goodput: np.ndarray | None = None) -> "EpochStats":
         """The stats of an epoch from its table and every rank's phases of its steps (_phases)."""
         data_t, compute_t, comm_t, wait_t, pre_t, loss = phases
         return cls(epoch=epoch, batch_sizes=vector, table=table, duration=duration, data_time=data_t.sum(axis=1),
@@ -139,7 +140,7 @@ class EpochStats:
                    speed=table.sum(axis=0) / np.maximum(pre_t.sum(axis=1), 1e-12), step_loss=loss[0],
                    step_compute=compute_t.T, step_comm=comm_t.T, step_wait=wait_t.T, step_data=data_t.T,
                    step_pre=pre_t.T, next_batch_sizes=next_vector, diagnostics=diagnostics, changes=changes,
-                   probes=probes, noise=noise)
+                   probes=probes, noise=noise, goodput=goodput)
 
     @property
     def steps(self) -> int:
@@ -162,11 +163,13 @@ class EpochStats:
         """The epoch's rows of step/* in the result file."""
         samples, seconds = self.probes or (np.zeros(self.table.shape, np.int64), np.full(self.table.shape, np.nan))
         noise = np.full((self.steps, 3), np.nan) if self.noise is None else self.noise
+        adapted = np.full((self.steps, 2), np.nan) if self.goodput is None else self.goodput
         return dict(loss=self.step_loss, epoch=np.full(self.steps, epoch_index, dtype=np.int64),
                     batch_sizes=self.table.astype(np.int64), compute_time=self.step_compute,
                     comm_time=self.step_comm, wait_time=self.step_wait, data_time=self.step_data,
                     pre_time=self.step_pre, probe_samples=samples.astype(np.int64), probe_time=seconds,
-                    noise_scale=noise[:, 0], grad_sq=noise[:, 1], grad_trace=noise[:, 2])
+                    noise_scale=noise[:, 0], grad_sq=noise[:, 1], grad_trace=noise[:, 2], gain=adapted[:, 0],
+                    goodput=adapted[:, 1])
 
     def replan_rows(self) -> dict:
         """The epoch's vector changes as rows of replan/* in the result file (none: {})."""
@@ -766,7 +769,7 @@ class Balancer(BatchPolicy):
         diagnostics.update(self._adapt(table, phases, e.num_samples))    # global_batch="auto": the next B
         return EpochStats.of(e.epoch, vector, table, duration, phases, self.batch_sizes.copy(), diagnostics,
                              list(e.changes), (e.probe_samples[e.measured_from:], e.probe_time[e.measured_from:]),
-                             e.noise[e.measured_from:])
+                             e.noise[e.measured_from:], self._step_goodput(e.noise[e.measured_from:, 0], diagnostics))
 
     # --- checkpoints ------------------------------------------------------------------
     def state_dict(self) -> dict:

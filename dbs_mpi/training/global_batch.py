@@ -137,6 +137,14 @@ class Resizing:
         records["next_global_batch"] = np.int64(self.global_batch)
         return records
 
+    def _step_goodput(self, noise, records: dict) -> np.ndarray | None:
+        """The epoch's steps' gain and predicted goodput (goodput.per_step) at the epoch's B
+        and its predicted step (the epoch's records, _adapt's among them); None where B is fixed."""
+        if self.adaptive is None or "global_batch" not in records:
+            return None
+        return goodput.per_step(int(records["global_batch"]), noise, self.adaptive.start,
+                                float(records["predicted_step"]))
+
 
 def scaled_step(optimizer, factor: float) -> None:
     """optimizer.step() with every group's lr times `factor`, put back after it (the

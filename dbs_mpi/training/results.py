@@ -149,6 +149,11 @@ SCHEMA_DATASETS = {
                      "fitted to the step's gradient norms alone "
                      "(unsmoothed; NaN: none, as for an epoch's last step, whose sum is heard in the next epoch)"),
     "step/grad_trace": ("(S,)", "(grad)^2", "... and tr(Sigma), the summed variance of one sample's gradient"),
+    "step/gain": ("(S,)", "steps", "`global_batch = auto`: AdaScale's gain at the step's global batch and its "
+                  "`noise_scale` (steps at the starting batch; under `lr_scaling = adascale`, the next step's lr factor; "
+                  "NaN: B fixed, or no noise scale yet)"),
+    "step/goodput": ("(S,)", "steps/s", "... and the predicted goodput: that gain over the step time the planner "
+                     "predicts at the epoch's end for the epoch's B (`epoch/predicted_step`)"),
     "replan/epoch": ("(V,) int", "epoch", "`dbs` within the epoch (a step `dbs_interval`): epoch (from 0) of "
                                           "every vector change"),
     "replan/step": ("(V,) int", "step", "the epoch's first step under the new vector (the epoch's step count: "
