@@ -38,6 +38,7 @@ checks that):
     supervisor.py     failing together: the watchdog, rank 0 records the failure, abort
     agreement.py      set-up steps that fail on every rank together (AgreedError)
     placement.py      where ranks run: hosts, cores, oversubscription, threads per rank
+    host_memory.py    glibc's malloc keeps a step's freed memory for the next step
     cached.py         what a communicator's ranks agreed once, kept on the communicator
     comm.py           init() and start(): the communicator, the fail-together hook
     devices.py        each rank's device (CPU or GPU), thread shares, a clock true on GPUs

@@ -25,7 +25,7 @@ import traceback
 from mpi4py import MPI
 
 from ..options import UserError
-from . import placement, startup
+from . import host_memory, placement, startup
 from .agreement import AgreedError, error_line
 from .supervisor import SUPERVISOR, write_stderr
 from .waits import CommTimeout
@@ -73,9 +73,11 @@ def init(comm: MPI.Comm | None = None, threads: int | None = None, timeout: floa
     started; a single process without mpirun is a world of one). An uncaught exception
     on any rank then ends the whole job (abort_on_uncaught), after rank 0 recorded it
     (Supervisor: its result file says failed), and each rank gets `threads` torch
-    threads (default: the node's cores divided by the ranks on it). Collective; its
-    waits (a rank that does not arrive) end the job after `timeout` seconds."""
+    threads (default: the node's cores divided by the ranks on it), and glibc's malloc
+    keeps freed memory for the next step (host_memory.keep). Collective; its waits (a
+    rank that does not arrive) end the job after `timeout` seconds."""
     comm = start(comm, timeout)
+    host_memory.keep()
     placement.THREADS_GIVEN = bool(threads)
     placement.set_torch_threads(threads or placement.threads_per_rank(comm, timeout=timeout))
     return comm

@@ -113,8 +113,9 @@ def collect_from_here() -> None:
 def start_torch(comm) -> None:
     """init's last step, once the input is known to be good: import torch, and give this
     rank its share of the node's cores as torch threads."""
-    from ..mpi import startup
+    from ..mpi import host_memory, startup
     from ..mpi.placement import set_torch_threads, threads_per_rank
+    host_memory.keep()                       # before torch allocates: steps keep their memory
     startup.phase("torch", backstop=True)
     set_torch_threads(threads_per_rank(comm, timeout=startup.limit()))
 
