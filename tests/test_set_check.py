@@ -86,6 +86,21 @@ def test_on_a_coupled_host_the_fastest_rank_alone_is_tried_kept_and_the_pair_rev
     assert np.mean(step_time[-200:]) <= 1.05 * alone, switches
 
 
+def test_on_a_coupled_host_the_trial_comes_early_in_the_run():
+    """The coupled host from its first step: the trial of rank 0 alone is kept within the
+    first 30 steps, the run's first 60 steps (a short epoch) take at most 1.15x rank 0
+    alone, and the pair, banned for TRIAL_BAN steps, is not taken back before step 250."""
+    rng = np.random.default_rng(4)
+    replanner = dynamic.Replanner(0, 2, B, model=SpeedModel(np.array([2e-4, 4e-4]), np.array([1e-3, 1e-3])),
+                                  hosts=["node", "node"])
+    seconds_of = coupled_times(rng)
+    rows, switches = run(replanner, 250, seconds_of, [340, 172])
+    assert any(cause == "trial" and step < 30 for step, _, cause in switches), switches
+    assert (rows[30:, 1] == 0).all(), switches
+    step_time = [max(t for t in seconds_of(s, row) if t) for s, row in enumerate(rows[:60])]
+    assert np.mean(step_time) <= 1.15 * (1e-3 + 1e-4 * B), switches
+
+
 def test_where_every_rank_must_take_part_no_set_is_tried():
     """participation "all": the coupled host of the test above, and no rank is ever left out."""
     replanner = dynamic.Replanner(0, 2, B, model=SpeedModel(np.array([2e-4, 4e-4]), np.array([1e-3, 1e-3])),

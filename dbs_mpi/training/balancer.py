@@ -42,6 +42,7 @@ The method, with its formulas: docs/method.md.
 """
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -67,6 +68,7 @@ POLICIES = ("ssgd", "static", "dbs")
 
 SLOW_START = 8.0      # a rank this many times slower than the fastest at a tiny batch is not timed further
 TINY_STEPS = 3        # timed steps at that tiny batch (their median: one step of a busy machine's noise fooled it)
+LEAST_TIMED = 3       # a slower rank times fewer steps, down to this many (see calibration_steps)
 
 
 def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int = 2, stretch=None,
@@ -77,21 +79,32 @@ def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int
     the fastest there would take its share's time many times over (at 1:0.02 the two
     batches took 17 s, a short run's start-up lost to its fast rank alone), so it is
     not timed further; its times are the fastest rank's scaled by that ratio (it will sit
-    out or take a few samples, and the steps measure it from then on)."""
+    out or take a few samples, and the steps measure it from then on). A slower rank times
+    fewer steps (calibration_steps), so that no rank waits long for it."""
     # The timed steps draw (dropout) from random streams of their own: training's draws are
     # then the same whether a launch calibrated or reused a calibration (use_calibration).
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=cuda):
         tiny = allgather_array(comm, [time_step(step, min(small, 2), TINY_STEPS, 1, stretch)], timeout)[:, 0]
         slow = tiny > SLOW_START * tiny.min()
+        timed, untimed = calibration_steps(tiny[comm.Get_rank()] / tiny.min(), steps, warmup)
         mine = [np.nan, np.nan] if slow[comm.Get_rank()] else \
-            [time_step(step, small, steps, warmup, stretch), time_step(step, large, steps, warmup, stretch)]
+            [time_step(step, small, timed, untimed, stretch), time_step(step, large, timed, untimed, stretch)]
     times = allgather_array(comm, mine, timeout)
     fastest = int(np.argmin(tiny))
     times[slow] = np.outer(tiny[slow] / tiny[fastest], times[fastest])
     n = comm.Get_size()
     fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1], affine=affine)
     return fit, times
+
+
+def calibration_steps(ratio: float, steps: int, warmup: int) -> tuple[int, int]:
+    """The timed and untimed steps of a rank `ratio` times slower than the fastest at the
+    tiny batch: about steps / ratio and warmup / ratio, so that it takes about as long as
+    the fastest rank, but at least LEAST_TIMED timed and one untimed (never more than
+    asked). At 1:0.25 the slow rank's 7 steps at each batch took 3.8 s of a 20 s run."""
+    ratio = max(float(ratio), 1.0) if math.isfinite(ratio) else 1.0
+    return (min(steps, max(LEAST_TIMED, round(steps / ratio))), min(warmup, max(1, round(warmup / ratio))))
 
 
 def _phases(times: np.ndarray) -> tuple[np.ndarray, ...]:

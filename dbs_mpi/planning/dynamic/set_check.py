@@ -23,13 +23,14 @@ cost more than they bring. So every change of the set is checked by what it meas
               checked as above: kept where it measures faster, else reverted (not
               banned: it was an experiment). Where the fast ranks computed at least
               COUPLED times faster per sample alone than beside the others (coupling), a
-              trial that won bans the larger set, which the per-rank model, now seeing
+              trial that won bans the larger set (for TRIAL_BAN steps, doubling on every
+              repeat), which the per-rank model, now seeing
               the fast ranks' speed alone, would take back at once; without coupling the
               model saw what the trial saw and decides as before. A trial that lost
               without coupling ends the trials.
 
-A trial costs at most RECENT + 1 steps at the slower set's time, once per wait: about 9
-steps in 64, then 128, ... Pure code, no MPI: the planner (within_epoch.py) runs it on
+A trial costs at most RECENT + 1 steps at the slower set's time, once per wait: 6 steps
+after the first 8, then in 16, 32, ... (without coupling, once). Pure code, no MPI: the planner (within_epoch.py) runs it on
 every rank from the same summed times, and rank 0's proposals are the ones applied.
 """
 from __future__ import annotations
@@ -48,9 +49,12 @@ CHECK_Z = 3.0         # ... and this many standard errors of the difference of t
 
 BAN = 64              # steps a set that measured slower is banned for (doubling on every repeat) ...
 BAN_MAX = 2048        # ... at most
+TRIAL_BAN = 256       # ... and the larger set a trial beat with coupling seen, at first (each take-back of it
+                      # costs RECENT + 1 steps at its time: 1.4x on the coupled pair, 5% of the steps at BAN)
 
 
-TRIAL_FIRST = 64      # steps before the first trial of the fastest ranks alone
+TRIAL_FIRST = 8       # steps before the first trial of the fastest ranks alone (RECENT steps of the start's set,
+                      # and a few more: a coupled pair ran 1.4x the fast rank alone until the trial)
 TRIAL_MAX = 4096      # the longest wait between two trials
 FASTEST = 1.5         # ranks whose per-sample cost is within this factor of the fastest rank's are "the fastest"
 COUPLED = 1.25        # the fast ranks computed this much faster alone: coupling seen (trials go on)
@@ -154,7 +158,7 @@ class SetCheck:
         coupled = self._coupled(p)
         if not slower:
             if coupled:
-                self._ban(members(p["old"]), step)
+                self._ban(members(p["old"]), step, TRIAL_BAN)
             return
         self.trial_wait = min(2 * self.trial_wait, TRIAL_MAX)
         self.next_trial = p["at"] + self.trial_wait if coupled else math.inf
@@ -174,9 +178,9 @@ class SetCheck:
         rows = [secs for s, _, secs in self.times if s == key][-RECENT:]
         return None if len(rows) < RECENT else np.median(np.array(rows), axis=0)
 
-    def _ban(self, key, step: int) -> None:
+    def _ban(self, key, step: int, first: int = BAN) -> None:
         self.strikes[key] = self.strikes.get(key, 0) + 1
-        self.banned[key] = step + min(BAN * 2 ** (self.strikes[key] - 1), BAN_MAX)
+        self.banned[key] = step + min(first * 2 ** (self.strikes[key] - 1), BAN_MAX)
 
     def _drop(self):
         self.pending = None
