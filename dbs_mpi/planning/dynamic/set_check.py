@@ -30,7 +30,7 @@ cost more than they bring. So every change of the set is checked by what it meas
               without coupling ends the trials.
 
 A trial costs at most RECENT + 1 steps at the slower set's time, once per wait: 6 steps
-after the first 8, then in 16, 32, ... (without coupling, once). Pure code, no MPI: the planner (within_epoch.py) runs it on
+after the first 64, then in 128, ... (without coupling, once). Pure code, no MPI: the planner (within_epoch.py) runs it on
 every rank from the same summed times, and rank 0's proposals are the ones applied.
 """
 from __future__ import annotations
@@ -53,8 +53,8 @@ TRIAL_BAN = 256       # ... and the larger set a trial beat with coupling seen, 
                       # costs RECENT + 1 steps at its time: 1.4x on the coupled pair, 5% of the steps at BAN)
 
 
-TRIAL_FIRST = 8       # steps before the first trial of the fastest ranks alone (RECENT steps of the start's set,
-                      # and a few more: a coupled pair ran 1.4x the fast rank alone until the trial)
+TRIAL_FIRST = 64      # steps before the first trial of the fastest ranks alone (8 gave the coupled 1:0.25
+                      # case 1.03 for 1.10 in its second epoch, but puts a trial into short runs everywhere)
 TRIAL_MAX = 4096      # the longest wait between two trials
 FASTEST = 1.5         # ranks whose per-sample cost is within this factor of the fastest rank's are "the fastest"
 COUPLED = 1.25        # the fast ranks computed this much faster alone: coupling seen (trials go on)
