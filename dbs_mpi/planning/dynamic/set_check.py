@@ -24,14 +24,15 @@ cost more than they bring. So every change of the set is checked by what it meas
               banned: it was an experiment). Where the fast ranks computed at least
               COUPLED times faster per sample alone than beside the others (coupling), a
               trial that won bans the larger set (for TRIAL_BAN steps, doubling on every
-              repeat), which the per-rank model, now seeing
-              the fast ranks' speed alone, would take back at once; without coupling the
+              repeat), which the per-rank model, now seeing the fast ranks' speed
+              alone, would take back at once; without coupling the
               model saw what the trial saw and decides as before. A trial that lost
               without coupling ends the trials.
 
 A trial costs at most RECENT + 1 steps at the slower set's time, once per wait: 6 steps
-after the first 64, then in 128, ... (without coupling, once). Pure code, no MPI: the planner (within_epoch.py) runs it on
-every rank from the same summed times, and rank 0's proposals are the ones applied.
+after the first 64, then in 128, ... (without coupling, once). Pure code, no MPI: the
+planner (within_epoch.py) runs it on every rank from the same summed times, and rank 0's
+proposals are the ones applied.
 """
 from __future__ import annotations
 
