@@ -283,7 +283,10 @@ def test_an_error_in_the_middle_of_training_shows_the_users_traceback_and_ends_t
     out = tmp_path / "crash.h5"
     if path == "dbs-mpi train":
         (tmp_path / "bomb.py").write_text(FORWARD_CRASH)
-        cmd = [*dbs_mpi_cmd(), "train", *TINY, "--model", f"{tmp_path / 'bomb.py'}:build", "--out", str(out)]
+        # every rank takes part: a rank that sits out would probe itself on its own time, on a
+        # copy of the model, and a probe's forward would count among the bomb's ten
+        cmd = [*dbs_mpi_cmd(), "train", *TINY, "--participation", "all",
+               "--model", f"{tmp_path / 'bomb.py'}:build", "--out", str(out)]
     else:
         (tmp_path / "loop.py").write_text(LOOP_CRASH)
         cmd = [sys.executable, str(tmp_path / "loop.py"), path.split()[0]]
