@@ -1,6 +1,6 @@
 """Participation measured: `dbs-mpi train` runs side by side, medians over repeats.
 
-    .venv/bin/python scripts/participation.py --repeats 3 [--cases slow,third,stretch,coupled,crossover]
+    .venv/bin/python scripts/participation.py --repeats 3 [--cases slow,third,stretch,coupled,steady,crossover]
 
 LeNet-5 on Fashion-MNIST (`--subset`, default 30,720 samples: 60 steps of B = 512), the
 steps timed on rank 0 (data, compute, wait, collective and update of every step, from
@@ -17,6 +17,8 @@ the result file), each case against its baseline in the same repeat:
 * coupled: 2 ranks at 1:0.25, rank 0 at half its speed whenever the other computes
   (`--couple 0:2`): its second epoch and the whole run (3 epochs, start-up included,
   the launch's wall time) over 1 rank's; "slow" reports the whole run at 1:0.02 too;
+* steady: 2 ranks at 1:0.1, dbs (3 epochs): the slow rank's local batch over epochs 2-3,
+  its median, range (largest less smallest) and largest jump between two steps;
 * crossover: 2 ranks at 1:x for x in 0.5, 0.2, 0.1, 0.05, 0.02, dbs with participation
   auto and all, each over 1 rank alone (the best subset is the smaller of all's and 1).
 
@@ -109,6 +111,14 @@ def case_coupled(tmp: Path, subset: list) -> dict:
             "coupled whole run / 1 rank": WALL[tmp / "coupled.h5"] / WALL[tmp / "alone.h5"]}
 
 
+def case_steady(tmp: Path, subset: list) -> dict:
+    d = run(2, subset + ["--epochs", "3", "--speeds", "1,0.1"], tmp / "steady.h5")
+    slow = np.asarray(d["step/batch_sizes"])[np.asarray(d["step/epoch"]) >= 1, 1]
+    return {"1:0.1 slow rank's batch, epochs 2-3: median": float(np.median(slow)),
+            "1:0.1 slow rank's batch: range": float(slow.max() - slow.min()),
+            "1:0.1 slow rank's batch: largest jump": float(np.abs(np.diff(slow)).max())}
+
+
 def case_crossover(tmp: Path, subset: list) -> dict:
     alone = epoch_seconds(run(1, subset + ["--epochs", "2", "--threads", "1"], tmp / "alone.h5"), 1)
     out = {}
@@ -122,7 +132,7 @@ def case_crossover(tmp: Path, subset: list) -> dict:
 
 
 CASES = {"slow": case_slow, "third": case_third, "stretch": case_stretch, "coupled": case_coupled,
-         "crossover": case_crossover}
+         "steady": case_steady, "crossover": case_crossover}
 
 
 def main() -> None:
