@@ -212,3 +212,17 @@ def test_the_projects_grid_is_valid_at_both_scales():
     assert {"loss-time", "accuracy-epoch", "batch-vector", "utilisation", "aggregation", "speedup",
             "async-loss", "async-staleness", "dbs-sgd-study"} <= figures
     assert np.all([r.timeout > 0 for r in small])
+
+
+def test_adaptive_targets_reads_the_committed_grid(tmp_path):
+    """scripts/adaptive-targets.py on results/grid: both adaptive experiments, the three
+    figures each, computed from the files (a seed that never reached counts as infinite);
+    a folder without such runs is refused in one line."""
+    script = [sys.executable, str(ROOT / "scripts" / "adaptive-targets.py")]
+    proc = subprocess.run(script + [str(ROOT / "results" / "grid")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("adaptive: lenet5", "adaptive-bn: resnet20"):
+        part = proc.stdout[proc.stdout.index(name):]
+        assert "auto / 512:" in part and "auto / best (" in part and "points" in part
+    empty = subprocess.run(script + [str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert empty.returncode != 0 and len(empty.stderr.strip().splitlines()) == 1, empty.stderr
