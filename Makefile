@@ -149,7 +149,8 @@ clean:
 
 # The experiment grid of jobs/experiments.toml, one `dbs-mpi train` launch per run, result
 # files in GRID_OUT (complete runs are skipped, interrupted ones resumed, each launch bounded
-# by the grid's timeout). SCALE=small: this 2-core machine (80 runs, about 16 min); SCALE=paper: a cluster.
+# by the grid's timeout). SCALE=small: this 2-core machine (122 runs, about 100 min: adaptive-bn's 18 take
+# an hour); SCALE=paper: a cluster.
 # ONLY=name[,name...] restricts it to experiments, figures or runs.
 SCALE    ?= small
 GRID_OUT ?= results/grid
