@@ -47,15 +47,17 @@ else
 endif
 	@# Bytecode: torch's is compiled on the other core while pip installs the rest (every
 	@# rank imports torch, often several at once), then that of the other packages a rank
-	@# imports. A file that does not compile here (torch ships one for Python 3.12 only) is
-	@# left to Python, as pip leaves it. The test and analysis packages are not compiled
-	@# (pip compiles every file, on one core: 21 of the install's 30 CPU-s); Python compiles
-	@# the few modules imported, at first import.
+	@# imports. sympy and mpmath count: torch's optimizers import torch._dynamo, which
+	@# imports sympy, in their constructor; uncompiled, that took every rank 5 CPU-s (and
+	@# every launch again where PYTHONDONTWRITEBYTECODE is set, as on CI). A file that does
+	@# not compile here (torch ships one for Python 3.12 only) is left to Python, as pip
+	@# leaves it. The test and analysis packages are not compiled (pip compiles every file,
+	@# on one core: 21 of the install's 30 CPU-s); Python compiles the few modules imported.
 	$(PY) -m pip install -q --no-compile "$(TORCH)"
-	$(PY) -m compileall -q -j 0 $$($(PACKAGE_DIRS) torch) > /dev/null 2>&1 & compiling=$$!; \
+	$(PY) -m compileall -q -j 0 $$($(PACKAGE_DIRS) torch torchgen sympy mpmath) > /dev/null 2>&1 & compiling=$$!; \
 	$(PY) -m pip install -q --no-compile -e ".[test,analysis]"; installed=$$?; wait $$compiling; \
 	[ $$installed = 0 ] || exit $$installed; \
-	$(PY) -m compileall -q -j 0 $$($(PACKAGE_DIRS) numpy h5py tqdm) > /dev/null 2>&1; exit 0
+	$(PY) -m compileall -q -j 0 $$($(PACKAGE_DIRS) numpy h5py tqdm dbs_mpi) > /dev/null 2>&1; exit 0
 
 # The folders of the packages named after it.
 PACKAGE_DIRS = $(PY) -c 'import importlib.util as u, sys; print(*(u.find_spec(n).submodule_search_locations[0] for n in sys.argv[1:]))'
