@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import h5py
+import numpy as np
 import pytest
 
 from conftest import ROOT, dbs_mpi_cmd, mpiexec, rank_pids, read_released, run_cli
@@ -26,6 +28,20 @@ SLACK = 6            # seconds the job may take beyond it to end
 RUN = ["train", "--dataset", "synthetic", "--synthetic-samples", "3000", "--test-subset", "100", "--epochs", "500",
        "--global-batch", "60", "--benchmark-steps", "1", "--benchmark-warmup", "0", "--comm-timeout", str(TIMEOUT),
        "--startup-timeout", "120", "--progress", "false", "--checkpoint-every", "0"]
+
+
+def pinned_calibration(tmp_path, ranks: int):
+    """A result file whose start-up calibration has the last rank 50 times slower (step
+    times at 2 and 20 samples). The static cases plan from it: a calibration timed on
+    CI's busy cores twice kept the 1:0.02 rank at 1 sample, since the emulation stretches
+    a step's CPU time, not its wait for a core, so every rank's wait shrinks the ratio."""
+    path = tmp_path / "calibration.h5"
+    times = np.tile([0.002, 0.005], (ranks, 1))
+    times[-1] *= 50
+    with h5py.File(path, "w") as f:
+        f["startup/local_batch"] = np.array([2, 20])
+        f["startup/step_time"] = times
+    return path
 
 
 def stop_one_rank(tmp_path, args, ranks, victim):
@@ -73,8 +89,10 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path, strategy, poli
     strategy, _, speeds = strategy.partition("@")
     strategy, _, exchange = strategy.partition("/")
     extra = (["--exchange", exchange] if exchange else []) + (["--speeds", speeds] if speeds else [])
-    if speeds:      # a warm-up pass first: on CI's busy cores a fast rank's one cold calibration step once took
-        extra += ["--benchmark-warmup", "1"]     # so long that the 1:0.02 rank kept 1 sample and never sat out
+    if strategy == "static" and speeds:       # planned from a calibration with rank 2 50 times slower
+        extra += ["--calibration-from", str(pinned_calibration(tmp_path, ranks))]
+    elif speeds:    # a warm-up pass first: a fast rank's one cold calibration step can take long on busy cores
+        extra += ["--benchmark-warmup", "1"]
     elapsed, code, err, out = stop_one_rank(tmp_path, ["--strategy", strategy, "--wait-policy", policy, *extra],
                                             ranks, victim)
     assert code != 0, err
