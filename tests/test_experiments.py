@@ -69,6 +69,8 @@ def test_grid_expands_cases_seeds_and_scales(tmp_path):
     assert two.seed == 3 and two.experiment == "two" and two.case == "weighted-1_0.25"
     paper = experiments.load_grid(grid, "paper")
     assert len(paper) == 2 * len(small)
+    # seed by seed, every case of a seed before the next (side by side: drift falls on every case)
+    assert [r.name for r in paper[:4]] == ["one-ssgd-s0", "one-dbs-s0", "one-ssgd-s1", "one-dbs-s1"]
     assert {r.options["epochs"] for r in paper if r.experiment == "one"} == {4}    # experiment.paper wins
     assert {r.options["epochs"] for r in paper if r.experiment == "two"} == {3}    # scale.paper
     assert {r.seed for r in paper} == {0, 1} and paper[0].timeout == 600
