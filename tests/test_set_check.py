@@ -31,16 +31,10 @@ def run(replanner, steps: int, seconds_of, start, probe_every: int = 0, probe_of
     return np.array(rows), switches
 
 
-def test_a_rank_that_probes_itself_on_its_own_time_is_back_soon_after_its_slow_down_ends():
-    """Rank 1 is 50x slower until step 60 and sits out; its own-time probes ride every
-    step, at 2 samples, and at 128 after one that ran twice as fast as the one before
-    (as training/prober.py runs them): it is back with most of its share within 5 steps
-    of the end, and no probe ever entered the steps."""
-    rng = np.random.default_rng(0)
+def own_time_probes(time_of):
+    """Rank 1's own-time probes as training/prober.py runs them: 2 samples, and 128 after
+    one that ran twice as fast as the one before."""
     last = {}
-
-    def time_of(rank, b, step):
-        return (3e-3 + 1e-4 * b) * (50 if rank == 1 and step < 60 else 1) * rng.lognormal(0, 0.05) if b else 0.0
 
     def probe_of(step):
         size = 128 if last.get("sped_up") else 2
@@ -50,14 +44,50 @@ def test_a_rank_that_probes_itself_on_its_own_time_is_back_soon_after_its_slow_d
         else:
             last["sped_up"] = False
         return size, seconds
+    return probe_of
+
+
+def test_a_rank_that_probes_itself_on_its_own_time_is_back_soon_after_its_slow_down_ends():
+    """Rank 1 is 50x slower until step 60 and sits out; its own-time probes ride every
+    step, at 2 samples, and at 128 after one that ran twice as fast as the one before
+    (as training/prober.py runs them): it is back with most of its share within 5 steps
+    of the end, and no probe ever entered the steps."""
+    rng = np.random.default_rng(0)
+
+    def time_of(rank, b, step):
+        return (3e-3 + 1e-4 * b) * (50 if rank == 1 and step < 60 else 1) * rng.lognormal(0, 0.05) if b else 0.0
 
     replanner = dynamic.Replanner(0, 2, B, model=SpeedModel(np.array([1e-4, 5e-3]), np.array([3e-3, 0.15])))
     rows, switches = run(replanner, 100, lambda s, row: [time_of(r, row[r], s) for r in (0, 1)], [B, 0],
-                         probe_every=1, probe_of=probe_of)
+                         probe_every=1, probe_of=own_time_probes(time_of))
     assert (rows[:60, 1] == 0).all(), switches
     back = next(s for s in range(60, 100) if rows[s, 1] >= 0.8 * B / 2)
     assert back - 60 <= 5, switches
     assert all(cause != "probe" for _, _, cause in switches), switches
+
+
+def test_no_trial_starts_while_a_rank_that_came_back_takes_its_share():
+    """As above on one host, rank 1 half as fast as rank 0 (so rank 0 alone is worth a
+    trial), the slow-down ending just before the first trial is due (TRIAL_FIRST): rank 1
+    is back with most of its share within 5 steps, and no trial of rank 0 alone starts
+    within SETTLE steps of a change of the set (on a 2-core machine one came 7 steps after
+    the return, and held rank 1 at a third of its share 20 steps)."""
+    rng = np.random.default_rng(2)
+    end = set_check.TRIAL_FIRST - 4
+
+    def time_of(rank, b, step):
+        per_sample = 2e-4 if rank == 1 else 1e-4
+        return (3e-3 + per_sample * b) * (50 if rank == 1 and step < end else 1) * rng.lognormal(0, 0.05) if b else 0.0
+
+    replanner = dynamic.Replanner(0, 2, B, model=SpeedModel(np.array([1e-4, 1e-2]), np.array([3e-3, 0.15])),
+                                  hosts=["node", "node"])
+    rows, switches = run(replanner, end + 60, lambda s, row: [time_of(r, row[r], s) for r in (0, 1)], [B, 0],
+                         probe_every=1, probe_of=own_time_probes(time_of))
+    back = next(s for s in range(end, end + 60) if rows[s, 1] >= 0.8 * B / 3)
+    assert back - end <= 5, switches
+    changes = [s for s in range(1, len(rows)) if (rows[s] > 0).tolist() != (rows[s - 1] > 0).tolist()]
+    trials = [s + 1 for s, _, cause in switches if cause == "trial"]
+    assert all(not 0 < t - c < set_check.SETTLE for t in trials for c in changes), (changes, switches)
 
 
 def coupled_times(rng):

@@ -27,7 +27,11 @@ cost more than they bring. So every change of the set is checked by what it meas
               repeat), which the per-rank model, now seeing the fast ranks' speed
               alone, would take back at once; without coupling the
               model saw what the trial saw and decides as before. A trial that lost
-              without coupling ends the trials.
+              without coupling ends the trials. No trial starts within SETTLE steps of
+              a change of the set: a rank that comes back takes its share over a few
+              plans, and a trial then would compare the fastest ranks with a vector not
+              yet balanced (it came 7 steps after a 50x slow rank's return, and held
+              the return back 20 steps)
 
 A trial costs at most RECENT + 1 steps at the slower set's time, once per wait: 6 steps
 after the first 64, then in 128, ... (without coupling, once). Pure code, no MPI: the
@@ -57,6 +61,7 @@ TRIAL_BAN = 256       # ... and the larger set a trial beat with coupling seen, 
 TRIAL_FIRST = 64      # steps before the first trial of the fastest ranks alone (8 gave the coupled 1:0.25
                       # case 1.03 for 1.10 in its second epoch, but puts a trial into short runs everywhere)
 TRIAL_MAX = 4096      # the longest wait between two trials
+SETTLE = 3 * RECENT   # steps after a change of the set before a trial may start
 FASTEST = 1.5         # ranks whose per-sample cost is within this factor of the fastest rank's are "the fastest"
 COUPLED = 1.25        # the fast ranks computed this much faster alone: coupling seen (trials go on)
 
@@ -80,6 +85,7 @@ class SetCheck:
         self.banned: dict = {}     # set -> the step until which it is banned
         self.strikes: dict = {}    # set -> times it measured slower
         self.next_trial, self.trial_wait = TRIAL_FIRST, TRIAL_FIRST
+        self.changed_at = -math.inf    # the planner step from which the last change of the set applied
         self.verdicts: list = []   # (step, set, "reverted" | "kept", before s, after s): for the records
 
     # --- measurement ---------------------------------------------------------------
@@ -94,6 +100,8 @@ class SetCheck:
         """A new vector applies from planner step `step`: a new set is checked (UNCHECKED:
         not a change back after a check, a user's vector, or an in-step probe, which is
         meant to measure, slower or not)."""
+        if members(old) != members(new):
+            self.changed_at = int(step)
         if members(old) == members(new) or cause in UNCHECKED:
             self.pending = None if cause in UNCHECKED else self.pending
             return
@@ -134,7 +142,8 @@ class SetCheck:
 
     def trial(self, step: int, current, per_sample) -> np.ndarray | None:
         """The set of the fastest ranks alone, where a trial is due (None: not)."""
-        if self.pending is not None or step < self.next_trial or not self._shares_host(current):
+        if self.pending is not None or step < max(self.next_trial, self.changed_at + SETTLE) or \
+                not self._shares_host(current):
             return None
         c = np.asarray(per_sample, float)
         fastest = c <= FASTEST * c[np.asarray(current) > 0].min()
@@ -198,6 +207,7 @@ class SetCheck:
         return {"banned": [[list(k), v] for k, v in self.banned.items()],
                 "strikes": [[list(k), v] for k, v in self.strikes.items()],
                 "next_trial": float(self.next_trial), "trial_wait": int(self.trial_wait),
+                "changed_at": float(self.changed_at),
                 "times": [[list(s), t, secs.copy()] for s, t, secs in self.times],
                 "pending": None if p is None else {**p, "new": list(p["new"]), "before": list(p["before"])},
                 "verdicts": [[v[0], list(v[1]), v[2], v[3], v[4]] for v in self.verdicts]}
@@ -209,6 +219,7 @@ class SetCheck:
             self.banned = {tuple(k): int(v) for k, v in state["banned"]}
             self.strikes = {tuple(k): int(v) for k, v in state["strikes"]}
             self.next_trial, self.trial_wait = float(state["next_trial"]), int(state["trial_wait"])
+            self.changed_at = float(state.get("changed_at", -math.inf))     # (checkpoints before it: none)
             self.times.extend((tuple(s), float(t), np.asarray(secs, float)) for s, t, secs in state["times"])
             p = state["pending"]
             self.pending = None if p is None else {**p, "new": tuple(p["new"]), "old": np.asarray(p["old"])}
