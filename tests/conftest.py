@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import h5py
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +36,21 @@ def run_cli(args, ranks=1, timeout=120, cwd=None, env=None):
     cmd = ([mpiexec(), "-n", str(ranks)] if ranks > 1 else []) + dbs_mpi_cmd() + list(args)
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT, env=full_env)
+
+
+def pinned_calibration(tmp_path, ranks: int):
+    """A result file whose start-up calibration has the last rank 50 times slower (step
+    times at 2 and 20 samples), for `--calibration-from`. Tests that need a 1:0.02 rank out
+    from the start plan from it: a calibration timed on CI's busy cores kept that rank at
+    1 sample, since the emulation stretches a step's CPU time, not its wait for a core, so
+    every rank's wait shrinks the ratio."""
+    path = tmp_path / "calibration.h5"
+    times = np.tile([0.002, 0.005], (ranks, 1))
+    times[-1] *= 50
+    with h5py.File(path, "w") as f:
+        f["startup/local_batch"] = np.array([2, 20])
+        f["startup/step_time"] = times
+    return path
 
 
 def read_released(path, deadline):

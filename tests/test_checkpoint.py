@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, dbs_mpi_cmd, mpiexec, rank_pids, read_line, read_released, run_cli
+from conftest import ROOT, dbs_mpi_cmd, mpiexec, pinned_calibration, rank_pids, read_line, read_released, run_cli
 from dbs_mpi.training import checkpoint
 from dbs_mpi.tools.config import UserError
 from dbs_mpi.training.results import read_run
@@ -255,9 +255,10 @@ SAMPLES = 4500
 def test_a_rank_that_sits_out_and_probes_itself_stops_checkpoints_and_resumes_exactly(tmp_path):
     """dbs at 1:0.02: rank 1 sits out and probes itself on its own time (prober.py, its
     probes in step/probe_*). SIGTERM in epoch 2 checkpoints; the resumed run ends bit for
-    bit as an uninterrupted one (the vector is the fast rank's alone throughout)."""
+    bit as an uninterrupted one (the vector is the fast rank's alone throughout: both runs
+    plan from a calibration with rank 1 50x slower, which a timed one on busy cores is not)."""
     args = [*RUN[:RUN.index("--strategy")], "--strategy", "dbs", "--speeds", "1,0.02", "--epochs", "3",
-            "--synthetic-samples", "6000"]
+            "--synthetic-samples", "6000", "--calibration-from", str(pinned_calibration(tmp_path, 2))]
     whole = tmp_path / "whole.h5"
     proc = run_cli(["train", *args, "--out", str(whole)], ranks=2, timeout=240)
     assert proc.returncode == 0, proc.stderr

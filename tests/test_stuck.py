@@ -10,14 +10,14 @@ import subprocess
 import sys
 import time
 
-import h5py
 import numpy as np
 import pytest
 
-from conftest import ROOT, dbs_mpi_cmd, mpiexec, rank_pids, read_released, run_cli
+from conftest import ROOT, dbs_mpi_cmd, mpiexec, pinned_calibration, rank_pids, read_released, run_cli
 
 TIMEOUT = 5          # --comm-timeout of these runs, seconds
 SLACK = 6            # seconds the job may take beyond it to end
+SAMPLER_WAIT = "waited more than 5 s in agreeing on the settings of HeteroSampler"   # an epoch's start
 # No checkpoint between epochs: a rank is stopped as "epoch 1/500" is printed, which is when
 # every rank would enter the epoch's checkpoint; on a busy machine the victim was often
 # stopped there, and the job ended as it should (naming the rank), but in the checkpoint's
@@ -29,20 +29,6 @@ SLACK = 6            # seconds the job may take beyond it to end
 RUN = ["train", "--dataset", "synthetic", "--synthetic-samples", "3000", "--test-subset", "100", "--epochs", "500",
        "--global-batch", "60", "--benchmark-steps", "1", "--benchmark-warmup", "0", "--comm-timeout", str(TIMEOUT),
        "--startup-timeout", "120", "--progress", "false", "--checkpoint-every", "0"]
-
-
-def pinned_calibration(tmp_path, ranks: int):
-    """A result file whose start-up calibration has the last rank 50 times slower (step
-    times at 2 and 20 samples). The static cases plan from it: a calibration timed on
-    CI's busy cores twice kept the 1:0.02 rank at 1 sample, since the emulation stretches
-    a step's CPU time, not its wait for a core, so every rank's wait shrinks the ratio."""
-    path = tmp_path / "calibration.h5"
-    times = np.tile([0.002, 0.005], (ranks, 1))
-    times[-1] *= 50
-    with h5py.File(path, "w") as f:
-        f["startup/local_batch"] = np.array([2, 20])
-        f["startup/step_time"] = times
-    return path
 
 
 def stop_one_rank(tmp_path, args, ranks, victim):
@@ -98,7 +84,9 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path, strategy, poli
                                             ranks, victim)
     assert code != 0, err
     assert elapsed < TIMEOUT + SLACK, f"the job outlived the stopped rank by {elapsed:.1f} s"
-    assert waited_in in err, err
+    # a synchronous rank stopped as "epoch 1" is printed may stop before the next epoch's start,
+    # where the ranks agree on it (on CI's busy cores the 4-rank dbs case once did)
+    assert waited_in in err or (strategy != "asgd" and SAMPLER_WAIT in err), err
     if strategy != "asgd":
         assert f"rank(s) [{victim}] did not arrive" in err, err
         assert f"dbs-mpi: rank {victim} did not answer within 0.5 s: stopped" in err, err      # asked where it is
@@ -147,8 +135,7 @@ def test_a_stopped_rank_0_ends_the_job_too(tmp_path):
     assert elapsed < TIMEOUT + SLACK, f"the job outlived the stopped rank by {elapsed:.1f} s"
     # rank 0 is stopped once it printed epoch 1: in epoch 2's first allreduce, or before the
     # epoch's start (the ranks agree on it when the sampler is iterated), as the race goes
-    assert "waited more than 5 s in the gradient allreduce" in err or \
-        "waited more than 5 s in agreeing on the settings of HeteroSampler" in err, err
+    assert "waited more than 5 s in the gradient allreduce" in err or SAMPLER_WAIT in err, err
 
 
 # --- start-up -------------------------------------------------------------------------------
