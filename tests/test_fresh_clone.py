@@ -15,6 +15,7 @@ from dbs_mpi.training.results import read_run
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.timeout(900)      # the install and four launches: over 300 s on CI's busy cores
 def test_make_run_alone_works_on_a_fresh_clone(tmp_path):
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True, timeout=120)
