@@ -3,6 +3,7 @@ the fastest at the tiny batch times fewer steps, so that nobody waits long for i
 any number of ranks (run at 1, 2 and 4)."""
 import time
 
+import numpy as np
 import pytest
 
 from dbs_mpi.training import balancer
@@ -32,3 +33,41 @@ def test_every_rank_but_the_fastest_calls_its_step_less_often(comm):
     assert len(calls) == (tiny + 2 * 7 if comm.Get_rank() == 0 else tiny + 2 * 4), calls
     assert times.shape == (comm.Get_size(), 2)
     assert (times[1:] > 3 * times[0]).all(), times
+
+
+def spinning_step(per_sample: float):
+    """A step that computes (spins on this process's CPU clock) per_sample seconds a sample:
+    the emulation stretches CPU time, which a sleep would not have."""
+    def step(b):
+        end = time.process_time() + per_sample * b
+        while time.process_time() < end:
+            pass
+    return step
+
+
+@pytest.mark.mpi
+def test_a_rank_coupled_to_the_others_of_its_host_is_timed_alone_and_starts_alone(comm):
+    """Rank 0 computes 3x slower while another rank of its host computes (`couple`), the
+    others are 10x slower than it: dbs's calibration times rank 0 alone too, sees the
+    coupling and starts with rank 0 alone (the others sit out). A launch that reuses the
+    recorded calibration plans the same vector; static keeps its calibration's plan and
+    times nothing alone. On one rank there is nobody to couple with."""
+    from dbs_mpi import Balancer
+    from dbs_mpi.planning.dynamic import set_check
+    from dbs_mpi.planning.heterogeneity import Emulator
+    rank, size = comm.Get_rank(), comm.Get_size()
+    emulator = Emulator(rank, 1.0 if rank == 0 else 0.1, couple=3.0 if rank == 0 else 1.0)
+    b = Balancer(comm, 64 * size, "dbs", emulator=emulator, timeout=60.0)
+    vector = b.calibrate(spinning_step(1e-4), steps=3, warmup=1)
+    if size == 1:
+        assert "alone_time" not in b.startup and vector.tolist() == [64]
+        return
+    alone = b.startup["alone_time"]
+    assert np.isfinite(alone[0]) and np.isnan(alone[1:]).all(), alone
+    assert b.startup["step_time"][0, 1] > set_check.COUPLED * alone[0], (b.startup["step_time"], alone)
+    assert vector.tolist() == [64 * size] + [0] * (size - 1), vector
+    again = Balancer(comm, 64 * size, "dbs", emulator=Emulator(rank, 1.0), timeout=60.0)
+    assert again.use_calibration(b.startup).tolist() == vector.tolist()
+    static = Balancer(comm, 64 * size, "static", emulator=emulator, timeout=60.0)
+    static.calibrate(spinning_step(1e-4), steps=3, warmup=1)
+    assert "alone_time" not in static.startup

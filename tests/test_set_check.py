@@ -161,3 +161,18 @@ def test_the_set_check_survives_a_checkpoint():
     again = set_check.SetCheck.from_state(state, ["node", "node"])
     assert again.banned == replanner.planner.sets.banned and len(again.times) == len(replanner.planner.sets.times)
     assert again.state_dict()["verdicts"] == state["verdicts"]
+
+
+def test_ranks_taken_back_that_slowed_the_others_stay_out_as_long_as_after_a_trial():
+    """Rank 1 taken back and the pair measured slower: where rank 0 computed 2x slower per
+    sample beside it (coupling seen, the evidence a trial gives) the pair is banned for
+    TRIAL_BAN steps; where rank 1 is merely slow, for BAN."""
+    for rank0, ban in ((0.081, set_check.TRIAL_BAN), (0.041, set_check.BAN)):     # 400 samples at 2e-4 / 1e-4
+        sets = set_check.SetCheck(["node", "node"])
+        for _ in range(set_check.RECENT):
+            sets.observe([512, 0], [0.052, 0.0], True)
+        sets.switched([512, 0], [400, 112], 5)
+        for _ in range(set_check.RECENT + 1):
+            sets.observe([400, 112], [rank0, 0.09], True)
+        assert sets.verdict(12).tolist() == [512, 0]
+        assert sets.banned_set([400, 112], 12 + ban - 1) and not sets.banned_set([400, 112], 12 + ban)

@@ -142,6 +142,21 @@ def test_a_coupled_rank_computes_k_times_slower_where_another_rank_of_its_host_c
     assert run([0, 1], {0: 3.0}, "static").batch_sizes[0] == [64, 64]
 
 
+def test_a_coupled_fastest_rank_starts_alone_as_in_the_engine():
+    """Rank 0 coupled 3x beside rank 1, 10x slower than it: dbs's simulated calibration
+    times rank 0 alone too and starts with it alone (coupling.py); on two hosts, or with
+    participation "all", nothing is timed alone and both take part."""
+    net = Network(0.0, 0.0)
+
+    def run(hosts, participation="auto"):
+        c = Cluster(nodes=np.arange(2), cores=1, device=np.array([1.0, 0.1]), hosts=np.asarray(hosts))
+        return simulate_sync(job("dbs", epochs=1, couple={0: 3.0}, participation=participation), c, net,
+                             noise=0.0)
+    assert run([0, 0]).batch_sizes[0] == [128, 0]
+    assert 0 < run([0, 1]).batch_sizes[0][1] < 64
+    assert 0 < run([0, 0], "all").batch_sizes[0][1]
+
+
 def test_dbs_converges_to_the_speed_ratio():
     j = job("dbs", samples=8192, global_batch=512, epochs=6, model=linear_model(fixed=0.0))
     r = simulate_sync(j, cluster([1.0, 0.5]), Network(1e-5, 1e-9), noise=0.02, seed=1)

@@ -134,7 +134,8 @@ def recorded_calibration(path: str) -> dict:
     if len(data.get("startup/step_time", ())) == 0:
         raise UserError(f"calibration_from: {path} recorded no start-up calibration (ssgd, or a resumed run's "
                         f"file: use the file of the launch that calibrated)")
-    return {"local_batch": data["startup/local_batch"], "step_time": data["startup/step_time"]}
+    return {"local_batch": data["startup/local_batch"], "step_time": data["startup/step_time"],
+            **({"alone_time": data["startup/alone_time"]} if len(data.get("startup/alone_time", ())) else {})}
 
 
 def place(run: Run) -> list:

@@ -56,7 +56,7 @@ from ..mpi.placement import placement
 from ..mpi.waits import wait
 from ..mpi.devices import model_device
 from ..options import UserError, parse_interval
-from ..planning import allocation, dynamic, participation, sharding
+from ..planning import allocation, coupling, dynamic, participation, sharding
 from ..planning.heterogeneity import Emulator, others_compute
 from .batches import first_samples
 from .global_batch import AdaptiveBatch, Resizing
@@ -417,7 +417,22 @@ class Calibration:
         small, large = self.calibration_batches(largest)
         fit, times = calibrate(self.comm, step, small, large, steps=steps, warmup=warmup,
                                stretch=self.stretch, affine=self.affine, timeout=self.timeout)
-        return self._plan_from(fit, small, large, times)
+        return self._plan_from(fit, small, large, times, self._time_alone(step, fit, large, steps, warmup))
+
+    def _time_alone(self, step, fit, large: int, steps: int, warmup: int) -> np.ndarray | None:
+        """Collective where it is needed (coupling.timed_alone; every rank decides alike from
+        the gathered fit): the fastest ranks time the large batch again, the others
+        computing nothing. Returns every rank's seconds (NaN: not timed), or None."""
+        alone = None if self.policy != "dbs" else coupling.timed_alone(fit, self.hosts, self.participation)
+        if alone is None:
+            return None
+        row = alone.astype(np.int64)                  # the emulation's view: only these ranks compute
+        mine = [np.nan]
+        if alone[self.rank]:
+            cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+            with torch.random.fork_rng(devices=cuda):
+                mine = [time_step(step, large, steps, warmup, lambda wall, cpu=None: self.stretch(wall, cpu, row))]
+        return allgather_array(self.comm, mine, self.timeout)[:, 0]
 
     def use_calibration(self, startup: dict) -> np.ndarray:
         """Plan from a calibration recorded before (a result file's startup/*: `local_batch`,
@@ -430,25 +445,35 @@ class Calibration:
         if times.shape != (self.world_size, 2):
             raise UserError(f"calibration: it timed {times.shape[0] if times.ndim else 0} rank(s); this job has "
                             f"{self.world_size} (a recorded calibration is reused on a world of its size)")
-        agree_settings(self.comm, dict(calibration=[small, large, *times.ravel().tolist()]), self.timeout,
-                           "Balancer.use_calibration")
+        alone = startup.get("alone_time")
+        alone = None if alone is None or not len(alone) else np.asarray(alone, dtype=np.float64).reshape(-1)
+        agree_settings(self.comm, dict(calibration=[small, large, *times.ravel().tolist()],
+                                       alone=None if alone is None else   # (NaN is never equal to itself)
+                                       [x if math.isfinite(x) else None for x in alone.tolist()]), self.timeout,
+                       "Balancer.use_calibration")
         n = self.world_size
         fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1],
                                         affine=self.affine)
-        return self._plan_from(fit, small, large, times)
+        return self._plan_from(fit, small, large, times, alone)
 
-    def _plan_from(self, fit, small: int, large: int, times: np.ndarray) -> np.ndarray:
-        """The calibration's plan: the speed model, (static, dbs) the vector, the controllers."""
-        self.speed_model = fit
+    def _plan_from(self, fit, small: int, large: int, times: np.ndarray, alone=None) -> np.ndarray:
+        """The calibration's plan: the speed model, (static, dbs) the vector, the controllers;
+        (dbs) with the fastest ranks alone where their times alone showed coupling (coupling.py)."""
+        start = None if alone is None or self.policy != "dbs" else coupling.coupled_start(
+            fit, times[:, 1], alone, self.global_batch, self.min_local, self.max_local)
+        model = fit if start is None else start.model
+        self.speed_model = model
         if self.policy != "ssgd":
-            self.batch_sizes = participation.allocate_for(fit, self.global_batch, self.min_local, self.max_local,
-                                                          self.participation)
+            self.batch_sizes = start.vector.copy() if start is not None else participation.allocate_for(
+                fit, self.global_batch, self.min_local, self.max_local, self.participation)
         if self.policy == "dbs":
-            self.controller = self._controller(fit)
+            self.controller = self._controller(model)
         if self.replanner is not None:
-            self.replanner.start_from(fit)
+            self.replanner.start_from(model)
         self.startup = {"local_batch": np.array([small, large], dtype=np.int64), "step_time": times,
                         "batch_sizes": self.batch_sizes.copy()}
+        if alone is not None:
+            self.startup["alone_time"] = np.asarray(alone, dtype=np.float64)
         return self.batch_sizes
 
     def calibrate_model(self, model, loss_fn, dataset, steps: int = 5, warmup: int = 2, largest: int = 0) -> np.ndarray:

@@ -91,6 +91,8 @@ SCHEMA_ATTRIBUTES = {
 SCHEMA_DATASETS = {
     "startup/local_batch": ("(2,) int", "samples", "the two local batches of the start-up calibration"),
     "startup/step_time": ("(R, 2)", "s", "median seconds per step of every rank at those local batches"),
+    "startup/alone_time": ("(R,)", "s", "median seconds of the fastest ranks at the larger batch with no other rank "
+                           "computing (NaN: not timed; absent: no rank was; planning/coupling.py)"),
     "startup/batch_sizes": ("(R,) int", "samples", "the vector chosen from it (asynchronous: 0 for the server, "
                                                    "rank 0)"),
     "epoch/train_loss": ("(E,)", "loss", "mean training loss over the epoch's samples"),
@@ -499,7 +501,8 @@ class Recorder:
                                  if k not in self.attrs})
         if balancer.startup:
             self.writer.write_startup({name: balancer.startup[name] for name in ("local_batch", "step_time",
-                                                                                 "batch_sizes")})
+                                                                                 "batch_sizes", "alone_time")
+                                       if name in balancer.startup})
 
     def append_steps(self, rows: dict) -> None:
         """Step rows of the epoch in progress that another world ran before a resume on

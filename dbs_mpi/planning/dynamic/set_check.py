@@ -27,7 +27,9 @@ cost more than they bring. So every change of the set is checked by what it meas
               repeat), which the per-rank model, now seeing the fast ranks' speed
               alone, would take back at once; without coupling the
               model saw what the trial saw and decides as before. A trial that lost
-              without coupling ends the trials. No trial starts within SETTLE steps of
+              without coupling ends the trials. Ranks taken back that measured slower
+              with coupling seen (the ranks there before computed COUPLED times slower
+              beside them) are banned for TRIAL_BAN too: the same evidence as a trial's. No trial starts within SETTLE steps of
               a change of the set: a rank that comes back takes its share over a few
               plans, and a trial then would compare the fastest ranks with a vector not
               yet balanced (it came 7 steps after a 50x slow rank's return, and held
@@ -135,7 +137,7 @@ class SetCheck:
         if p["trial"]:
             self._after_trial(p, slower, step)
         elif slower:                      # a change that lost (a trial that lost is just undone)
-            self._ban(p["new"], step)
+            self._ban(p["new"], step, TRIAL_BAN if self._coupled(p) else BAN)
         self.verdicts.append((step, p["new"], "reverted" if slower else "kept", float(np.median(p["before"])),
                               float(np.median(after))))
         return p["old"] if slower else None
@@ -174,12 +176,19 @@ class SetCheck:
         self.next_trial = p["at"] + self.trial_wait if coupled else math.inf
 
     def _coupled(self, p: dict) -> bool:
-        """Whether the ranks of the trial computed at least COUPLED times faster per sample
-        alone than beside the others (the medians of RECENT steps of each)."""
-        alone, with_others = self._per_rank(p["new"]), p["per_rank"]
+        """Whether the ranks of the smaller of the two sets of a change computed at least
+        COUPLED times faster per sample in it than beside the others (the medians of
+        RECENT steps of each); False where neither set holds the other."""
+        old, new = members(p["old"]), tuple(p["new"])
+        if set(new) < set(old):                  # (a trial)
+            ranks, alone, with_others = new, self._per_rank(new), p["per_rank"]
+        elif set(old) < set(new):                # ranks taken back
+            ranks, alone, with_others = old, p["per_rank"], self._per_rank(new)
+        else:
+            return False
         if alone is None or with_others is None:
             return False
-        ranks = list(p["new"])
+        ranks = list(ranks)
         return float(np.median(with_others[ranks] / np.maximum(alone[ranks], 1e-12))) >= COUPLED
 
     def _per_rank(self, key):

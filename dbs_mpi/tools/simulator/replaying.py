@@ -17,7 +17,7 @@ from .cluster import DEFAULT_NOISE, Cluster, Compute, emulators, step_factor
 from .job import SYNC, Job
 from .network import Network
 from .parameter_server import simulate_async
-from .sync import calibration_step, simulate_sync, startup_fit
+from .sync import calibration_step, recorded_start, simulate_sync, startup_fit
 
 # What a run recorded before these options existed did (dbs re-planned once per epoch).
 LEGACY = {**config_mod.LEGACY, "dbs_window": 32, "slow_steps": (0, 0), "slow_seconds": (0.0, 0.0), "couple": ""}
@@ -73,7 +73,7 @@ def read_inputs(path) -> dict:
     import h5py
     with h5py.File(path, "r") as f:
         attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
-        startup = {k: f[f"startup/{k}"][()] for k in ("local_batch", "step_time", "batch_sizes")
+        startup = {k: f[f"startup/{k}"][()] for k in ("local_batch", "step_time", "batch_sizes", "alone_time")
                    if f"startup/{k}" in f and len(f[f"startup/{k}"])}      # (empty: killed before its calibration)
         sizes = tuple(int(b) for b in f["epoch/global_batch"][()]) if "epoch/global_batch" in f else ()
     return {"config": json.loads(attrs["config"]), "hostnames": list(attrs["hostnames"]),
@@ -113,7 +113,8 @@ def replay(path, machine: Machine, noise: float | None = None, seed: int = 0) ->
     fit = startup_fit(job, startup, cluster.size)
     start = time.perf_counter()
     if job.strategy in SYNC:
-        result = simulate_sync(job, cluster, network, noise, seed, load, startup.get("batch_sizes"), fit)
+        result = simulate_sync(job, cluster, network, noise, seed, load, startup.get("batch_sizes"), fit,
+                               recorded_start(job, startup, fit))
     else:
         result = simulate_async(job, cluster, network, noise, seed, load, None, fit, cfg["checkpoint_every"])
     result.simulate_seconds = time.perf_counter() - start

@@ -11,17 +11,20 @@ import math
 import numpy as np
 
 from ...options import parse_interval
-from ...planning import allocation, dynamic, participation, sharding
+from ...planning import allocation, coupling, dynamic, participation, sharding
 from .adaptive import next_batch, resized
 from .cluster import Cluster, Compute, emulators, free_running_rate, step_factor
 from .job import Job, Result
 from .network import Network, buckets
 
 
-def calibration_step(compute: Compute, cluster: Cluster, factor: np.ndarray, local_batch: int) -> np.ndarray:
+def calibration_step(compute: Compute, cluster: Cluster, factor: np.ndarray, local_batch: int,
+                     computing=None) -> np.ndarray:
     """Every rank's calibration step at `local_batch`, the ranks' loops unsynchronised
-    (free_running_rate), the emulated slow-down included (seconds, per rank)."""
-    rate = free_running_rate(cluster.nodes, factor, cluster.node_cores())
+    (free_running_rate), the emulated slow-down included (seconds, per rank); computing
+    (bool per rank, None: all): the ranks that compute, the others take no core."""
+    busy = factor if computing is None else np.where(computing, factor, np.inf)
+    rate = free_running_rate(cluster.nodes, busy, cluster.node_cores())
     work = compute.work(np.full(cluster.size, local_batch))
     return work / rate + work * (factor - 1.0)
 
@@ -43,6 +46,30 @@ def simulated_calibration(job: Job, cluster: Cluster, compute: Compute, emus) ->
     n = cluster.size
     return allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1],
                                      affine=job.dbs_model == "affine")
+
+
+def simulated_start(job: Job, cluster: Cluster, compute: Compute, emus,
+                    fit: allocation.SpeedModel) -> coupling.Start | None:
+    """The engine's check of the simulated calibration for coupled ranks (coupling.py):
+    the fastest ranks time the large batch again with nobody else computing."""
+    hosts = list(cluster.nodes if cluster.hosts is None else cluster.hosts)
+    alone = None if job.strategy != "dbs" else coupling.timed_alone(fit, hosts, job.participation)
+    if alone is None:
+        return None
+    (_, large), times = calibration_times(job, cluster, compute, emus)
+    factor = step_factor(emus, cluster, alone.astype(np.int64))
+    seconds = np.median([calibration_step(compute, cluster, factor, large, alone) for _ in range(job.benchmark_steps)],
+                        axis=0)
+    bounds = (job.min_local_batch, job.max_local_batch or None)
+    return coupling.coupled_start(fit, times[:, 1], np.where(alone, seconds, np.nan), job.global_batch, *bounds)
+
+
+def recorded_start(job: Job, startup: dict, fit: allocation.SpeedModel | None) -> coupling.Start | None:
+    """The engine's decision from a recorded calibration that timed ranks alone (None: it did not)."""
+    if fit is None or job.strategy != "dbs" or len(startup.get("alone_time", ())) == 0:
+        return None
+    return coupling.coupled_start(fit, np.asarray(startup["step_time"])[:, 1], startup["alone_time"],
+                                  job.global_batch, job.min_local_batch, job.max_local_batch or None)
 
 
 def first_vector(job: Job, n: int, fit: allocation.SpeedModel) -> np.ndarray:
@@ -70,9 +97,10 @@ def startup_fit(job: Job, startup: dict, ranks: int) -> allocation.SpeedModel | 
 
 
 def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0.03, seed: int = 0,
-                  load: float = 1.0, vector=None, fit=None) -> Result:
-    """ssgd, static or dbs, epoch by epoch and step by step. vector / fit: the start-up
-    calibration's outcome if known (a replay), else the calibration is simulated. dbs
+                  load: float = 1.0, vector=None, fit=None, start=None) -> Result:
+    """ssgd, static or dbs, epoch by epoch and step by step. vector / fit / start: the
+    start-up calibration's outcome if known (a replay; start: recorded_start), else the
+    calibration is simulated, its check for coupled ranks too. dbs
     re-plans with the engine's controller: every epoch, or with the engine's Replanner at
     its step interval, the vector applying from the step after its announcement (the
     simulated ranks prefetch nothing)."""
@@ -81,6 +109,9 @@ def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0
     compute, emus, result = Compute(job, cluster, noise, rng, load), emulators(job, n), Result()
     if fit is None:
         fit = simulated_calibration(job, cluster, compute, emus)
+        start = simulated_start(job, cluster, compute, emus, fit)
+    if start is not None:
+        fit, vector = start.model, start.vector if vector is None else vector
     vector = np.asarray(vector if vector is not None else first_vector(job, n, fit), dtype=np.int64)
     replanner = step_replanner(job, fit, n)
     controller = dbs_controller(job, fit) if job.strategy == "dbs" and replanner is None else None

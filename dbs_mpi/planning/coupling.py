@@ -1,0 +1,89 @@
+"""Coupled ranks seen at the start-up: the fastest ranks timed alone too.
+
+A rank that shares a host with others may compute slower while they compute (memory
+bandwidth, caches, the cores that feed a GPU: an H200 rank ran at half its speed beside
+7 CPU ranks). The start-up calibration times every rank at once, so it sees each rank
+at its coupled speed, and a plan from it keeps every rank. The set check
+(dynamic/set_check.py) finds this out by a trial of the fastest ranks alone, but only
+after its first wait (TRIAL_FIRST steps at the coupled speed). Here the calibration
+finds it before the first step:
+
+  who        where the fastest ranks (per-sample cost within FASTEST of the fastest's)
+             share a host with slower ranks, and ranks may sit out
+  timed      those ranks time the calibration's large batch once more, alone (the
+             others wait, computing nothing): t_i(alone); with every rank computing
+             the calibration measured t_i(together)
+  coupling   k_i = t_i(together) / t_i(alone); seen where the median over the fastest
+             ranks is at least COUPLED
+  start      then the fastest ranks alone, their models scaled by 1 / k_i (the speed
+             they will have), against every rank's best vector under the calibration's
+             fit: the fastest alone is taken where it is predicted LEAVE_GAIN faster
+
+Only dbs starts so, since its set check (dynamic/set_check.py) then decides by
+measurement: its per-rank model, seeing the fastest ranks' speed alone, soon takes the
+larger set back, measures it, and reverts and bans it where it is slower. So a timing
+fooled by noise (a busy machine) costs a few steps alone, and real coupling costs one
+check (RECENT + 1 steps at the coupled speed) where it cost TRIAL_FIRST steps. static
+plans once and has no check: it keeps the calibration's plan.
+
+What it costs: one more timing of the large batch on the fastest ranks, only on a
+shared host with ranks of other speeds. Pure code, no MPI: the balancer times, every
+rank decides from the same gathered numbers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .allocation import SpeedModel
+from .dynamic.set_check import COUPLED, FASTEST, members
+from .participation import LEAVE_GAIN, allocate_for
+
+
+@dataclass
+class Start:
+    """The calibration's plan where coupling was seen: the fastest ranks alone."""
+    vector: np.ndarray          # (R,) int: only the fastest ranks take part
+    model: SpeedModel           # the fit, the fastest ranks' models at their speed alone
+    coupling: np.ndarray        # (R,) t(together) / t(alone) (NaN: not timed alone)
+
+
+def timed_alone(model: SpeedModel, hosts, participation: str = "auto") -> np.ndarray | None:
+    """The ranks (bool) the calibration times alone too, or None where no coupling could
+    change the plan: ranks may not sit out, the hosts are unknown, every rank is among the
+    fastest, or no fastest rank shares a host with a slower one."""
+    if participation != "auto" or hosts is None:
+        return None
+    c = np.asarray(model.per_sample, float)
+    fastest = c <= FASTEST * c.min()
+    if fastest.all():
+        return None
+    theirs = {hosts[i] for i in np.flatnonzero(fastest)}
+    if not any(hosts[j] in theirs for j in np.flatnonzero(~fastest)):
+        return None
+    return fastest
+
+
+def coupled_start(fit: SpeedModel, together, alone, global_batch: int, min_local: int = 1,
+                  max_local=None) -> Start | None:
+    """The fastest ranks alone where coupling was seen and they are predicted faster than
+    every rank's best vector (see the module docstring), else None. together, alone:
+    (R,) seconds of the calibration's large batch with every rank computing, and alone
+    (NaN where a rank was not timed alone)."""
+    alone = np.asarray(alone, float)
+    timed = np.isfinite(alone) & (alone > 0)
+    if not timed.any():
+        return None
+    coupling = np.where(timed, np.asarray(together, float) / np.where(timed, alone, 1.0), np.nan)
+    if float(np.median(coupling[timed])) < COUPLED:
+        return None
+    scale = np.where(timed, 1.0 / np.where(timed, coupling, 1.0), 1.0)
+    model = SpeedModel(np.asarray(fit.per_sample, float) * scale, np.asarray(fit.overhead, float) * scale)
+    every = allocate_for(fit, global_batch, min_local, max_local, "auto")
+    fastest = allocate_for(model, global_batch, min_local, max_local, within=timed)
+    if fastest is None or members(fastest) == members(every):
+        return None
+    if float(model.predict(fastest).max()) >= (1.0 - LEAVE_GAIN) * float(fit.predict(every).max()):
+        return None
+    return Start(fastest, model, coupling)
