@@ -16,7 +16,8 @@ the result file), each case against its baseline in the same repeat:
   until rank 1 has 80% of its share again (auto and all);
 * coupled: 2 ranks at 1:0.25, rank 0 at half its speed whenever the other computes
   (`--couple 0:2`): its second epoch and the whole run (3 epochs, start-up included,
-  the launch's wall time) over 1 rank's; "slow" reports the whole run at 1:0.02 too;
+  the launch's wall time) over 1 rank's, and the steps (of 180) in which rank 1 took
+  part, rank 0 then at half speed; "slow" reports the whole run at 1:0.02 too;
 * steady: 2 ranks at 1:0.1, dbs (3 epochs): the slow rank's local batch over epochs 2-3,
   its median, range (largest less smallest) and largest jump between two steps;
 * crossover: 2 ranks at 1:x for x in 0.5, 0.2, 0.1, 0.05, 0.02, dbs with participation
@@ -108,7 +109,8 @@ def case_coupled(tmp: Path, subset: list) -> dict:
     alone = run(1, subset + ["--epochs", "3", "--threads", "1"], tmp / "alone.h5")
     d = run(2, subset + ["--epochs", "3", "--speeds", "1,0.25", "--couple", "0:2"], tmp / "coupled.h5")
     return {"coupled 1:0.25, 0 at 1/2 / 1 rank": epoch_seconds(d, 1) / epoch_seconds(alone, 1),
-            "coupled whole run / 1 rank": WALL[tmp / "coupled.h5"] / WALL[tmp / "alone.h5"]}
+            "coupled whole run / 1 rank": WALL[tmp / "coupled.h5"] / WALL[tmp / "alone.h5"],
+            "coupled: steps rank 1 took part": float((np.asarray(d["step/batch_sizes"])[:, 1] > 0).sum())}
 
 
 def case_steady(tmp: Path, subset: list) -> dict:

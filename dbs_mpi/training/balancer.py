@@ -421,8 +421,9 @@ class Calibration:
 
     def _time_alone(self, step, fit, large: int, steps: int, warmup: int) -> np.ndarray | None:
         """Collective where it is needed (coupling.timed_alone; every rank decides alike from
-        the gathered fit): the fastest ranks time the large batch again, the others
-        computing nothing. Returns every rank's seconds (NaN: not timed), or None."""
+        the gathered fit): the fastest ranks time the large batch again, LEAST_TIMED steps
+        after one untimed, the others computing nothing. Returns every rank's seconds
+        (NaN: not timed), or None."""
         alone = None if self.policy != "dbs" else coupling.timed_alone(fit, self.hosts, self.participation)
         if alone is None:
             return None
@@ -431,7 +432,8 @@ class Calibration:
         if alone[self.rank]:
             cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
             with torch.random.fork_rng(devices=cuda):
-                mine = [time_step(step, large, steps, warmup, lambda wall, cpu=None: self.stretch(wall, cpu, row))]
+                mine = [time_step(step, large, min(steps, LEAST_TIMED), min(warmup, 1),    # (warm: just timed)
+                                  lambda wall, cpu=None: self.stretch(wall, cpu, row))]
         return allgather_array(self.comm, mine, self.timeout)[:, 0]
 
     def use_calibration(self, startup: dict) -> np.ndarray:
