@@ -58,7 +58,7 @@ def test_a_rank_coupled_to_the_others_of_its_host_is_timed_alone_and_starts_alon
     rank, size = comm.Get_rank(), comm.Get_size()
     emulator = Emulator(rank, 1.0 if rank == 0 else 0.1, couple=3.0 if rank == 0 else 1.0)
     b = Balancer(comm, 64 * size, "dbs", emulator=emulator, timeout=60.0)
-    vector = b.calibrate(spinning_step(1e-4), steps=3, warmup=1)
+    vector = b.calibrate(spinning_step(1e-3), steps=3, warmup=1)
     if size == 1:
         assert "alone_time" not in b.startup and vector.tolist() == [64]
         return
@@ -69,5 +69,5 @@ def test_a_rank_coupled_to_the_others_of_its_host_is_timed_alone_and_starts_alon
     again = Balancer(comm, 64 * size, "dbs", emulator=Emulator(rank, 1.0), timeout=60.0)
     assert again.use_calibration(b.startup).tolist() == vector.tolist()
     static = Balancer(comm, 64 * size, "static", emulator=emulator, timeout=60.0)
-    static.calibrate(spinning_step(1e-4), steps=3, warmup=1)
+    static.calibrate(spinning_step(1e-3), steps=3, warmup=1)
     assert "alone_time" not in static.startup

@@ -4,6 +4,7 @@ step planner's set check then makes of that start."""
 import numpy as np
 import pytest
 
+from dbs_mpi.options import UserError
 from dbs_mpi.planning import coupling, dynamic
 from dbs_mpi.planning.allocation import SpeedModel
 from dbs_mpi.planning.dynamic import set_check
@@ -77,3 +78,20 @@ def test_a_coupled_start_leaves_the_pair_to_the_set_check():
     assert 0 < (rows[:, 1] > 0).sum() <= set_check.RECENT + 2, switches
     step_time = [max(t for t in seconds_of(s, row) if t) for s, row in enumerate(rows)]
     assert np.mean(step_time) <= 1.03 * (1e-3 + 1e-4 * B), switches
+
+
+def test_a_recorded_timing_alone_counts_only_where_this_job_would_have_timed_it():
+    """decide (engine and simulator, fresh or from `--calibration-from`): with ranks that
+    may not sit out, or no set check to follow (the per-epoch rule), or no timing, the
+    calibration's plan stands; a timing of another world size is refused in one line."""
+    fit = model(1.0, 4.0)
+    together = fit.predict(np.array([256, 256]))
+    alone = np.array([together[0] / 2, np.nan])
+    hosts = ["a", "a"]
+    assert coupling.decide(fit, together, alone, hosts, "auto", True, B).vector.tolist() == [B, 0]
+    assert coupling.decide(fit, together, alone, hosts, "all", True, B) is None
+    assert coupling.decide(fit, together, alone, hosts, "auto", False, B) is None
+    assert coupling.decide(fit, together, None, hosts, "auto", True, B) is None
+    assert coupling.decide(fit, together, alone, ["a", "b"], "auto", True, B) is None
+    with pytest.raises(UserError, match="alone_time has 3 value"):
+        coupling.decide(fit, together, np.array([0.1, np.nan, np.nan]), hosts, "auto", True, B)

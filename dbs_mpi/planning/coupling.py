@@ -36,9 +36,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..options import UserError
 from .allocation import SpeedModel
 from .dynamic.set_check import COUPLED, FASTEST, members
 from .participation import LEAVE_GAIN, allocate_for
+
+
+ALONE_STEPS = 3       # timed steps alone, after one untimed (the large batch was just timed: warm)
 
 
 @dataclass
@@ -49,11 +53,13 @@ class Start:
     coupling: np.ndarray        # (R,) t(together) / t(alone) (NaN: not timed alone)
 
 
-def timed_alone(model: SpeedModel, hosts, participation: str = "auto") -> np.ndarray | None:
+def timed_alone(model: SpeedModel, hosts, participation: str = "auto", checked: bool = True) -> np.ndarray | None:
     """The ranks (bool) the calibration times alone too, or None where no coupling could
-    change the plan: ranks may not sit out, the hosts are unknown, every rank is among the
-    fastest, or no fastest rank shares a host with a slower one."""
-    if participation != "auto" or hosts is None:
+    change the plan, or no set check would follow the start (checked: dbs's within-epoch
+    planner runs; the per-epoch rule takes every rank back unchecked): ranks may not sit
+    out, the hosts are unknown, every rank is among the fastest, or no fastest rank shares
+    a host with a slower one."""
+    if not checked or participation != "auto" or hosts is None:
         return None
     c = np.asarray(model.per_sample, float)
     fastest = c <= FASTEST * c.min()
@@ -87,3 +93,17 @@ def coupled_start(fit: SpeedModel, together, alone, global_batch: int, min_local
     if float(model.predict(fastest).max()) >= (1.0 - LEAVE_GAIN) * float(fit.predict(every).max()):
         return None
     return Start(fastest, model, coupling)
+
+
+def decide(fit: SpeedModel, together, alone, hosts, participation: str, checked: bool, global_batch: int,
+           min_local: int = 1, max_local=None) -> Start | None:
+    """coupled_start where timed_alone says the calibration times ranks alone (a fresh
+    timing, or one recorded by another launch, whose `alone` must then be of this world
+    and is read only where this job would have timed)."""
+    mask = timed_alone(fit, hosts, participation, checked)
+    if mask is None or alone is None:
+        return None
+    alone = np.asarray(alone, float).reshape(-1)
+    if alone.shape != mask.shape:
+        raise UserError(f"calibration: its alone_time has {alone.size} value(s); this job has {mask.size} rank(s)")
+    return coupled_start(fit, together, np.where(mask, alone, np.nan), global_batch, min_local, max_local)

@@ -421,10 +421,10 @@ class Calibration:
 
     def _time_alone(self, step, fit, large: int, steps: int, warmup: int) -> np.ndarray | None:
         """Collective where it is needed (coupling.timed_alone; every rank decides alike from
-        the gathered fit): the fastest ranks time the large batch again, LEAST_TIMED steps
+        the gathered fit): the fastest ranks time the large batch again, ALONE_STEPS steps
         after one untimed, the others computing nothing. Returns every rank's seconds
         (NaN: not timed), or None."""
-        alone = None if self.policy != "dbs" else coupling.timed_alone(fit, self.hosts, self.participation)
+        alone = coupling.timed_alone(fit, self.hosts, self.participation, self._checked())
         if alone is None:
             return None
         row = alone.astype(np.int64)                  # the emulation's view: only these ranks compute
@@ -432,7 +432,7 @@ class Calibration:
         if alone[self.rank]:
             cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
             with torch.random.fork_rng(devices=cuda):
-                mine = [time_step(step, large, min(steps, LEAST_TIMED), min(warmup, 1),    # (warm: just timed)
+                mine = [time_step(step, large, min(steps, coupling.ALONE_STEPS), min(warmup, 1),
                                   lambda wall, cpu=None: self.stretch(wall, cpu, row))]
         return allgather_array(self.comm, mine, self.timeout)[:, 0]
 
@@ -461,8 +461,8 @@ class Calibration:
     def _plan_from(self, fit, small: int, large: int, times: np.ndarray, alone=None) -> np.ndarray:
         """The calibration's plan: the speed model, (static, dbs) the vector, the controllers;
         (dbs) with the fastest ranks alone where their times alone showed coupling (coupling.py)."""
-        start = None if alone is None or self.policy != "dbs" else coupling.coupled_start(
-            fit, times[:, 1], alone, self.global_batch, self.min_local, self.max_local)
+        start = coupling.decide(fit, times[:, 1], alone, self.hosts, self.participation, self._checked(),
+                                self.global_batch, self.min_local, self.max_local)
         model = fit if start is None else start.model
         self.speed_model = model
         if self.policy != "ssgd":
@@ -477,6 +477,10 @@ class Calibration:
         if alone is not None:
             self.startup["alone_time"] = np.asarray(alone, dtype=np.float64)
         return self.batch_sizes
+
+    def _checked(self) -> bool:
+        """Whether a set check follows the start: dbs re-planning within the epoch."""
+        return self.policy == "dbs" and self.replanner is not None
 
     def calibrate_model(self, model, loss_fn, dataset, steps: int = 5, warmup: int = 2, largest: int = 0) -> np.ndarray:
         """calibrate() with the usual step: loss_fn(model(x), y).backward() on a copy of

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import platform
 import subprocess
 import sys
@@ -92,7 +93,7 @@ SCHEMA_DATASETS = {
     "startup/local_batch": ("(2,) int", "samples", "the two local batches of the start-up calibration"),
     "startup/step_time": ("(R, 2)", "s", "median seconds per step of every rank at those local batches"),
     "startup/alone_time": ("(R,)", "s", "median seconds of the fastest ranks at the larger batch with no other rank "
-                           "computing (NaN: not timed; absent: no rank was; planning/coupling.py)"),
+                           "computing (NaN: not timed; empty: no rank was; planning/coupling.py)"),
     "startup/batch_sizes": ("(R,) int", "samples", "the vector chosen from it (asynchronous: 0 for the server, "
                                                    "rank 0)"),
     "epoch/train_loss": ("(E,)", "loss", "mean training loss over the epoch's samples"),
@@ -235,6 +236,13 @@ def default_path(strategy: str) -> Path:
     return Path("results") / f"{strategy}-{stamp}.h5"
 
 
+def _finite_or_none(value):
+    """A list (nested) with NaN and infinities as None: strict JSON has no NaN."""
+    if isinstance(value, list):
+        return [_finite_or_none(v) for v in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 def _dims(shape: str) -> list[str]:
     """'(E, R) int' -> ['E', 'R']: the dimensions of a SCHEMA_DATASETS shape."""
     return [d.strip() for d in shape[shape.index("(") + 1:shape.index(")")].split(",") if d.strip()]
@@ -361,7 +369,7 @@ class RunWriter:
             for name, value in startup.items():
                 self.write(f"startup/{name}", value)
             return
-        segments[-1]["startup"] = {name: np.asarray(value).tolist() for name, value in startup.items()}
+        segments[-1]["startup"] = {name: _finite_or_none(np.asarray(value).tolist()) for name, value in startup.items()}
         self.file.attrs["segments"] = json.dumps(segments)
         self.file.flush()
 

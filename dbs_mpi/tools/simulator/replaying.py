@@ -114,7 +114,7 @@ def replay(path, machine: Machine, noise: float | None = None, seed: int = 0) ->
     start = time.perf_counter()
     if job.strategy in SYNC:
         result = simulate_sync(job, cluster, network, noise, seed, load, startup.get("batch_sizes"), fit,
-                               recorded_start(job, startup, fit))
+                               recorded_start(job, cluster, startup, fit))
     else:
         result = simulate_async(job, cluster, network, noise, seed, load, None, fit, cfg["checkpoint_every"])
     result.simulate_seconds = time.perf_counter() - start

@@ -42,34 +42,44 @@ def calibration_times(job: Job, cluster: Cluster, compute: Compute, emus) -> tup
 
 def simulated_calibration(job: Job, cluster: Cluster, compute: Compute, emus) -> allocation.SpeedModel:
     """The engine's fit of the simulated calibration."""
+    return simulated_start(job, cluster, compute, emus)[0]
+
+
+def simulated_start(job: Job, cluster: Cluster, compute: Compute, emus) -> tuple:
+    """The simulated calibration as the engine runs it: its fit, and its check for coupled
+    ranks (coupling.py: the fastest ranks time the large batch again, nobody else
+    computing) as coupling.Start or None."""
     (small, large), times = calibration_times(job, cluster, compute, emus)
     n = cluster.size
-    return allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1],
-                                     affine=job.dbs_model == "affine")
-
-
-def simulated_start(job: Job, cluster: Cluster, compute: Compute, emus,
-                    fit: allocation.SpeedModel) -> coupling.Start | None:
-    """The engine's check of the simulated calibration for coupled ranks (coupling.py):
-    the fastest ranks time the large batch again with nobody else computing."""
-    hosts = list(cluster.nodes if cluster.hosts is None else cluster.hosts)
-    alone = None if job.strategy != "dbs" else coupling.timed_alone(fit, hosts, job.participation)
+    fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1],
+                                    affine=job.dbs_model == "affine")
+    hosts = _hosts(cluster)
+    alone = coupling.timed_alone(fit, hosts, job.participation, _checked(job, n))
     if alone is None:
-        return None
-    (_, large), times = calibration_times(job, cluster, compute, emus)
+        return fit, None
     factor = step_factor(emus, cluster, alone.astype(np.int64))
-    seconds = np.median([calibration_step(compute, cluster, factor, large, alone) for _ in range(job.benchmark_steps)],
-                        axis=0)
-    bounds = (job.min_local_batch, job.max_local_batch or None)
-    return coupling.coupled_start(fit, times[:, 1], np.where(alone, seconds, np.nan), job.global_batch, *bounds)
+    steps = min(job.benchmark_steps, coupling.ALONE_STEPS)
+    seconds = np.median([calibration_step(compute, cluster, factor, large, alone) for _ in range(steps)], axis=0)
+    return fit, coupling.decide(fit, times[:, 1], seconds, hosts, job.participation, True, job.global_batch,
+                                job.min_local_batch, job.max_local_batch or None)
 
 
-def recorded_start(job: Job, startup: dict, fit: allocation.SpeedModel | None) -> coupling.Start | None:
+def recorded_start(job: Job, cluster: Cluster, startup: dict, fit: allocation.SpeedModel | None):
     """The engine's decision from a recorded calibration that timed ranks alone (None: it did not)."""
-    if fit is None or job.strategy != "dbs" or len(startup.get("alone_time", ())) == 0:
+    if fit is None or len(startup.get("alone_time", ())) == 0:
         return None
-    return coupling.coupled_start(fit, np.asarray(startup["step_time"])[:, 1], startup["alone_time"],
-                                  job.global_batch, job.min_local_batch, job.max_local_batch or None)
+    return coupling.decide(fit, np.asarray(startup["step_time"])[:, 1], startup["alone_time"], _hosts(cluster),
+                           job.participation, _checked(job, cluster.size), job.global_batch, job.min_local_batch,
+                           job.max_local_batch or None)
+
+
+def _hosts(cluster: Cluster) -> list:
+    return list(cluster.nodes if cluster.hosts is None else cluster.hosts)
+
+
+def _checked(job: Job, ranks: int) -> bool:
+    """Whether a set check follows the start (dbs's within-epoch planner: step_replanner)."""
+    return job.strategy == "dbs" and parse_interval(job.dbs_interval) is not None and ranks > 1
 
 
 def first_vector(job: Job, n: int, fit: allocation.SpeedModel) -> np.ndarray:
@@ -108,8 +118,7 @@ def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0
     n = cluster.size
     compute, emus, result = Compute(job, cluster, noise, rng, load), emulators(job, n), Result()
     if fit is None:
-        fit = simulated_calibration(job, cluster, compute, emus)
-        start = simulated_start(job, cluster, compute, emus, fit)
+        fit, start = simulated_start(job, cluster, compute, emus)
     if start is not None:
         fit, vector = start.model, start.vector if vector is None else vector
     vector = np.asarray(vector if vector is not None else first_vector(job, n, fit), dtype=np.int64)
@@ -198,7 +207,7 @@ class _SyncClock:
         self.probe_end = np.zeros(len(emus))      # when every rank's own-time probe under way ends
         if replanner is not None:                 # where ranks share a host, the planner tries sets (set_check.py)
             cluster = compute.cluster
-            replanner.on_hosts(list(cluster.nodes if cluster.hosts is None else cluster.hosts))
+            replanner.on_hosts(_hosts(cluster))
 
     def epoch(self, table: np.ndarray, job: Job) -> tuple[np.ndarray, np.ndarray]:
         pre, comm = np.zeros(table.shape), np.zeros(len(table))
