@@ -19,8 +19,9 @@ finds it before the first step:
              they will have), against every rank's best vector under the calibration's
              fit: the fastest alone is taken where it is predicted LEAVE_GAIN faster
 
-Only dbs starts so, since its set check (dynamic/set_check.py) then decides by
-measurement: its per-rank model, seeing the fastest ranks' speed alone, soon takes the
+Only dbs re-planning within the epoch starts so, since its set check
+(dynamic/set_check.py) then decides by measurement (the per-epoch rule would take every
+rank back after the first epoch, unchecked): its per-rank model, seeing the fastest ranks' speed alone, soon takes the
 larger set back, measures it, and reverts and bans it where it is slower. So a timing
 fooled by noise (a busy machine) costs a few steps alone, and real coupling costs one
 check (RECENT + 1 steps at the coupled speed) where it cost TRIAL_FIRST steps. static
