@@ -35,14 +35,21 @@ def test_every_rank_but_the_fastest_calls_its_step_less_often(comm):
     assert (times[1:] > 3 * times[0]).all(), times
 
 
-def spinning_step(per_sample: float):
-    """A step that computes (spins on this process's CPU clock) per_sample seconds a sample:
-    the emulation stretches CPU time, which a sleep would not have."""
+def device_step(per_sample: float):
+    """A step on an emulated device: it sleeps per_sample seconds a sample, and the
+    emulation stretches its wall time as on a GPU rank (`wall_clock`). Unlike a step that
+    computes on the CPU, whose emulated slow-down stretches CPU time, a busy machine
+    neither shrinks nor fakes the speeds and the coupling it times."""
     def step(b):
-        end = time.process_time() + per_sample * b
-        while time.process_time() < end:
-            pass
+        time.sleep(per_sample * b)
     return step
+
+
+def device_emulator(rank: int, speed: float, couple: float = 1.0):
+    from dbs_mpi.planning.heterogeneity import Emulator
+    emulator = Emulator(rank, speed, couple=couple)
+    emulator.wall_clock = True
+    return emulator
 
 
 @pytest.mark.mpi
@@ -54,11 +61,10 @@ def test_a_rank_coupled_to_the_others_of_its_host_is_timed_alone_and_starts_alon
     times nothing alone. On one rank there is nobody to couple with."""
     from dbs_mpi import Balancer
     from dbs_mpi.planning.dynamic import set_check
-    from dbs_mpi.planning.heterogeneity import Emulator
     rank, size = comm.Get_rank(), comm.Get_size()
-    emulator = Emulator(rank, 1.0 if rank == 0 else 0.1, couple=3.0 if rank == 0 else 1.0)
+    emulator = device_emulator(rank, 1.0 if rank == 0 else 0.1, 3.0 if rank == 0 else 1.0)
     b = Balancer(comm, 64 * size, "dbs", emulator=emulator, timeout=60.0)
-    vector = b.calibrate(spinning_step(1e-3), steps=3, warmup=1)
+    vector = b.calibrate(device_step(5e-4), steps=3, warmup=1)
     if size == 1:
         assert "alone_time" not in b.startup and vector.tolist() == [64]
         return
@@ -66,8 +72,8 @@ def test_a_rank_coupled_to_the_others_of_its_host_is_timed_alone_and_starts_alon
     assert np.isfinite(alone[0]) and np.isnan(alone[1:]).all(), alone
     assert b.startup["step_time"][0, 1] > set_check.COUPLED * alone[0], (b.startup["step_time"], alone)
     assert vector.tolist() == [64 * size] + [0] * (size - 1), vector
-    again = Balancer(comm, 64 * size, "dbs", emulator=Emulator(rank, 1.0), timeout=60.0)
+    again = Balancer(comm, 64 * size, "dbs", emulator=device_emulator(rank, 1.0), timeout=60.0)
     assert again.use_calibration(b.startup).tolist() == vector.tolist()
     static = Balancer(comm, 64 * size, "static", emulator=emulator, timeout=60.0)
-    static.calibrate(spinning_step(1e-3), steps=3, warmup=1)
+    static.calibrate(device_step(5e-4), steps=3, warmup=1)
     assert "alone_time" not in static.startup
