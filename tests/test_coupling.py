@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from dbs_mpi.options import UserError
-from dbs_mpi.planning import coupling, dynamic
+from dbs_mpi.planning import coupling, dynamic, participation
 from dbs_mpi.planning.allocation import SpeedModel
 from dbs_mpi.planning.dynamic import set_check
 
@@ -30,6 +30,18 @@ def test_the_fastest_ranks_are_timed_alone_only_where_coupling_could_change_the_
                                                                                       expected):
     alone = coupling.timed_alone(model(*per_sample), hosts, rule)
     assert (alone is None) if expected is None else alone.tolist() == expected
+    assert coupling.timed_alone(model(*per_sample), hosts, rule, checked=False) is None   # no set check follows
+
+
+def test_nothing_is_timed_alone_where_the_plan_already_leaves_the_slower_ranks_out():
+    """1:0.001 (one sample of the slow rank takes twice the fast rank's whole step): the
+    calibration's plan is the fast rank alone; timing it alone could not change that
+    (and would cost the start-up its steps)."""
+    fit = model(1.0, 1000.0)
+    plan = participation.allocate_for(fit, B)
+    assert plan.tolist() == [B, 0]
+    assert coupling.timed_alone(fit, ["a", "a"], plan=plan) is None
+    assert coupling.timed_alone(fit, ["a", "a"], plan=np.array([500, 12])).tolist() == [True, False]
 
 
 def test_coupling_seen_starts_with_the_fastest_rank_alone_at_its_speed_alone():

@@ -27,8 +27,8 @@ fooled by noise (a busy machine) costs a few steps alone, and real coupling cost
 check (RECENT + 1 steps at the coupled speed) where it cost TRIAL_FIRST steps. static
 plans once and has no check: it keeps the calibration's plan.
 
-What it costs: one more timing of the large batch on the fastest ranks, only on a
-shared host with ranks of other speeds. Pure code, no MPI: the balancer times, every
+What it costs: ALONE_STEPS + 1 more steps of the large batch on the fastest ranks, only
+on a shared host with ranks of other speeds that the calibration's plan keeps. Pure code, no MPI: the balancer times, every
 rank decides from the same gathered numbers.
 """
 from __future__ import annotations
@@ -54,17 +54,19 @@ class Start:
     coupling: np.ndarray        # (R,) t(together) / t(alone) (NaN: not timed alone)
 
 
-def timed_alone(model: SpeedModel, hosts, participation: str = "auto", checked: bool = True) -> np.ndarray | None:
+def timed_alone(model: SpeedModel, hosts, participation: str = "auto", checked: bool = True,
+                plan=None) -> np.ndarray | None:
     """The ranks (bool) the calibration times alone too, or None where no coupling could
     change the plan, or no set check would follow the start (checked: dbs's within-epoch
     planner runs; the per-epoch rule takes every rank back unchecked): ranks may not sit
-    out, the hosts are unknown, every rank is among the fastest, or no fastest rank shares
-    a host with a slower one."""
+    out, the hosts are unknown, every rank is among the fastest, the calibration's plan
+    (the vector from `model`, if given) already leaves the others out, or no fastest
+    rank shares a host with a slower one."""
     if not checked or participation != "auto" or hosts is None:
         return None
     c = np.asarray(model.per_sample, float)
     fastest = c <= FASTEST * c.min()
-    if fastest.all():
+    if fastest.all() or (plan is not None and not (np.asarray(plan) > 0)[~fastest].any()):
         return None
     theirs = {hosts[i] for i in np.flatnonzero(fastest)}
     if not any(hosts[j] in theirs for j in np.flatnonzero(~fastest)):
@@ -101,7 +103,7 @@ def decide(fit: SpeedModel, together, alone, hosts, participation: str, checked:
     """coupled_start where timed_alone says the calibration times ranks alone (a fresh
     timing, or one recorded by another launch, whose `alone` must then be of this world
     and is read only where this job would have timed)."""
-    mask = timed_alone(fit, hosts, participation, checked)
+    mask = timed_alone(fit, hosts, participation, checked, allocate_for(fit, global_batch, min_local, max_local))
     if mask is None or alone is None:
         return None
     alone = np.asarray(alone, float).reshape(-1)

@@ -424,7 +424,8 @@ class Calibration:
         the gathered fit): the fastest ranks time the large batch again, ALONE_STEPS steps
         after one untimed, the others computing nothing. Returns every rank's seconds
         (NaN: not timed), or None."""
-        alone = coupling.timed_alone(fit, self.hosts, self.participation, self._checked())
+        plan = participation.allocate_for(fit, self.global_batch, self.min_local, self.max_local, self.participation)
+        alone = coupling.timed_alone(fit, self.hosts, self.participation, self._checked(), plan)
         if alone is None:
             return None
         row = alone.astype(np.int64)                  # the emulation's view: only these ranks compute

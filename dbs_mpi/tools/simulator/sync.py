@@ -53,15 +53,15 @@ def simulated_start(job: Job, cluster: Cluster, compute: Compute, emus) -> tuple
     n = cluster.size
     fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1],
                                     affine=job.dbs_model == "affine")
-    hosts = _hosts(cluster)
-    alone = coupling.timed_alone(fit, hosts, job.participation, _checked(job, n))
+    hosts, bounds = _hosts(cluster), (job.min_local_batch, job.max_local_batch or None)
+    plan = participation.allocate_for(fit, job.global_batch, *bounds, job.participation)
+    alone = coupling.timed_alone(fit, hosts, job.participation, _checked(job, n), plan)
     if alone is None:
         return fit, None
     factor = step_factor(emus, cluster, alone.astype(np.int64))
     steps = min(job.benchmark_steps, coupling.ALONE_STEPS)
     seconds = np.median([calibration_step(compute, cluster, factor, large, alone) for _ in range(steps)], axis=0)
-    return fit, coupling.decide(fit, times[:, 1], seconds, hosts, job.participation, True, job.global_batch,
-                                job.min_local_batch, job.max_local_batch or None)
+    return fit, coupling.decide(fit, times[:, 1], seconds, hosts, job.participation, True, job.global_batch, *bounds)
 
 
 def recorded_start(job: Job, cluster: Cluster, startup: dict, fit: allocation.SpeedModel | None):
