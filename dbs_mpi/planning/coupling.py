@@ -21,15 +21,16 @@ finds it before the first step:
 
 Only dbs re-planning within the epoch starts so, since its set check
 (dynamic/set_check.py) then decides by measurement (the per-epoch rule would take every
-rank back after the first epoch, unchecked): its per-rank model, seeing the fastest ranks' speed alone, soon takes the
-larger set back, measures it, and reverts and bans it where it is slower. So a timing
-fooled by noise (a busy machine) costs a few steps alone, and real coupling costs one
-check (RECENT + 1 steps at the coupled speed) where it cost TRIAL_FIRST steps. static
-plans once and has no check: it keeps the calibration's plan.
+rank back after the first epoch, unchecked): its per-rank model, seeing the fastest
+ranks' speed alone, soon takes the larger set back, measures it, and reverts and bans
+it where it is slower. So a timing fooled by noise (a busy machine) costs a few steps
+alone, and real coupling costs one check (RECENT + 1 steps at the coupled speed) where
+it cost TRIAL_FIRST steps. static plans once and has no check: it keeps the
+calibration's plan.
 
 What it costs: ALONE_STEPS + 1 more steps of the large batch on the fastest ranks, only
-on a shared host with ranks of other speeds that the calibration's plan keeps. Pure code, no MPI: the balancer times, every
-rank decides from the same gathered numbers.
+on a shared host with ranks of other speeds that the calibration's plan keeps. Pure
+code, no MPI: the balancer times, every rank decides from the same gathered numbers.
 """
 from __future__ import annotations
 
@@ -75,11 +76,11 @@ def timed_alone(model: SpeedModel, hosts, participation: str = "auto", checked: 
 
 
 def coupled_start(fit: SpeedModel, together, alone, global_batch: int, min_local: int = 1,
-                  max_local=None) -> Start | None:
+                  max_local=None, every=None) -> Start | None:
     """The fastest ranks alone where coupling was seen and they are predicted faster than
     every rank's best vector (see the module docstring), else None. together, alone:
     (R,) seconds of the calibration's large batch with every rank computing, and alone
-    (NaN where a rank was not timed alone)."""
+    (NaN where a rank was not timed alone); every: the calibration's plan, if known."""
     alone = np.asarray(alone, float)
     timed = np.isfinite(alone) & (alone > 0)
     if not timed.any():
@@ -89,7 +90,7 @@ def coupled_start(fit: SpeedModel, together, alone, global_batch: int, min_local
         return None
     scale = np.where(timed, 1.0 / np.where(timed, coupling, 1.0), 1.0)
     model = SpeedModel(np.asarray(fit.per_sample, float) * scale, np.asarray(fit.overhead, float) * scale)
-    every = allocate_for(fit, global_batch, min_local, max_local, "auto")
+    every = allocate_for(fit, global_batch, min_local, max_local, "auto") if every is None else every
     fastest = allocate_for(model, global_batch, min_local, max_local, within=timed)
     if fastest is None or members(fastest) == members(every):
         return None
@@ -103,10 +104,13 @@ def decide(fit: SpeedModel, together, alone, hosts, participation: str, checked:
     """coupled_start where timed_alone says the calibration times ranks alone (a fresh
     timing, or one recorded by another launch, whose `alone` must then be of this world
     and is read only where this job would have timed)."""
-    mask = timed_alone(fit, hosts, participation, checked, allocate_for(fit, global_batch, min_local, max_local))
-    if mask is None or alone is None:
+    if alone is None:
+        return None
+    plan = allocate_for(fit, global_batch, min_local, max_local)
+    mask = timed_alone(fit, hosts, participation, checked, plan)
+    if mask is None:
         return None
     alone = np.asarray(alone, float).reshape(-1)
     if alone.shape != mask.shape:
         raise UserError(f"calibration: its alone_time has {alone.size} value(s); this job has {mask.size} rank(s)")
-    return coupled_start(fit, together, np.where(mask, alone, np.nan), global_batch, min_local, max_local)
+    return coupled_start(fit, together, np.where(mask, alone, np.nan), global_batch, min_local, max_local, plan)

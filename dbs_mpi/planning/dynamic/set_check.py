@@ -29,11 +29,11 @@ cost more than they bring. So every change of the set is checked by what it meas
               model saw what the trial saw and decides as before. A trial that lost
               without coupling ends the trials. Ranks taken back that measured slower
               with coupling seen (the ranks there before computed COUPLED times slower
-              beside them) are banned for TRIAL_BAN too: the same evidence as a trial's. No trial starts within SETTLE steps of
-              a change of the set: a rank that comes back takes its share over a few
-              plans, and a trial then would compare the fastest ranks with a vector not
-              yet balanced (it came 7 steps after a 50x slow rank's return, and held
-              the return back 20 steps)
+              beside them) are banned for TRIAL_BAN too: the same evidence as a
+              trial's. No trial starts within SETTLE steps of a change of the set: a
+              rank that comes back takes its share over a few plans, and a trial then
+              would compare the fastest ranks with a vector not yet balanced (it came 7
+              steps after a 50x slow rank's return, and held the return back 20 steps)
 
 A trial costs at most RECENT + 1 steps at the slower set's time, once per wait: 6 steps
 after the first 64, then in 128, ... (without coupling, once). Pure code, no MPI: the
