@@ -14,7 +14,7 @@ from conftest import ROOT, run_cli
 from dbs_mpi.planning import sharding
 from dbs_mpi.tools.fingerprint import describe
 from dbs_mpi.tools.machine import Machine, ModelCost
-from dbs_mpi.tools.simulator.calibration import EMULATED, compute_extra
+from dbs_mpi.tools.simulator.calibration import EMULATED, _spread, compute_extra
 from dbs_mpi.tools.simulator import (Cluster, Compute, Job, Network, buckets, crossover, dbs_controller, processor_sharing,
                                      replay, replay_job, simulate_async, simulate_sync, startup_fit, step_replanner)
 
@@ -298,6 +298,26 @@ def test_the_compute_a_training_step_adds_is_read_from_the_emulated_run(tmp_path
         f["step/batch_sizes"], f["step/epoch"] = batches, epoch
     found = compute_extra(tmp_path / "emulated.h5", machine)
     assert found["spinning"] == pytest.approx(0.003, abs=1e-4) and found["sleeping"] == pytest.approx(0.006, abs=1e-4)
+    with h5py.File(tmp_path / "faster.h5", "w") as f:          # the machine 20% faster than its table then
+        f["step/pre_time"] = 0.8 * (model.compute(batches) + extra) * factor
+        f["step/batch_sizes"], f["step/epoch"] = batches, epoch
+    moved = compute_extra(tmp_path / "faster.h5", machine, load=0.8)
+    assert moved["spinning"] == pytest.approx(0.003, abs=1e-4) and moved["sleeping"] == pytest.approx(0.006, abs=1e-4)
+    assert compute_extra(tmp_path / "faster.h5", machine)["spinning"] == 0.0       # unscaled: the move, not the extra
+
+
+def test_the_spread_is_the_step_to_step_noise_not_the_machines_slow_moves(tmp_path):
+    """_spread: a run whose compute times carry lognormal noise of sigma 0.05 on a speed
+    that moves by 1.5x now and then (every rank at once) has a spread near 0.05 (the moves
+    add a little), not the 0.2 of log time around its mean."""
+    rng = np.random.default_rng(1)
+    epoch = np.repeat(np.arange(4), 100)
+    level = np.repeat([1.0, 1.0, 1.5, 1.0, 1.0, 1.5, 1.5, 1.5], 50)[:, None]
+    times = 0.02 * level * np.exp(rng.normal(0, 0.05, (400, 2)))
+    with h5py.File(tmp_path / "sync.h5", "w") as f:
+        f["step/compute_time"], f["step/epoch"] = times, epoch
+    assert np.log(times[100:]).std(axis=0).min() > 0.15
+    assert _spread(tmp_path / "sync.h5") == pytest.approx(0.05, rel=0.2)
 
 
 def test_a_replay_adds_the_machines_compute_extra_to_every_training_step():

@@ -17,7 +17,7 @@ from ..config import ArgumentParser, Config
 from ..fingerprint import MACHINES, describe, fingerprint
 from ..machine import FULL, QUICK, Effort, Machine, calibrate, drift_note, steadiness
 from .job import SYNC
-from .replaying import replay, replay_job
+from .replaying import load_factor, replay, replay_job
 
 
 def mpi_bcast_tmp(comm) -> str:
@@ -63,7 +63,8 @@ def measure_residuals(comm, machine: Machine, folder: Path, effort: Effort = FUL
         sub.Free()
         barrier(comm, timeout=3600)
     if comm.Get_rank() == 0:
-        machine.compute_extra = compute_extra(folder / "emulated.h5", machine)
+        job, cluster, _, _, startup = replay_job(folder / "emulated.h5", machine)
+        machine.compute_extra = compute_extra(folder / "emulated.h5", machine, load_factor(job, cluster, startup))
         machine.residual = {}
         machine.noise = {"alone": _spread(folder / "sync.h5")}
         machine.noise["crowded"] = _spread(folder / "sync_crowded.h5") if "sync_crowded" in runs else \
@@ -74,30 +75,37 @@ def measure_residuals(comm, machine: Machine, folder: Path, effort: Effort = FUL
     return residual
 
 
-def compute_extra(path: Path, machine: Machine) -> dict:
+def compute_extra(path: Path, machine: Machine, load: float = 1.0) -> dict:
     """Seconds a training step's compute takes beyond the model's table (measured one rank
     at a time, nothing between the steps) on a rank of the "emulated" run that waits
     spinning (rank 0) and on one whose emulated slow-down sleeps (rank 1, which the
     engine stretches by its CPU time: its pre-collective time is factor x its compute):
-    the means over the steps after the first epoch of pre_time / factor - table (means: an
-    epoch lasts the sum of its steps, and a step's compute time has a long tail)."""
+    the means over the steps after the first epoch of pre_time / (factor x load) - table
+    (means: an epoch lasts the sum of its steps, and a step's compute time has a long
+    tail). load: the run's own load factor, as a replay reads it (replaying.load_factor):
+    a machine that moved between its table and this run (a VM's speed moves by itself)
+    would otherwise put the move into every replay's steps."""
     import h5py
     with h5py.File(path, "r") as f:
         pre, batches, epoch = f["step/pre_time"][()], f["step/batch_sizes"][()], f["step/epoch"][()]
     keep = (epoch > 0) & np.all(batches > 0, axis=1)
     factor = max(EMULATED) / np.asarray(EMULATED)
-    extra = pre[keep] / factor - machine.models["lenet5"].compute(batches[keep])
+    extra = pre[keep] / (factor * load) - machine.models["lenet5"].compute(batches[keep])
     return {"spinning": max(0.0, float(extra[:, 0].mean())), "sleeping": max(0.0, float(extra[:, 1].mean()))}
 
 
 def _spread(path: Path) -> float:
-    """Lognormal sigma of a step's compute time in a run of equal ranks: the standard
-    deviation of log(compute time) over the steps after the first epoch, median over ranks."""
+    """Lognormal sigma of a step's compute time in a run of equal ranks, from one step to
+    the next: the standard deviation of the change of log(compute time) between
+    consecutive steps after the first epoch, over sqrt(2), median over ranks. The spread
+    around the run's mean would count the machine's slow moves (a VM's speed moves by
+    itself, every rank's at once) as noise drawn afresh for every rank at every step,
+    and so make the slowest rank's draw of a step too slow."""
     import h5py
     with h5py.File(path, "r") as f:
         times, epoch = f["step/compute_time"][()], f["step/epoch"][()]
     logs = np.log(np.maximum(times[epoch > 0], 1e-9))
-    return float(np.median(logs.std(axis=0)))
+    return float(np.median(np.diff(logs, axis=0).std(axis=0)) / np.sqrt(2))
 
 
 def _residual(path: Path, machine: Machine) -> float:

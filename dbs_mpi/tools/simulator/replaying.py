@@ -93,14 +93,16 @@ def placement_of(inputs: dict, machine: Machine) -> tuple[np.ndarray, list]:
 
 
 def load_factor(job: Job, cluster: Cluster, startup: dict) -> float:
-    """How much slower than the machine constants the run's own calibration was (background
-    load): the median over ranks and local batches of measured / simulated step times."""
+    """How much slower (above 1) or faster (below) than the machine constants the run's own
+    calibration was: the smallest ratio over ranks and local batches of measured to
+    simulated step times (noise only ever adds time). Background load makes it larger; a
+    machine whose speed moves on its own, as VMs' does, makes it either."""
     if "step_time" not in startup:
         return 1.0
     factor = step_factor(emulators(job, cluster.size), cluster)     # the calibration: every rank computes
     compute = Compute(job, cluster, 0.0, None)
     simulated = np.stack([calibration_step(compute, cluster, factor, b) for b in startup["local_batch"]], axis=1)
-    return float(max(1.0, np.min(startup["step_time"] / simulated)))
+    return float(np.min(startup["step_time"] / simulated))
 
 
 def replay(path, machine: Machine, noise: float | None = None, seed: int = 0) -> dict:
