@@ -34,10 +34,12 @@ def test_a_run_resumed_on_another_number_of_ranks_follows_a_slow_down_and_its_en
     assert proc.returncode == 0, proc.stderr
     d = dbs_mpi.read_run(out)["data"]
     steps, vectors = d["replan/run_step"], d["replan/batch_sizes"]
-    # Followed: a vector from step 60 on with rank 1's share below 60% of its last one before
-    # (on CI's busy cores that one may already be uneven: [51, 13] was seen)
+    # Followed: a vector from step 60 on with rank 1's share below 70% of its last one before
+    # (on CI's busy cores that one may already be uneven: [51, 13] was seen; and busy cores
+    # compress the emulated 8x, so the first move may be short of it: [32, 32] to [44, 20]
+    # at step 67, the next only at 91)
     before = [v[1] for s, v in zip(steps, vectors) if 40 <= s < 60][-1:] or [32]
-    follow = [s for s, v in zip(steps, vectors) if s >= 60 and v[1] <= 0.6 * before[0]]
+    follow = [s for s, v in zip(steps, vectors) if s >= 60 and v[1] <= 0.7 * before[0]]
     # Given back: at least twice rank 1's least share while slowed (about 7 of 64), and 8
     # samples. Not an equal share: on CI's three suites over 2 cores one rank may share its
     # core for the rest of the run, and then its share rightly stays below half (CI once held
