@@ -282,9 +282,9 @@ def test_the_simulated_replanner_fed_a_run_s_step_times_makes_the_engine_s_decis
 
 
 def test_the_compute_a_training_step_adds_is_read_from_the_emulated_run(tmp_path):
-    """compute_extra: the mean over the steps after the first epoch of pre_time / factor
-    less the model's table, for the spinning rank 0 and the sleeping rank 1 (speeds
-    EMULATED: its pre-collective time is 4 times its compute)."""
+    """compute_extra: the mean over the steps after the first epoch of pre_time / (factor x
+    load) less the model's table, for the spinning rank 0 and the sleeping rank 1 (speeds
+    EMULATED: its pre-collective time is 4 times its compute); load: the run's own."""
     model = linear_model()
     machine = Machine(name="t", cores=2, alpha=1e-6, beta=1e-9, sleep_wait=0.0, data_per_sample={},
                       models={"lenet5": model})

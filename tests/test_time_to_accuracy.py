@@ -48,6 +48,9 @@ def test_the_adaptive_runs_do_not_move_the_target():
     only_auto = {key: acc for key, acc in CURVES.items() if key[0] == "auto"}
     with pytest.raises(ValueError, match="no run with a fixed global batch"):
         time_to_accuracy.judge(tables(only_auto), "adaptive")
+    unevaluated = {key: acc if key[0] == "auto" else [np.nan] * 3 for key, acc in CURVES.items()}
+    with pytest.raises(ValueError, match="and a test accuracy"):
+        time_to_accuracy.judge(tables(unevaluated), "adaptive")
 
 
 def test_a_given_accuracy_and_the_refusal_of_a_missing_experiment():

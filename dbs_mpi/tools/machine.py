@@ -140,7 +140,7 @@ DRIFT_LIMIT = 0.10    # a calibration whose machine moved more than this while i
 def steadiness(machine: Machine) -> float:
     """LeNet-5's step time at the table's largest batch up to 256, timed again (at the end
     of a calibration), over the table's, minus 1: how far the machine's speed moved while
-    it was measured (compute_extra, from runs at the end, absorbs any move)."""
+    it was measured (the runs at the end read their own load: simulator/calibration.py)."""
     import torch
     import torch.nn.functional as F
 

@@ -10,7 +10,7 @@ A run is labelled by its global batch: "auto" for `--global-batch auto`, else B.
 time to the target is the training time (evaluation excluded) at the end of the first
 epoch whose test accuracy reached it; a seed that never reached it counts as infinite,
 so a median is finite only where most seeds reached it. The target, unless given, is
-a trained model's quality, set by the fixed global batches alone: the best of their
+a trained model's quality, set by the fixed global batches alone: the highest of their
 final accuracies (medians of seeds) less NEAR_FINAL, rounded down to half a point (as
 benchmarks of time to train set their targets a little below what the reference
 reaches). An accuracy every global batch reached, the rule before, raced the first
@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 AUTO = "auto"
-NEAR_FINAL = 0.01        # the default target: this far below the best fixed B's final accuracy
+NEAR_FINAL = 0.01        # the default target: this far below the fixed B's highest final accuracy
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def labels(runs: pd.DataFrame) -> np.ndarray:
 
 def judge(tables, experiment: str, accuracy: float | None = None) -> Judged:
     """The runs of `experiment` in `tables` (analysis.Tables), judged by their time to
-    `accuracy` (a fraction; None: near the best fixed global batch's final accuracy)."""
+    `accuracy` (a fraction; None: near the fixed global batches' highest final accuracy)."""
     runs = tables.runs[tables.runs.experiment == experiment].copy()
     if runs.empty:
         raise ValueError(f"no run of experiment {experiment!r}")
@@ -83,9 +83,11 @@ def judge(tables, experiment: str, accuracy: float | None = None) -> Judged:
 
 
 def near_final(finals: pd.Series) -> float:
-    """The default target: the best fixed global batch's median final accuracy less
-    NEAR_FINAL, rounded down to half a point (finals: per (label, seed); "auto" unused)."""
+    """The default target: the highest median final accuracy of the fixed global batches
+    less NEAR_FINAL, rounded down to half a point (finals: per (label, seed), the last
+    evaluated epoch's; "auto" unused)."""
     fixed = finals[finals.index.get_level_values("label") != AUTO]
-    if fixed.empty:
-        raise ValueError("no run with a fixed global batch to set the target by: give the accuracy")
-    return float(np.floor(200 * (fixed.groupby("label").median().max() - NEAR_FINAL) + 1e-9) / 200)
+    best = fixed.groupby("label").median().max() if not fixed.empty else np.nan
+    if not np.isfinite(best):
+        raise ValueError("no run with a fixed global batch and a test accuracy to set the target by: give the accuracy")
+    return float(np.floor(200 * (best - NEAR_FINAL) + 1e-9) / 200)

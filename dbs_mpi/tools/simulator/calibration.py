@@ -105,6 +105,8 @@ def _spread(path: Path) -> float:
     with h5py.File(path, "r") as f:
         times, epoch = f["step/compute_time"][()], f["step/epoch"][()]
     logs = np.log(np.maximum(times[epoch > 0], 1e-9))
+    if len(logs) < 3:
+        return 0.0                  # (no spread to read from a step or two)
     return float(np.median(np.diff(logs, axis=0).std(axis=0)) / np.sqrt(2))
 
 

@@ -102,7 +102,8 @@ def load_factor(job: Job, cluster: Cluster, startup: dict) -> float:
     factor = step_factor(emulators(job, cluster.size), cluster)     # the calibration: every rank computes
     compute = Compute(job, cluster, 0.0, None)
     simulated = np.stack([calibration_step(compute, cluster, factor, b) for b in startup["local_batch"]], axis=1)
-    return float(np.min(startup["step_time"] / simulated))
+    load = float(np.min(startup["step_time"] / simulated))
+    return load if np.isfinite(load) and load > 0 else 1.0       # (a calibration without a time: none)
 
 
 def replay(path, machine: Machine, noise: float | None = None, seed: int = 0) -> dict:
