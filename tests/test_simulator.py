@@ -437,17 +437,19 @@ def test_simulate_refuses_a_file_that_is_no_result_file(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_quick_calibration_writes_a_machine_file_that_the_simulator_reads(tmp_path):
-    """`simulate calibrate --quick` at 2 ranks, end to end (~25 s on the 2-core machine):
-    every constant of its file is there and sane, and a replay and a projection read it."""
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_quick_calibration_writes_a_machine_file_that_the_simulator_reads(tmp_path, ranks):
+    """`simulate calibrate --quick` at 2 and at 4 ranks (on 2 cores: crowded collectives
+    too), end to end (~25 s on the 2-core machine): every constant of its file is there
+    and sane, and a replay and a projection read it."""
     from dbs_mpi.mpi.placement import available_cores
     from dbs_mpi.tools.machine import DRIFT_LIMIT, QUICK, SHAPES
     out = tmp_path / "machine.json"
-    run = run_cli(["simulate", "calibrate", "--quick", "--name", "quick test", "--out", str(out)], ranks=2,
+    run = run_cli(["simulate", "calibrate", "--quick", "--name", "quick test", "--out", str(out)], ranks=ranks,
                   timeout=300)
     assert run.returncode == 0 and run.stdout.startswith(f"machine constants: {out} (alpha"), run.stdout + run.stderr
     machine = Machine.load(out)
-    assert machine.name == "quick test" and "2 ranks" in machine.measured and "quick" in machine.measured
+    assert machine.name == "quick test" and f"{ranks} ranks" in machine.measured and "quick" in machine.measured
     assert 0 < machine.alpha < 0.01 and 0 < machine.beta < 1e-6 and machine.sleep_wait >= 0      # < 10 ms, > 1 MB/s
     assert machine.cores == available_cores() and machine.oversubscribed_message >= 0
     assert sorted(machine.data_per_sample) == ["1,28,28", "3,32,32"] and all(
