@@ -3,13 +3,14 @@
     .venv/bin/python -m dbs_mpi.tools.experiments --only adaptive,adaptive-bn --out results/adaptive
     .venv/bin/python scripts/adaptive-targets.py results/adaptive [--accuracy 0.88]
 
-Reads the grid's result files (dbs_mpi.tools.analysis, time_to_accuracy) and prints, per experiment whose
-name starts with "adaptive" and per global batch ("auto" and each fixed B): the training
-time (evaluation excluded) to the test accuracy (`--accuracy`, else a point below the
-fixed B's highest final accuracy, rounded down to half a point), the median over seeds, and the final test
-accuracy's median; then the three figures the adaptive batch is judged by: its time over
-B = 512's (today's default), over the best fixed B's, and its final accuracy less the
-best fixed B's (in points). A seed that never reached the accuracy counts as infinite.
+Reads the grid's result files (dbs_mpi.tools.analysis, time_to_accuracy) and prints, per
+experiment whose name starts with "adaptive" and per global batch ("auto" and each fixed
+B): the training time (evaluation excluded) to the test accuracy (`--accuracy`, else a
+point below the fixed B's highest final accuracy, rounded down to half a point), the
+median over seeds, and the final test accuracy's median; then the three figures the
+adaptive batch is judged by: its time over B = 512's (today's default), over the best
+fixed B's, and its final accuracy less the best fixed B's (in points). A seed that never
+reached the accuracy counts as infinite.
 """
 from __future__ import annotations
 
