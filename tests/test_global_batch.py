@@ -61,8 +61,25 @@ def test_a_step_time_flat_in_the_batch_doubles_the_batch_where_noise_is_large():
 def test_no_noise_scale_yet_or_a_step_time_linear_in_the_batch_keeps_it():
     adaptive = AdaptiveBatch(16, 256)
     assert adaptive.decide(16, None, lambda b: 0.01, upper=256)[0] == 16
-    assert adaptive.decide(16, 50.0, lambda b: 1e-3 * b, upper=256)[0] == 16   # no throughput to win
+    assert AdaptiveBatch(16, 256, lower=16).decide(16, 50.0, lambda b: 1e-3 * b, upper=256)[0] == 16  # none to win
     assert adaptive.decide(64, 1e5, lambda b: 0.01, upper=32)[0] == 64         # the data bounds it: stay
+
+
+def test_below_the_start_only_down_to_the_lower_bound_and_halving_at_most():
+    """A step whose cost is all per sample (no throughput to lose) and a small noise scale:
+    the smallest B makes the most progress a second, where the lower bound lets it."""
+    step = lambda b: 1e-3 * b
+    assert AdaptiveBatch(128, 1024, lower=128).decide(128, 10.0, step, upper=1024)[0] == 128   # never below the start
+    assert AdaptiveBatch(128, 1024).decide(128, 10.0, step, upper=1024)[0] == 64         # by default B0 / 4 ...
+    assert AdaptiveBatch(128, 1024).decide(32, 10.0, step, upper=1024)[0] == 32
+    below = AdaptiveBatch(128, 1024, lower=16)
+    assert below.decide(128, 10.0, step, upper=1024)[0] == 64                           # at most halved ...
+    assert below.decide(32, 10.0, step, upper=1024)[0] == 16                            # ... down to the bound
+    assert below.decide(16, 10.0, step, upper=1024)[0] == 16
+    assert below.decide(64, 1e5, lambda b: 0.010 + 1e-6 * b, upper=1024)[0] == 128      # and up again with noise
+    assert below.factor(64, 10.0) == pytest.approx(0.5 * 138 / 74) and below.factor(64, 10.0) < 1   # the lr down
+    assert below.state_dict() == {"start": 128, "upper": 1024, "rule": "adascale", "lower": 16}
+    assert AdaptiveBatch(128, 1024, lower=128).state_dict() == {"start": 128, "upper": 1024, "rule": "adascale"}
 
 
 @pytest.mark.parametrize("rule, expected", [("linear", 4.0), ("sqrt", 2.0), ("adascale", 4 * 116 / 164)])
@@ -77,10 +94,15 @@ def test_the_bounds_and_the_rule_are_checked():
         AdaptiveBatch(16, 256, "cubic")
     with pytest.raises(UserError, match="max_global_batch"):
         AdaptiveBatch(512, 256)
+    with pytest.raises(UserError, match="min_global_batch"):
+        AdaptiveBatch(128, 256, lower=256)
     with pytest.raises(UserError, match="global_batch_start"):
         AdaptiveBatch.of(512, 64, 0, "adascale")
+    with pytest.raises(UserError, match="min_global_batch"):
+        AdaptiveBatch.of(512, 0, 0, "adascale", 32)
     assert AdaptiveBatch.of(512, 0, 0, "adascale") is None
-    assert AdaptiveBatch.of("auto", 0, 0, "adascale").state_dict() == {"start": 128, "upper": 4096, "rule": "adascale"}
+    assert AdaptiveBatch.of("auto", 0, 0, "adascale").state_dict() == {"start": 128, "upper": 4096, "rule": "adascale",
+                                                                        "lower": 32}
 
 
 def test_the_scaled_step_applies_lr_times_the_factor_and_puts_the_lr_back():
@@ -122,6 +144,9 @@ def test_auto_on_the_command_line_starts_at_the_start_and_refuses_what_does_not_
     assert config.from_dict(cfg.to_dict()) == cfg                                 # what a result file keeps
     for overrides, field in [({"global_batch": "256", "global_batch_start": "64"}, "global_batch_start"),
                              ({"max_global_batch": "64"}, "max_global_batch"),
+                             ({"min_global_batch": "64"}, "min_global_batch"),
+                             ({"global_batch": "auto", "min_global_batch": "256"}, "min_global_batch"),
+                             ({"global_batch": "auto", "min_global_batch": "-1"}, "min_global_batch"),
                              ({"global_batch": "auto", "strategy": "asgd"}, "global_batch"),
                              ({"global_batch": "auto", "global_batch_start": "256", "max_global_batch": "64"},
                               "max_global_batch"),

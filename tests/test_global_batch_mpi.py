@@ -23,9 +23,9 @@ from test_gradient_noise_mpi import Net, Regression, speeds_for
 TIMEOUT = 60.0
 
 
-def adaptive(comm, start=8, upper=64, rule="adascale", policy="dbs"):
+def adaptive(comm, start=8, upper=64, rule="adascale", policy="dbs", lower=0):
     return dbs_mpi.Balancer(comm, "auto", policy, global_batch_start=start, max_global_batch=upper, lr_scaling=rule,
-                            timeout=TIMEOUT)
+                            min_global_batch=lower, timeout=TIMEOUT)
 
 
 class Run:
@@ -144,7 +144,7 @@ def test_a_run_stopped_after_a_switch_resumes_bit_for_bit(comm):
 def test_an_epoch_whose_batch_stays_keeps_its_vector(comm):
     """No change of B, no change of anything else: the vector that ran (here one set by
     hand, uneven under ssgd) stays, as do the planners."""
-    balancer = adaptive(comm, start=24, upper=24, policy="ssgd")
+    balancer = adaptive(comm, start=24, upper=24, policy="ssgd", lower=24)
     uneven = allocation.proportional(24, speeds_for(comm.Get_size()))
     balancer.batch_sizes = uneven.copy()
     Run(comm, balancer, calibrate=False).epochs(0, 2)

@@ -11,9 +11,9 @@ grows with B while each step's fixed costs (the exchange, a rank's a_i) are spre
 more samples; efficiency falls once B passes the noise scale. The choice is the best of
 CANDIDATES batches spaced evenly in log B between the bounds, kept only where it is
 predicted at least MIN_GAIN faster than the current batch (a change costs a re-plan, and
-a prediction has errors); an adaptive run (AdaptiveBatch) grows B at most MAX_GROWTH
-times per decision, since the learning rate follows it. Pure code: the training layer calls it with its planner's
-prediction, on every rank alike.
+a prediction has errors); an adaptive run (AdaptiveBatch) moves B at most MAX_GROWTH
+times up or down per decision, since the learning rate follows it. Pure code: the
+training layer calls it with its planner's prediction, on every rank alike.
 
 The learning rate follows the batch by one of three rules (LR_SCALING): `adascale`
 multiplies it by gain(B), `sqrt` by sqrt(B / B0), `linear` by B / B0.
@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from ..options import DEFAULT_START, DEFAULT_UPPER, LR_SCALING, UserError
+from ..options import DEFAULT_DOWN, DEFAULT_START, DEFAULT_UPPER, LR_SCALING, UserError
 from .noise_scale import efficiency, gain
 
 
@@ -110,23 +110,29 @@ def per_step(global_batch: int, noise, start: int, seconds: float) -> np.ndarray
 
 
 class AdaptiveBatch:
-    """The settings of an adaptive global batch and its last decision (no MPI)."""
+    """The settings of an adaptive global batch and its last decision (no MPI). lower:
+    the smallest B it may choose (0: the start / DEFAULT_DOWN); below the start the lr
+    scales down by the same rule (AdaScale's gain is then below 1)."""
 
-    def __init__(self, start: int, upper: int, lr_scaling: str = "adascale"):
+    def __init__(self, start: int, upper: int, lr_scaling: str = "adascale", lower: int = 0):
         if lr_scaling not in LR_SCALING:
             raise UserError(f"lr_scaling: must be one of {', '.join(LR_SCALING)}; got {lr_scaling!r}")
         if not 1 <= int(start) <= int(upper):
             raise UserError(f"max_global_batch: must be at least global_batch_start ({start}); got {upper}")
+        if not 0 <= int(lower) <= int(start):
+            raise UserError(f"min_global_batch: must be at most global_batch_start ({start}); got {lower}")
         self.start, self.upper, self.rule = int(start), int(upper), lr_scaling
+        self.lower = int(lower) or max(1, self.start // DEFAULT_DOWN)
 
     @classmethod
-    def of(cls, global_batch, start: int, upper: int, lr_scaling: str) -> "AdaptiveBatch | None":
+    def of(cls, global_batch, start: int, upper: int, lr_scaling: str, lower: int = 0) -> "AdaptiveBatch | None":
         """Balancer's arguments: the adaptive batch of global_batch="auto" (None: B is fixed)."""
         if global_batch == "auto":
             start = start or DEFAULT_START
-            return cls(start, upper or max(DEFAULT_UPPER, start), lr_scaling)
-        if start or upper:
-            raise UserError("global_batch_start / max_global_batch: bounds of global_batch=\"auto\" only")
+            return cls(start, upper or max(DEFAULT_UPPER, start), lr_scaling, lower)
+        if start or upper or lower:
+            raise UserError("global_batch_start / min_global_batch / max_global_batch: bounds of "
+                            "global_batch=\"auto\" only")
         return None
 
     def factor(self, global_batch: int, noise: float | None) -> float:
@@ -134,9 +140,11 @@ class AdaptiveBatch:
         return lr_factor(self.rule, global_batch, self.start, noise)
 
     def decide(self, current: int, noise: float | None, step_time, upper: int) -> tuple[int, dict]:
-        """The next epoch's B (the current one where none pays) and the epoch's records."""
-        upper = max(min(self.upper, upper, int(MAX_GROWTH * current)), self.start)
-        choice = choose(step_time, noise, current, self.start, self.start, upper) or current
+        """The next epoch's B (the current one where none pays) and the epoch's records:
+        within the bounds, and within MAX_GROWTH times of the current B either way."""
+        lower = max(self.lower, math.ceil(current / MAX_GROWTH))
+        upper = max(min(self.upper, upper, int(MAX_GROWTH * current)), lower)
+        choice = choose(step_time, noise, current, self.start, lower, upper) or current
         now = step_time(current)
         g = math.nan if noise is None else gain(current, noise, self.start)
         return choice, {"global_batch": np.int64(current), "gain": g, "lr_factor": self.factor(current, noise),
@@ -144,4 +152,7 @@ class AdaptiveBatch:
                         "predicted_step": now}
 
     def state_dict(self) -> dict:
-        return {"start": self.start, "upper": self.upper, "rule": self.rule}
+        """The settings a checkpoint must match (lower only where it is below the start, so
+        that checkpoints from before the lower bound still match)."""
+        bounds = {"lower": self.lower} if self.lower != self.start else {}
+        return {"start": self.start, "upper": self.upper, "rule": self.rule, **bounds}

@@ -103,7 +103,8 @@ class Config:
     dbs_interval: str = "1"          # dbs re-plans every N steps from a robust estimate of every rank's step time (the new vector applies within the epoch) | epoch: once per epoch from its compute time (the DBS paper's rule)
     dbs_window: int = 32             # steps of history per rank for dbs's step-time estimate (dbs_interval in steps)
     global_batch_auto: bool = False  # what `--global-batch auto` sets: B adapts after every epoch to the most goodput (throughput x statistical efficiency, from the measured gradient noise scale), from global_batch_start up to max_global_batch; synchronous strategies
-    global_batch_start: int = 0      # global_batch = auto: B0, the first epochs' global batch, which lr is tuned for (0: 128)
+    global_batch_start: int = 0      # global_batch = auto: B0, the first epoch's global batch, which lr is tuned for (0: 128)
+    min_global_batch: int = 0        # global_batch = auto: the smallest B it may choose (0: a quarter of the start; the start: never below it); below the start the lr scales down by lr_scaling's rule
     max_global_batch: int = 0        # global_batch = auto: the largest B it may choose (0: 4096; never more than the training samples)
     lr_scaling: str = "adascale"     # global_batch = auto: the lr at B is lr x adascale (AdaScale's gain at the measured noise scale) | sqrt (sqrt(B / B0)) | linear (B / B0); schedules run on samples, an epoch is the same share of the schedule at any B
     noise_scale: bool = False        # measure the gradient noise scale every step from the ranks' gradient norms (step/noise_scale, step/grad_sq, step/grad_trace); synchronous strategies
@@ -354,7 +355,7 @@ def _check_choices(c: Config) -> None:
 def _check_adaptive(c: Config) -> None:
     """global_batch = auto and its bounds."""
     if not c.global_batch_auto:
-        for name in ("global_batch_start", "max_global_batch"):
+        for name in ("global_batch_start", "min_global_batch", "max_global_batch"):
             if getattr(c, name):
                 _fail(name, "bounds the adaptive global batch: set global_batch = auto (--global-batch auto)")
         return
@@ -364,6 +365,8 @@ def _check_adaptive(c: Config) -> None:
     if c.global_batch_start and c.global_batch_start != c.global_batch:
         _fail("global_batch_start", f"is {c.global_batch_start}, but global_batch, where auto starts, is "
                                     f"{c.global_batch}")
+    if c.min_global_batch > c.global_batch:
+        _fail("min_global_batch", f"must be at most the start, {c.global_batch}; got {c.min_global_batch}")
     if c.max_global_batch and c.max_global_batch < c.global_batch:
         _fail("max_global_batch", f"must be at least the start, {c.global_batch}; got {c.max_global_batch}")
 
@@ -383,7 +386,7 @@ def _check_ranges(c: Config) -> None:
     for name in ("lr", "momentum", "weight_decay", "subset", "test_subset", "max_local_batch",
                  "benchmark_warmup", "threads", "checkpoint_every", "sleep_prob", "dbs_min_gain",
                  "bucket_mb", "first_bucket_mb", "num_classes", "loader_workers", "startup_timeout", "micro_batch",
-                 "global_batch_start", "max_global_batch"):
+                 "global_batch_start", "min_global_batch", "max_global_batch"):
         non_negative(name)
     if c.time_budget < 0:
         _fail("time_budget", f"must be zero (no limit) or positive seconds; got {c.time_budget}")

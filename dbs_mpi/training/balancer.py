@@ -389,7 +389,8 @@ def _within_epoch(comm, policy: str, interval, global_batch: int, min_local: int
 
 def _arguments(cfg) -> dict:
     """Balancer's arguments of a dbs-mpi configuration (config.Config), the emulator aside."""
-    adaptive = dict(global_batch="auto", global_batch_start=cfg.global_batch, max_global_batch=cfg.max_global_batch,
+    adaptive = dict(global_batch="auto", global_batch_start=cfg.global_batch, min_global_batch=cfg.min_global_batch,
+                    max_global_batch=cfg.max_global_batch,
                     lr_scaling=cfg.lr_scaling) if cfg.global_batch_auto else dict(global_batch=cfg.global_batch)
     return dict(policy=cfg.strategy, min_local_batch=cfg.min_local_batch, max_local_batch=cfg.share_bound,
                 dbs_model=cfg.dbs_model, smoothing=cfg.dbs_smoothing, follow=cfg.dbs_follow,
@@ -684,7 +685,7 @@ class Balancer(BatchPolicy):
     slow every step sits out) or "all". speeds: emulated relative speeds, one per rank (or
     an `emulator`, for disturbances too). timeout: seconds any collective may wait.
     noise_scale: measure the gradient noise scale every step (gradient_noise.py).
-    global_batch="auto", global_batch_start, max_global_batch, lr_scaling: global_batch.py.
+    global_batch="auto", global_batch_start, min_/max_global_batch, lr_scaling: global_batch.py.
     The vector's half is BatchPolicy; this class keeps the epochs and the run's position."""
 
     def __init__(self, comm, global_batch: int | str, policy: str = "dbs", *, min_local_batch: int = 1,
@@ -692,8 +693,8 @@ class Balancer(BatchPolicy):
                  min_gain: float = 0.03, interval=dynamic.DEFAULT_INTERVAL, window: int = dynamic.WINDOW,
                  participation: str = "auto", speeds=None, emulator: Emulator | None = None, timeout: float = 600.0,
                  noise_scale: bool = False, global_batch_start: int = 0, max_global_batch: int = 0,
-                 lr_scaling: str = "adascale"):
-        adaptive = AdaptiveBatch.of(global_batch, global_batch_start, max_global_batch, lr_scaling)
+                 lr_scaling: str = "adascale", min_global_batch: int = 0):
+        adaptive = AdaptiveBatch.of(global_batch, global_batch_start, max_global_batch, lr_scaling, min_global_batch)
         super().__init__(comm, adaptive.start if adaptive else global_batch, policy, min_local_batch, max_local_batch,
                          dbs_model, dict(smoothing=smoothing, follow=follow, min_gain=min_gain,
                                          participation=participation),

@@ -65,7 +65,8 @@ class Resizing:
         mine = self.adaptive and self.adaptive.state_dict()
         if saved != mine:
             said = lambda a: "a fixed global batch" if a is None else \
-                f"a global batch adapting from {a['start']} (up to {a['upper']}, lr scaling {a['rule']})"
+                f"a global batch adapting from {a['start']} (down to {a.get('lower', a['start'])}, up to " \
+                f"{a['upper']}, lr scaling {a['rule']})"
             raise UserError(f"balancer: the state was saved with {said(saved)}, this balancer has {said(mine)}")
         initial = int(state.get("initial_batch", state["global_batch"]))
         if initial != self.initial_batch:

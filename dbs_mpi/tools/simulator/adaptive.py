@@ -31,7 +31,7 @@ def next_batch(job: Job, epoch: int, current: int, model: allocation.SpeedModel,
     if not job.adaptive:
         return current
     a = job.adaptive
-    rule = goodput.AdaptiveBatch(a["start"], a["upper"], a.get("rule", "adascale"))
+    rule = goodput.AdaptiveBatch(a["start"], a["upper"], a.get("rule", "adascale"), a.get("lower", 0))
     upper = min(job.samples, n * job.max_local_batch) if job.max_local_batch else job.samples
 
     def step_time(b: int) -> float:

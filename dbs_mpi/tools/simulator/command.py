@@ -45,11 +45,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--local-batch", type=int, default=32, help="projection: B = this x ranks unless --global-batch")
     p.add_argument("--global-batch", default="0", metavar="B|auto", help="projection: B (0: --local-batch x ranks); "
                    "auto: after every epoch the engine's goodput choice at --noise-scale (from --global-batch-start, "
-                   "default --local-batch x ranks, up to --max-global-batch, default 4096)")
+                   "default --local-batch x ranks, down to --min-global-batch, default the start, up to "
+                   "--max-global-batch, default 4096)")
     p.add_argument("--noise-scale", type=float, default=0.0, metavar="N",
                    help="projection with --global-batch auto: the gradient noise scale, in samples (a run's "
                         "step/noise_scale)")
     p.add_argument("--global-batch-start", type=int, default=0)
+    p.add_argument("--min-global-batch", type=int, default=0)
     p.add_argument("--max-global-batch", type=int, default=0)
     p.add_argument("--network", default="ib-100g", help=f"{', '.join(NETWORKS)} or ALPHA,BETA (seconds, s/byte)")
     p.add_argument("--algorithm", default="auto", choices=["auto", "ring", "tree"])
@@ -152,8 +154,8 @@ def _check_adaptive(args) -> None:
     if not args.noise_scale > 0:
         raise UserError("noise-scale: --global-batch auto projects the engine's choice at a noise scale; give it "
                         "(samples, e.g. a run's step/noise_scale)")
-    if args.global_batch_start < 0 or args.max_global_batch < 0:
-        raise UserError("global-batch-start, max-global-batch: must be positive (0: the default)")
+    if min(args.global_batch_start, args.min_global_batch, args.max_global_batch) < 0:
+        raise UserError("global-batch-start, min-global-batch, max-global-batch: must be positive (0: the default)")
 
 
 def main(comm, argv) -> int:

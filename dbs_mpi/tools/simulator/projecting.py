@@ -83,7 +83,7 @@ def project(args, machine: Machine) -> dict:
     if args.global_batch == "auto":
         start = args.global_batch_start or args.local_batch * len(speeds)
         adaptive = dict(start=start, upper=max(args.max_global_batch or DEFAULT_UPPER, start), rule="adascale",
-                        noise=args.noise_scale)
+                        lower=args.min_global_batch, noise=args.noise_scale)
     return projection(machine, speeds, args.strategy, args.model, args.epochs, args.samples,
                       adaptive["start"] if adaptive else args.global_batch, args.local_batch, network, args.algorithm,
                       args.ranks_per_node, args.compute_scale, DEFAULT_NOISE if args.noise is None else args.noise,
