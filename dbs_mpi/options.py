@@ -26,7 +26,6 @@ DEVICE_SPEC = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")       # mpi/devices.py
 LR_SCALING = ("adascale", "sqrt", "linear")   # the lr at an adaptive global batch (planning/goodput.py)
 DEFAULT_START = 128       # B0 of an adaptive global batch where none is given
 DEFAULT_UPPER = 4096      # the largest B it may choose by default (the data bounds it too)
-DEFAULT_DOWN = 4          # ... and the smallest, B0 / this (below B0 the lr scales down with B)
 
 
 def parse_interval(value) -> int | None:

@@ -61,7 +61,7 @@ def test_a_step_time_flat_in_the_batch_doubles_the_batch_where_noise_is_large():
 def test_no_noise_scale_yet_or_a_step_time_linear_in_the_batch_keeps_it():
     adaptive = AdaptiveBatch(16, 256)
     assert adaptive.decide(16, None, lambda b: 0.01, upper=256)[0] == 16
-    assert AdaptiveBatch(16, 256, lower=16).decide(16, 50.0, lambda b: 1e-3 * b, upper=256)[0] == 16  # none to win
+    assert adaptive.decide(16, 50.0, lambda b: 1e-3 * b, upper=256)[0] == 16   # no throughput to win
     assert adaptive.decide(64, 1e5, lambda b: 0.01, upper=32)[0] == 64         # the data bounds it: stay
 
 
@@ -69,9 +69,7 @@ def test_below_the_start_only_down_to_the_lower_bound_and_halving_at_most():
     """A step whose cost is all per sample (no throughput to lose) and a small noise scale:
     the smallest B makes the most progress a second, where the lower bound lets it."""
     step = lambda b: 1e-3 * b
-    assert AdaptiveBatch(128, 1024, lower=128).decide(128, 10.0, step, upper=1024)[0] == 128   # never below the start
-    assert AdaptiveBatch(128, 1024).decide(128, 10.0, step, upper=1024)[0] == 64         # by default B0 / 4 ...
-    assert AdaptiveBatch(128, 1024).decide(32, 10.0, step, upper=1024)[0] == 32
+    assert AdaptiveBatch(128, 1024).decide(128, 10.0, step, upper=1024)[0] == 128        # by default never below B0
     below = AdaptiveBatch(128, 1024, lower=16)
     assert below.decide(128, 10.0, step, upper=1024)[0] == 64                           # at most halved ...
     assert below.decide(32, 10.0, step, upper=1024)[0] == 16                            # ... down to the bound
@@ -101,8 +99,8 @@ def test_the_bounds_and_the_rule_are_checked():
     with pytest.raises(UserError, match="min_global_batch"):
         AdaptiveBatch.of(512, 0, 0, "adascale", 32)
     assert AdaptiveBatch.of(512, 0, 0, "adascale") is None
-    assert AdaptiveBatch.of("auto", 0, 0, "adascale").state_dict() == {"start": 128, "upper": 4096, "rule": "adascale",
-                                                                        "lower": 32}
+    assert AdaptiveBatch.of("auto", 0, 0, "adascale").state_dict() == {"start": 128, "upper": 4096, "rule": "adascale"}
+    assert AdaptiveBatch.of("auto", 0, 0, "adascale", 32).state_dict()["lower"] == 32
 
 
 def test_the_scaled_step_applies_lr_times_the_factor_and_puts_the_lr_back():

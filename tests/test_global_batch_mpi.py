@@ -144,7 +144,7 @@ def test_a_run_stopped_after_a_switch_resumes_bit_for_bit(comm):
 def test_an_epoch_whose_batch_stays_keeps_its_vector(comm):
     """No change of B, no change of anything else: the vector that ran (here one set by
     hand, uneven under ssgd) stays, as do the planners."""
-    balancer = adaptive(comm, start=24, upper=24, policy="ssgd", lower=24)
+    balancer = adaptive(comm, start=24, upper=24, policy="ssgd")
     uneven = allocation.proportional(24, speeds_for(comm.Get_size()))
     balancer.batch_sizes = uneven.copy()
     Run(comm, balancer, calibrate=False).epochs(0, 2)
@@ -179,6 +179,11 @@ def test_a_fixed_batchs_state_and_an_adaptive_one_do_not_mix(comm):
         adaptive(comm).load_state_dict(adaptive(comm, start=16).state_dict())
     with pytest.raises(dbs_mpi.UserError, match="lr scaling sqrt"):
         adaptive(comm).load_state_dict(adaptive(comm, rule="sqrt").state_dict())
+    with pytest.raises(dbs_mpi.UserError, match=r"down to 2, .* this balancer has .*down to 8,"):
+        adaptive(comm).load_state_dict(adaptive(comm, lower=2).state_dict())
+    below = adaptive(comm, lower=2)
+    below.load_state_dict(adaptive(comm, lower=2).state_dict())           # the same bounds: it resumes
+    assert below.adaptive.lower == 2 and below.global_batch == 8
     with pytest.raises(RuntimeError, match="between epochs"):
         run = Run(comm, adaptive(comm), calibrate=False)
         run.sampler.set_epoch(0)

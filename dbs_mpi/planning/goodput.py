@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from ..options import DEFAULT_DOWN, DEFAULT_START, DEFAULT_UPPER, LR_SCALING, UserError
+from ..options import DEFAULT_START, DEFAULT_UPPER, LR_SCALING, UserError
 from .noise_scale import efficiency, gain
 
 
@@ -111,8 +111,8 @@ def per_step(global_batch: int, noise, start: int, seconds: float) -> np.ndarray
 
 class AdaptiveBatch:
     """The settings of an adaptive global batch and its last decision (no MPI). lower:
-    the smallest B it may choose (0: the start / DEFAULT_DOWN); below the start the lr
-    scales down by the same rule (AdaScale's gain is then below 1)."""
+    the smallest B it may choose (0: the start); below the start the lr scales down by the
+    same rule (AdaScale's gain is then below 1)."""
 
     def __init__(self, start: int, upper: int, lr_scaling: str = "adascale", lower: int = 0):
         if lr_scaling not in LR_SCALING:
@@ -122,7 +122,7 @@ class AdaptiveBatch:
         if not 0 <= int(lower) <= int(start):
             raise UserError(f"min_global_batch: must be at most global_batch_start ({start}); got {lower}")
         self.start, self.upper, self.rule = int(start), int(upper), lr_scaling
-        self.lower = int(lower) or max(1, self.start // DEFAULT_DOWN)
+        self.lower = int(lower) or self.start
 
     @classmethod
     def of(cls, global_batch, start: int, upper: int, lr_scaling: str, lower: int = 0) -> "AdaptiveBatch | None":

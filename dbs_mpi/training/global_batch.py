@@ -4,11 +4,12 @@ The run starts at the global batch B0 (`global_batch_start`), with the learning 
 user tuned for B0, and measures the gradient noise scale every step (gradient_noise.py).
 After every epoch each rank:
 
-  1. predicts a step's seconds T(B) at every candidate B between B0 and the upper bound
-     (`max_global_batch`, the training set, ranks x max_local_batch): the slowest rank's
-     compute under the planner's speed model (the within-epoch estimate under dbs, else
-     the calibration's) for the vector it would run at B, plus the epoch's measured
-     seconds of a step that do not grow with B (exchange, update, loading);
+  1. predicts a step's seconds T(B) at every candidate B between the lower bound
+     (`min_global_batch`, default B0) and the upper one (`max_global_batch`, the
+     training set, ranks x max_local_batch), within 2x of the current B: the slowest
+     rank's compute under the planner's speed model (the within-epoch estimate under
+     dbs, else the calibration's) for the vector it would run at B, plus the epoch's
+     measured seconds of a step that do not grow with B (exchange, update, loading);
   2. takes the B of most goodput, gain(B) / T(B) (planning/goodput.py), where it beats
      the current B's by at least 5%.
 
@@ -17,9 +18,9 @@ ranks can never split over a float's last bit, and the next epoch runs at it: B 
 between epochs only, at the same step on every rank, and an epoch still has the training
 set's samples (ceil(N / B) steps). The learning rate of every step is the user's
 (schedule included) times lr_factor: AdaScale's gain at the current B and noise scale
-(default), sqrt(B / B0) or B / B0 (`lr_scaling`). DistributedOptimizer applies it for the
-wrapped optimizer's step and puts the user's value back after it, so schedulers and
-checkpoints see the unscaled one.
+(default), sqrt(B / B0) or B / B0 (`lr_scaling`), below 1 below B0. DistributedOptimizer
+applies it for the wrapped optimizer's step and puts the user's value back after it, so
+schedulers and checkpoints see the unscaled one.
 
 `set_global_batch(B)` sets B by hand between epochs (a schedule of batch sizes, or a
 test's), with any global batch. The method, with its formulas: docs/method.md, section 5.5.
