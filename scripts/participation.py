@@ -19,7 +19,9 @@ the result file), each case against its baseline in the same repeat:
   the launch's wall time) over 1 rank's, and the steps (of 180) in which rank 1 took
   part, rank 0 then at half speed; "slow" reports the whole run at 1:0.02 too;
 * steady: 2 ranks at 1:0.1, dbs (3 epochs): the slow rank's local batch over epochs 2-3,
-  its median, range (largest less smallest) and largest jump between two steps;
+  its median, range (largest less smallest) and largest jump between two steps (and
+  between two steps it took part in), and the re-plans of those epochs by cause (plan,
+  probe in the step, revert, trial: balancer.Change.CAUSES);
 * crossover: 2 ranks at 1:x for x in 0.5, 0.2, 0.1, 0.05, 0.02, dbs with participation
   auto and all, each over 1 rank alone (the best subset is the smaller of all's and 1).
 
@@ -41,6 +43,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from dbs_mpi import read_run  # noqa: E402
+from dbs_mpi.training.balancer import Change  # noqa: E402
 
 BASE = ["--model", "lenet5", "--dataset", "fashion-mnist", "--global-batch", "512", "--strategy", "dbs",
         "--test-subset", "500", "--progress", "false", "--checkpoint-every", "0"]
@@ -116,9 +119,16 @@ def case_coupled(tmp: Path, subset: list) -> dict:
 def case_steady(tmp: Path, subset: list) -> dict:
     d = run(2, subset + ["--epochs", "3", "--speeds", "1,0.1"], tmp / "steady.h5")
     slow = np.asarray(d["step/batch_sizes"])[np.asarray(d["step/epoch"]) >= 1, 1]
-    return {"1:0.1 slow rank's batch, epochs 2-3: median": float(np.median(slow)),
-            "1:0.1 slow rank's batch: range": float(slow.max() - slow.min()),
-            "1:0.1 slow rank's batch: largest jump": float(np.abs(np.diff(slow)).max())}
+    jumps = np.abs(np.diff(slow))
+    taking_part = (slow[1:] > 0) & (slow[:-1] > 0)
+    causes = np.asarray(d["replan/cause"])[np.asarray(d["replan/epoch"]) >= 1]
+    figures = {"1:0.1 slow rank's batch, epochs 2-3: median": float(np.median(slow)),
+               "1:0.1 slow rank's batch: range": float(slow.max() - slow.min()),
+               "1:0.1 slow rank's batch: largest jump": float(jumps.max()),
+               "1:0.1 ... largest jump while it takes part": float(jumps[taking_part].max(initial=0))}
+    for code, cause in enumerate(Change.CAUSES[:4]):    # the re-plans of epochs 2-3 by cause
+        figures[f"1:0.1 re-plans in epochs 2-3: {cause}"] = float((causes == code).sum())
+    return figures
 
 
 def case_crossover(tmp: Path, subset: list) -> dict:
