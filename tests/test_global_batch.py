@@ -66,8 +66,9 @@ def test_no_noise_scale_yet_or_a_step_time_linear_in_the_batch_keeps_it():
 
 
 def test_below_the_start_only_down_to_the_lower_bound_and_halving_at_most():
-    """A step whose cost is all per sample (no throughput to lose) and a small noise scale:
-    the smallest B makes the most progress a second, where the lower bound lets it."""
+    """A step whose cost is all per sample (no throughput to lose) and a small noise
+    scale: the smallest B makes the most progress a second, where the lower bound lets
+    it."""
     step = lambda b: 1e-3 * b
     assert AdaptiveBatch(128, 1024).decide(128, 10.0, step, upper=1024)[0] == 128        # by default never below B0
     below = AdaptiveBatch(128, 1024, lower=16)

@@ -365,9 +365,9 @@ def test_simulate_projects_a_large_job_and_compares_strategies():
 
 
 def test_an_adaptive_projection_makes_the_engines_choice_at_the_noise_scale():
-    """Where a step is mostly its fixed costs (a slow network), B grows after every epoch
-    (at most doubling) at a large noise scale; at a small one it stays, or falls (at most
-    halving) where --min-global-batch lets it."""
+    """Where a step is mostly its fixed costs (a slow network), B grows after every
+    epoch (at most doubling) at a large noise scale; at a small one it stays, or falls
+    (at most halving) where --min-global-batch lets it."""
     def projected(noise, *more):
         common = ["simulate", "--ranks", "16", "--model", "resnet20", "--network", "1e-3,1e-8", "--local-batch", "8",
                   "--samples", "20000", "--epochs", "3", "--json", *more]
@@ -415,6 +415,11 @@ def test_simulate_reads_speed_mixes_from_toml(tmp_path):
     (["--ranks", "8", "--global-batch", "many"], "global-batch"),
     (["--ranks", "8", "--global-batch", "auto"], "noise-scale"),
     (["--ranks", "8", "--global-batch", "auto", "--noise-scale", "100", "--strategy", "asgd"], "global-batch"),
+    (["--ranks", "8", "--global-batch", "auto", "--noise-scale", "100", "--min-global-batch", "512"],
+     "min-global-batch"),
+    (["--ranks", "8", "--global-batch", "auto", "--noise-scale", "100", "--min-global-batch", "-1"],
+     "global-batch-start, min-global-batch"),
+    (["--ranks", "8", "--min-global-batch", "16"], "global-batch-start, min-global-batch"),
 ])
 def test_simulate_bad_input_is_one_line(args, field):
     run = run_cli(["simulate", *args], timeout=60)

@@ -111,8 +111,8 @@ def per_step(global_batch: int, noise, start: int, seconds: float) -> np.ndarray
 
 class AdaptiveBatch:
     """The settings of an adaptive global batch and its last decision (no MPI). lower:
-    the smallest B it may choose (0: the start); below the start the lr scales down by the
-    same rule (AdaScale's gain is then below 1)."""
+    the smallest B it may choose (0: the start); below the start the lr scales down by
+    the same rule (AdaScale's gain is then below 1)."""
 
     def __init__(self, start: int, upper: int, lr_scaling: str = "adascale", lower: int = 0):
         if lr_scaling not in LR_SCALING:
@@ -120,7 +120,8 @@ class AdaptiveBatch:
         if not 1 <= int(start) <= int(upper):
             raise UserError(f"max_global_batch: must be at least global_batch_start ({start}); got {upper}")
         if not 0 <= int(lower) <= int(start):
-            raise UserError(f"min_global_batch: must be at most global_batch_start ({start}); got {lower}")
+            raise UserError(f"min_global_batch: must be from 0 (the start) to global_batch_start ({start}); "
+                            f"got {lower}")
         self.start, self.upper, self.rule = int(start), int(upper), lr_scaling
         self.lower = int(lower) or self.start
 
@@ -141,7 +142,8 @@ class AdaptiveBatch:
 
     def decide(self, current: int, noise: float | None, step_time, upper: int) -> tuple[int, dict]:
         """The next epoch's B (the current one where none pays) and the epoch's records:
-        within the bounds, and within MAX_GROWTH times of the current B either way."""
+        within the bounds and within MAX_GROWTH times of the current B either way (a B
+        set by hand outside the bounds moves at most MAX_GROWTH times toward them)."""
         lower = max(self.lower, math.ceil(current / MAX_GROWTH))
         upper = max(min(self.upper, upper, int(MAX_GROWTH * current)), lower)
         choice = choose(step_time, noise, current, self.start, lower, upper) or current
@@ -152,7 +154,7 @@ class AdaptiveBatch:
                         "predicted_step": now}
 
     def state_dict(self) -> dict:
-        """The settings a checkpoint must match (lower only where it is below the start, so
-        that checkpoints from before the lower bound still match)."""
+        """The settings a checkpoint must match (lower only where it is below the start,
+        so that checkpoints from before the lower bound still match)."""
         bounds = {"lower": self.lower} if self.lower != self.start else {}
         return {"start": self.start, "upper": self.upper, "rule": self.rule, **bounds}

@@ -102,7 +102,7 @@ class Config:
     dbs_min_gain: float = 0.03       # re-allocate only if the predicted step time falls by this share
     dbs_interval: str = "1"          # dbs re-plans every N steps from a robust estimate of every rank's step time (the new vector applies within the epoch) | epoch: once per epoch from its compute time (the DBS paper's rule)
     dbs_window: int = 32             # steps of history per rank for dbs's step-time estimate (dbs_interval in steps)
-    global_batch_auto: bool = False  # what `--global-batch auto` sets: B adapts after every epoch to the most goodput (throughput x statistical efficiency, from the measured gradient noise scale), from global_batch_start up to max_global_batch; synchronous strategies
+    global_batch_auto: bool = False  # what `--global-batch auto` sets: B adapts after every epoch to the most goodput (throughput x statistical efficiency, from the measured gradient noise scale), from global_batch_start, between min_global_batch and max_global_batch; synchronous strategies
     global_batch_start: int = 0      # global_batch = auto: B0, the first epoch's global batch, which lr is tuned for (0: 128)
     min_global_batch: int = 0        # global_batch = auto: the smallest B it may choose (0: the start, never below it); below the start the lr scales down by lr_scaling's rule
     max_global_batch: int = 0        # global_batch = auto: the largest B it may choose (0: 4096; never more than the training samples)

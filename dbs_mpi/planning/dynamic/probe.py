@@ -19,18 +19,18 @@ ride the steps (Probes.heard: no in-step probe for it), and two of them in a row
 times faster than its model scale the model at once (sped_up).
 
 A probe that changes nothing doubles the rank's wait, up to PROBE_MAX steps: the wait
-starts again at PROBE_FIRST only once the rank's batch has not been small (or 0) for
-PROBE_FIRST steps in a row, so the probe's own lift and the spread it leaves in the
-window are no new spell (they reset it, and a rank rightly small was probed every 71
-steps for good). After the first probe (a slow-down is often short: PROBE_FIRST steps
-after it the first probe looks), a probe that the model predicts to be costly (a rank
-that sits out because its least share takes longer than the others' whole step) waits
-longer still, until its predicted cost is at most PROBE_BUDGET of the steps (PROBE_STEPS
-x the relative extra time / the wait). A rank whose batch is rightly small spends
-PROBE_STEPS steps in 256 at most half its work longer; a rank that recovered has its
-work back within its wait (at most PROBE_MAX, or the budget's wait for a costly probe) +
-REFIT_STEADY + PROBE_STEPS + RECENT steps (the planner re-estimates every REFIT_STEADY
-steps when nothing moves).
+starts again at PROBE_FIRST only once the rank's batch has not been small (or 0) in any
+step for PROBE_FIRST steps in a row, or while it probes itself on its own time, so the
+probe's own lift and the spread it leaves in the window are no new spell (they reset it,
+and a rank rightly small was probed every 71 steps for good). After the first probe (a
+slow-down is often short: PROBE_FIRST steps after it the first probe looks), a probe
+that the model predicts to be costly (a rank that sits out because its least share takes
+longer than the others' whole step) waits longer still, until its predicted cost is at
+most PROBE_BUDGET of the steps (PROBE_STEPS x the relative extra time / the wait). A
+rank whose batch is rightly small spends PROBE_STEPS steps in 256 at most half its work
+longer; a rank that recovered has its work back within its wait (at most PROBE_MAX, or
+the budget's wait for a costly probe) + REFIT_STEADY + PROBE_STEPS + RECENT steps (the
+planner re-estimates every REFIT_STEADY steps when nothing moves).
 """
 from __future__ import annotations
 
@@ -68,8 +68,13 @@ class Probes:
         self.since = np.zeros(ranks, dtype=np.int64)
         self.wait = np.full(ranks, PROBE_FIRST, dtype=np.int64)
         self.own_time = np.full(ranks, -PROBE_FIRST, dtype=np.int64)   # the step of each rank's last own-time probe
-        self.held_at = np.full(ranks, -PROBE_FIRST, dtype=np.int64)    # the last step each rank's batch was small
+        self.held_at = np.full(ranks, -PROBE_FIRST, dtype=np.int64)    # the last step each rank's batch was small (ran)
         self.ratios: dict = {}    # rank -> its last two own-time probes' ratios to its model
+
+    def ran(self, batches, step: int) -> None:
+        """A step ran with `batches`: a rank whose batch was small (or 0) is in its spell."""
+        batches = np.asarray(batches)
+        self.held_at = np.where(batches < PROBE_BELOW * batches.sum() / len(batches), step, self.held_at)
 
     def heard(self, ranks, step: int) -> None:
         """`ranks` (bool per rank) reported a probe run on their own time at `step`."""
@@ -102,12 +107,11 @@ class Probes:
                max_local) -> np.ndarray | None:
         """The probe vector for the first rank due at `step` (None: none due or none
         possible); ranks no longer held start afresh."""
-        low = current < PROBE_BELOW * current.sum() / len(current)
-        small = (current > 0) & low & flat
+        small = (current > 0) & (current < PROBE_BELOW * current.sum() / len(current)) & flat
         measured = (current == 0) & (step - self.own_time < PROBE_FIRST)     # probes itself: no in-step probe
         held = small | ((current == 0) & ~measured)
         self.since = np.where(held, self.since, step)
-        self.held_at = np.where(low, step, self.held_at)      # (a probe's spread window or lift is no new spell)
+        self.ran(current, step)                    # (a probe's spread window or lift is no new spell: ran())
         self.wait = np.where(measured | (step - self.held_at >= PROBE_FIRST), PROBE_FIRST, self.wait)
         before = float(model.predict(current).max())
         for rank in np.flatnonzero(held & (step - self.since >= self.wait)):
@@ -135,7 +139,7 @@ class Probes:
             if "own_time" in state:
                 self.own_time = np.asarray(state["own_time"], dtype=np.int64).copy()
                 self.ratios = {int(r[0]): [tuple(float(v) for v in step) for step in r[1]] for r in state["ratios"]}
-            if "held_at" in state:                  # (older checkpoints: every rank's spell as if new)
+            if "held_at" in state:                  # (older checkpoints: no rank small before, its next spell new)
                 self.held_at = np.asarray(state["held_at"], dtype=np.int64).copy()
         return self
 

@@ -99,12 +99,11 @@ class StepPlanner:
         self.estimator.observe(batches, seconds, own_time)
         row = batches if own_time is None else np.where(own_time, 0, batches)
         self.sets.observe(row, seconds, int(np.sum(row)) == self.global_batch)
+        self.probes.ran(row, self.step)
         if own_time is not None:
             self.probes.heard(own_time, self.step)
             self.capped |= self.probes.sped_up(self.estimator, own_time, batches, seconds)   # (plan at once)
-        self.step += 1
-        self.since_plan += 1
-        self.since_refit += 1
+        self.step, self.since_plan, self.since_refit = self.step + 1, self.since_plan + 1, self.since_refit + 1
 
     def plan(self, current) -> Proposal | None:
         """A better vector than `current` (the vector of the steps to come), or None. Every

@@ -147,6 +147,8 @@ def _check_adaptive(args) -> None:
         args.global_batch = int(given) if given.isdigit() else -1
         if args.global_batch < 0:
             raise UserError(f"global-batch: a number of samples (0: --local-batch x ranks) or auto; got {given!r}")
+        if args.global_batch_start or args.min_global_batch or args.max_global_batch:
+            raise UserError("global-batch-start, min-global-batch, max-global-batch: bounds of --global-batch auto")
         return
     args.global_batch = "auto"
     if args.strategy not in SYNC:
@@ -156,6 +158,9 @@ def _check_adaptive(args) -> None:
                         "(samples, e.g. a run's step/noise_scale)")
     if min(args.global_batch_start, args.min_global_batch, args.max_global_batch) < 0:
         raise UserError("global-batch-start, min-global-batch, max-global-batch: must be positive (0: the default)")
+    start = args.global_batch_start or args.local_batch * (args.ranks or 0)
+    if start and args.min_global_batch > start:
+        raise UserError(f"min-global-batch: must be at most the start, {start}; got {args.min_global_batch}")
 
 
 def main(comm, argv) -> int:

@@ -43,7 +43,7 @@ class Job:
     residual: dict = field(default_factory=dict)   # the machine's (machine.Machine.residual)
     compute_extra: dict = field(default_factory=dict)   # the machine's (Machine.compute_extra): replays only
     global_batches: tuple = ()       # a replay of global_batch = auto: the B of every epoch, as recorded
-    adaptive: dict = field(default_factory=dict)   # a projection of it: start, upper, rule, noise (adaptive.py)
+    adaptive: dict = field(default_factory=dict)   # a projection of it: start, lower, upper, rule, noise (adaptive.py)
 
 
 @dataclass

@@ -56,7 +56,7 @@ def projection(machine: Machine, speeds, strategy: str = "dbs", model: str = "re
     """A run at scale: one rank per device of relative speed `speeds[i]` (1 = the fastest,
     which computes `compute_scale` times as fast as the machine's core), `ranks_per_node`
     ranks per node, each with its own cores; network = (alpha, beta). adaptive: the
-    global batch adapts from global_batch (adaptive.py: start, upper, rule, noise)."""
+    global batch adapts from global_batch (adaptive.py: start, lower, upper, rule, noise)."""
     speeds = np.asarray(speeds, float)
     ranks = len(speeds)
     global_batch = global_batch or local_batch * ranks
@@ -82,6 +82,8 @@ def project(args, machine: Machine) -> dict:
     adaptive = None
     if args.global_batch == "auto":
         start = args.global_batch_start or args.local_batch * len(speeds)
+        if args.min_global_batch > start:
+            raise UserError(f"min-global-batch: must be at most the start, {start}; got {args.min_global_batch}")
         adaptive = dict(start=start, upper=max(args.max_global_batch or DEFAULT_UPPER, start), rule="adascale",
                         lower=args.min_global_batch, noise=args.noise_scale)
     return projection(machine, speeds, args.strategy, args.model, args.epochs, args.samples,
