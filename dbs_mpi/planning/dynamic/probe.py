@@ -111,7 +111,6 @@ class Probes:
         measured = (current == 0) & (step - self.own_time < PROBE_FIRST)     # probes itself: no in-step probe
         held = small | ((current == 0) & ~measured)
         self.since = np.where(held, self.since, step)
-        self.ran(current, step)                    # (a probe's spread window or lift is no new spell: ran())
         self.wait = np.where(measured | (step - self.held_at >= PROBE_FIRST), PROBE_FIRST, self.wait)
         before = float(model.predict(current).max())
         for rank in np.flatnonzero(held & (step - self.since >= self.wait)):

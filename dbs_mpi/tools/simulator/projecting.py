@@ -14,6 +14,7 @@ import numpy as np
 
 from ...mpi.agreement import agree
 from ...options import DEFAULT_UPPER, UserError
+from ...planning.goodput import AdaptiveBatch
 from ..config import ArgumentParser, tomllib
 from ..machine import Machine
 from .cluster import DEFAULT_NOISE, Cluster
@@ -82,10 +83,9 @@ def project(args, machine: Machine) -> dict:
     adaptive = None
     if args.global_batch == "auto":
         start = args.global_batch_start or args.local_batch * len(speeds)
-        if args.min_global_batch > start:
-            raise UserError(f"min-global-batch: must be at most the start, {start}; got {args.min_global_batch}")
         adaptive = dict(start=start, upper=max(args.max_global_batch or DEFAULT_UPPER, start), rule="adascale",
                         lower=args.min_global_batch, noise=args.noise_scale)
+        AdaptiveBatch(start, adaptive["upper"], lower=args.min_global_batch)    # its bounds checked before epoch 1
     return projection(machine, speeds, args.strategy, args.model, args.epochs, args.samples,
                       adaptive["start"] if adaptive else args.global_batch, args.local_batch, network, args.algorithm,
                       args.ranks_per_node, args.compute_scale, DEFAULT_NOISE if args.noise is None else args.noise,
