@@ -46,6 +46,7 @@ checks that):
     transport.py      how buckets are summed: host-staged MPI, CUDA-aware MPI, NCCL, gloo
   training/         the library a training script uses
     batches.py        the in-memory dataset, its fast loader, the augmentation
+    device_data.py    the in-memory dataset in a GPU's memory: what fits, refusals
     profiling.py      compute / communication / wait times; the calibration's clock
     step_clock.py     a step's phase clocks (data, compute, collective, update), late on GPUs
     balancer.py       the vector of a policy (ssgd, static, dbs), calibration, epoch timing
@@ -82,7 +83,8 @@ from .about import __version__  # noqa: F401 (first: it reads the cores before t
 _API = {
     "init": "mpi.comm", "broadcast_parameters": "mpi.collectives", "AgreedError": "mpi.agreement",
     "Balancer": "training.balancer", "EpochStats": "training.balancer", "Change": "training.balancer",
-    "HeteroSampler": "planning.sharding",
+    "HeteroSampler": "planning.sharding", "InMemoryLoader": "training.batches",
+    "data_on_device": "training.device_data",
     "DistributedOptimizer": "training.optimizer", "clip_grad_norm_": "training.clipping",
     "SyncBatchNorm": "training.sync_batchnorm", "convert_sync_batchnorm": "training.sync_batchnorm",
     "SampleDropout": "training.sample_dropout", "convert_dropout": "training.sample_dropout",

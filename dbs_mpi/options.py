@@ -23,6 +23,7 @@ class ConfigError(UserError):
 PARTICIPATION = ("auto", "all")     # auto: the planners choose which ranks take part | all: every rank does
 EXCHANGES = ("auto", "host", "cuda-aware", "nccl", "gloo")   # mpi/transport.py
 DEVICE_SPEC = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")       # mpi/devices.py
+DATA_ON_DEVICE = ("auto", "on", "off")      # the in-memory data in a GPU's memory (training/device_data.py)
 LR_SCALING = ("adascale", "sqrt", "linear")   # the lr at an adaptive global batch (planning/goodput.py)
 DEFAULT_START = 128       # B0 of an adaptive global batch where none is given
 DEFAULT_UPPER = 4096      # the largest B it may choose by default (the data bounds it too)

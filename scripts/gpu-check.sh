@@ -59,11 +59,26 @@ step cuda-tests-mpi-1-rank 90 "$mpirun" -n 1 "$py" tests/mpi_pytest.py -q -p no:
     -m "mpi and cuda" tests/test_cuda.py
 step cuda-tests-2-ranks 150 "$mpirun" -n 2 "$py" tests/mpi_pytest.py -q -p no:cacheprovider -rs --with-mpi \
     -m "mpi and cuda" tests/test_cuda.py
-# (c) one GPU rank against a plain PyTorch loop of the same model and batch
-step overhead 90 "$py" -m dbs_mpi bench overhead --device cuda --model lenet5 --local-batch 512 --steps 100 \
-    --out-dir "$bench"
-step overhead-resnet20 90 "$py" -m dbs_mpi bench overhead --device cuda --model resnet20 --dataset synthetic \
-    --synthetic-shape 3,32,32 --synthetic-samples $((12800 * scale)) --local-batch 256 --steps 50 --out-dir "$bench"
+# (c) one GPU rank against a plain PyTorch loop of the same model and batch, the data of both copied from
+# the host every step (off) and held on the device (on)
+for where in off on; do
+    step "overhead-data-$where" 90 "$py" -m dbs_mpi bench overhead --device cuda --model lenet5 --local-batch 512 \
+        --steps 100 --data-on-device "$where" --out-dir "$bench/data-$where"
+    step "overhead-resnet20-data-$where" 120 "$py" -m dbs_mpi bench overhead --device cuda --model resnet20 \
+        --dataset synthetic --synthetic-shape 3,32,32 --synthetic-samples $((12800 * scale)) --local-batch 256 \
+        --steps 50 --data-on-device "$where" --out-dir "$bench/data-$where"
+done
+# the recipe for ResNet-20 on one GPU rank, a step added at each run (samples/s: scripts/gpu-recipe.py)
+recipe=("$py" -m dbs_mpi train --device cuda --model resnet20 --dataset synthetic --synthetic-shape 3,32,32
+        --synthetic-samples $((12800 * scale)) --test-subset 1000 --global-batch 256 --epochs 3 --strategy ssgd
+        --progress false)
+step recipe-1-host 90 "${recipe[@]}" --data-on-device off --out "$out/recipe-1-host.h5"
+step recipe-2-device 90 "${recipe[@]}" --data-on-device on --out "$out/recipe-2-device.h5"
+step recipe-3-channels-last 90 "${recipe[@]}" --channels-last true --out "$out/recipe-3-channels-last.h5"
+step recipe-4-bf16 90 "${recipe[@]}" --channels-last true --amp bf16 --out "$out/recipe-4-bf16.h5"
+step recipe-5-compile 240 "${recipe[@]}" --channels-last true --amp bf16 --compile true \
+    --out "$out/recipe-5-compile.h5"
+step recipe-table 30 "$py" scripts/gpu-recipe.py "$out"/recipe-*.h5
 # mixed precision against float32, one short run each (throughput and test accuracy)
 for amp in none bf16 fp16; do
     step "amp-$amp" 90 "$py" -m dbs_mpi train --device cuda --model resnet20 --epochs 3 --global-batch 256 \

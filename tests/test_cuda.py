@@ -19,6 +19,7 @@ it by default on Ampere and later GPUs: a 10-bit mantissa, about 1e-3 relative);
 command-line runs keep PyTorch's defaults, as users get them.
 """
 import json
+import os
 import signal
 import time
 
@@ -412,3 +413,85 @@ def test_the_event_clock_records_on_the_stream_the_loop_is_on():
     late.synchronize()
     events.record(first)
     assert events.stream == torch.cuda.current_stream()
+
+
+# --- data on the device (training/device_data.py) ------------------------------------
+
+def test_batches_and_their_augmentation_on_the_gpu_are_the_hosts():
+    from dbs_mpi.training.batches import Dataset, InMemoryLoader, augment
+    from test_device_data import Batches
+    host = Dataset(torch.randn(64, 3, 8, 8), torch.randint(10, (64,)), 10, "images")
+    gpu = Dataset(host.x.cuda(), host.y.cuda(), 10, "images")
+    arrays = [np.array([5, 0, 63, 17]), np.array([2]), np.array([8, 9])]
+    pairs = zip(InMemoryLoader(gpu, Batches(arrays), augment=True, seed=3), arrays)
+    for (x, y), indices in pairs:
+        assert x.device.type == "cuda" and y.device.type == "cuda"
+        assert torch.equal(x.cpu(), augment(host.x[indices], indices, 0, 3)) and torch.equal(y.cpu(), host.y[indices])
+
+
+GPU_DATA = ["--dataset", "synthetic", "--model", "mlp", "--synthetic-samples", "2048", "--test-subset", "256",
+            "--epochs", "2", "--global-batch", "128", "--device", "cuda", "--progress", "false"]
+
+
+def gpu_run(tmp_path, name, *extra, ranks=1):
+    out = tmp_path / f"{name}.h5"
+    proc = run_cli(["train", *GPU_DATA, *extra, "--out", str(out)], ranks=ranks, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return read_released(out, time.time() + 30)
+
+
+def test_data_on_the_gpu_trains_as_data_copied_from_the_host(tmp_path):
+    """1 rank: the data on the device (auto and on) or copied every step (off), the same
+    steps; 2 ranks sharing the GPU at 1:0.25 (dbs, uneven batches), each holding the data
+    on the device, train as the one process does (the model has no convolution: float32
+    matrix products, no TF32)."""
+    on, off = gpu_run(tmp_path, "on", "--data-on-device", "on"), gpu_run(tmp_path, "off", "--data-on-device", "off")
+    auto = gpu_run(tmp_path, "auto")
+    assert [list(r["attrs"]["rank_data_on_device"]) for r in (on, off, auto)] == [[True], [False], [True]]
+    np.testing.assert_allclose(on["data"]["step/loss"], off["data"]["step/loss"], rtol=1e-5)
+    shared = gpu_run(tmp_path, "shared", "--strategy", "dbs", "--speeds", "1,0.25", ranks=2)
+    assert list(shared["attrs"]["rank_data_on_device"]) == [True, True]
+    b = shared["data"]["step/batch_sizes"]
+    assert (b[:, 0] != b[:, 1]).any(), "the vector should be uneven at 1:0.25"
+    np.testing.assert_allclose(shared["data"]["step/loss"], on["data"]["step/loss"], rtol=1e-3)
+
+
+def test_a_run_with_data_on_the_gpu_stopped_and_resumed_is_the_run_never_stopped(tmp_path):
+    from test_checkpoint import launch, model_of, rel_difference
+    run = [*GPU_DATA, "--strategy", "ssgd", "--data-on-device", "on", "--synthetic-samples", "32768"]
+    whole, cut = tmp_path / "whole.h5", tmp_path / "cut.h5"
+    proc = run_cli(["train", *run, "--out", str(whole)], ranks=2, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    proc = launch([*run, "--out", str(cut)], 2)
+    read_line(proc, "epoch 1/2")
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == checkpoint.EXIT_STOPPED, err
+    proc = run_cli(["train", "--resume", str(cut)], ranks=2, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    a, b = read_run(whole), read_run(cut)
+    assert b["attrs"]["status"] == "complete" and list(b["attrs"]["rank_data_on_device"]) == [True, True]
+    np.testing.assert_allclose(b["data"]["step/loss"], a["data"]["step/loss"], rtol=1e-5)
+    assert rel_difference(model_of(str(whole) + ".ckpt"), model_of(str(cut) + ".ckpt")) < 1e-5
+
+
+HUGE_PLUGIN = '''
+import torch
+
+def huge(split):
+    """A TensorDataset that claims far more than any GPU holds (an expanded tensor: no memory)."""
+    n = 2 * torch.cuda.get_device_properties(0).total_memory // (28 * 28 * 4) + 1
+    return torch.utils.data.TensorDataset(torch.zeros(1, 1, 28, 28).expand(n, 1, 28, 28), torch.zeros(n, dtype=torch.int64))
+'''
+
+
+def test_data_that_does_not_fit_on_the_gpu_is_refused_in_one_line(tmp_path):
+    (tmp_path / "hugeplug.py").write_text(HUGE_PLUGIN)
+    out = tmp_path / "huge.h5"
+    args = ["train", "--dataset", "hugeplug:huge", "--num-classes", "2", "--model", "mlp", "--device", "cuda",
+            "--epochs", "1", "--out", str(out), "--progress", "false"]
+    proc = run_cli([*args, "--data-on-device", "on"], ranks=2, timeout=120,
+                   env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "data_on_device: the data takes" in proc.stderr and "for the 2 rank(s) on cuda:0" in proc.stderr
+    assert not out.exists()

@@ -18,7 +18,7 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # pragma: no cover - older Pythons on clusters
     import tomli as tomllib
 
-from ..options import (DEFAULT_START, DEVICE_SPEC, EXCHANGES, LR_SCALING, PARTICIPATION, ConfigError,
+from ..options import (DATA_ON_DEVICE, DEFAULT_START, DEVICE_SPEC, EXCHANGES, LR_SCALING, PARTICIPATION, ConfigError,
                        UserError, parse_couple, parse_interval)  # noqa: F401 (UserError)
 from ..planning import schedule
 
@@ -63,7 +63,8 @@ class Config:
     loss: str = ""                   # "" = cross-entropy | MODULE:CALLABLE: loss(output, target) -> mean over the batch (a class is instantiated)
     optimizer: str = "sgd"           # sgd (lr, momentum, weight_decay) | adam | adamw (lr, weight_decay)
     num_classes: int = 0             # plug-in datasets: number of classes; 0 = the dataset's num_classes or len(classes)
-    loader: str = "auto"             # auto: built-in datasets are indexed in memory (fast path), plug-ins go through torch's DataLoader | dataloader: always DataLoader
+    loader: str = "auto"             # auto: built-in datasets (and a plug-in's put on the device, data_on_device) are indexed in memory (fast path), other plug-ins go through torch's DataLoader | dataloader: always DataLoader
+    data_on_device: str = "auto"     # the in-memory training and test sets in each GPU rank's memory, batches indexed and augmented there: auto (where it fits in half the GPU's free memory with every rank sharing it) | on (refused where it does not) | off (gathered on the host and copied every step)
     loader_workers: int = 0          # DataLoader worker processes per rank (0: load in the training process)
     norm: str = "group"              # resnet20's normalisation: group (consistent across uneven local batches) | batch
     sync_bn: bool = False            # BatchNorm layers normalise over the step's global batch (dbs_mpi.SyncBatchNorm; synchronous strategies)
@@ -71,6 +72,7 @@ class Config:
     compile_backend: str = "inductor"  # torch.compile's backend: inductor (torch's default: generated kernels) | aot_eager | eager (Dynamo's tracing alone) | cudagraphs
     micro_batch: int = 0             # gradient accumulation: each rank runs its local batch in micro-batches of at most this many samples, one exchange a step (0: all at once); not with sync_bn
     amp: str = "none"                # mixed precision (synchronous strategies): none | bf16 (autocast in bfloat16, CPU and GPU) | fp16 (autocast in float16 with loss scaling, torch.amp.GradScaler; every rank on a GPU)
+    channels_last: bool = False      # convolutional models: the weights and every batch in channels-last memory order (NHWC), which GPUs' tensor-core convolutions prefer (with amp = bf16: the usual GPU recipe); synchronous strategies
     sample_dropout: bool = False     # the model's nn.Dropout layers draw masks keyed by sample (dbs_mpi.SampleDropout): the same masks at any vector, so runs with dropout agree across launches, resumes and rank counts up to float rounding; synchronous strategies
     augment: bool = False            # cifar10 training only: random crop (padding 4) and horizontal flip, seeded
     epochs: int = 3                  # passes over the training set
@@ -315,6 +317,9 @@ def _check_choices(c: Config) -> None:
     choice("loader", LOADERS)
     if c.loss and ":" not in c.loss:
         _fail("loss", f"must be empty (cross-entropy) or MODULE:CALLABLE; got {c.loss!r}")
+    choice("data_on_device", DATA_ON_DEVICE)
+    if c.data_on_device == "on" and c.loader == "dataloader":
+        _fail("data_on_device", "on indexes the data where it is, on the in-memory fast path; use loader = \"auto\"")
     if c.augment and c.loader == "dataloader":
         _fail("augment", "the built-in augmentation runs on the in-memory fast path; use loader = \"auto\"")
     choice("norm", NORMS)
@@ -327,6 +332,9 @@ def _check_choices(c: Config) -> None:
     if c.micro_batch and (c.sync_bn or c.strategy in ASYNC_STRATEGIES):
         _fail("micro_batch", "SyncBatchNorm normalises over the step's global batch, which micro-batches would cut "
                              f"into parts; and it runs with the synchronous strategies {', '.join(SYNC_STRATEGIES)} only")
+    if c.channels_last and c.strategy in ASYNC_STRATEGIES:
+        _fail("channels_last", f"runs with the synchronous strategies {', '.join(SYNC_STRATEGIES)} only "
+                               f"(got {c.strategy})")
     if c.sample_dropout and c.strategy in ASYNC_STRATEGIES:
         _fail("sample_dropout", f"keys masks by the position in a synchronous step's global batch: strategies "
                                 f"{', '.join(SYNC_STRATEGIES)} only (got {c.strategy})")

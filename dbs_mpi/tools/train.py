@@ -30,9 +30,9 @@ from ..options import UserError
 from ..parameter_server import AsyncTrainer
 from ..planning import schedule
 from ..planning.sharding import HeteroSampler, steps_per_epoch
-from ..training import checkpoint, sync_batchnorm
+from ..training import checkpoint, device_data, sync_batchnorm
 from ..training.balancer import Balancer, steps_before_resume
-from ..training.batches import InMemoryLoader, first_samples, sample_shape_and_classes
+from ..training.batches import Dataset, InMemoryLoader, first_samples, sample_shape_and_classes
 from ..training.checkpoint import EXIT_STOPPED, StopRequest, Stopped
 from ..training.evaluation import evaluate
 from ..training.named_optimizers import make_optimizer
@@ -76,6 +76,7 @@ class Run:
     threads: list = field(default_factory=list)   # every rank's torch threads
     exchange: str = "host"                        # the gradient exchange agreed by all ranks (transport.py)
     calibration: dict | None = None               # a recorded start-up calibration to plan from (calibration_from)
+    data_on_device: list = field(default_factory=list)   # every rank: its data in its GPU's memory (place_data)
 
     def evaluate(self) -> tuple[float, float, float]:
         """(test loss, test accuracy, seconds) of the model on the test set, all ranks together."""
@@ -108,6 +109,9 @@ def setup(comm, cfg: Config) -> Run:
     shape, classes = sample_shape_and_classes(train_set, cfg.num_classes)
     if classes < 2:
         raise UserError(f"num_classes: {cfg.dataset} has no num_classes or classes attribute; set num_classes")
+    if cfg.channels_last and len(shape) != 3:
+        raise UserError(f"channels_last: orders images (channels, height, width); {cfg.dataset}'s samples have "
+                        f"shape {tuple(shape)}")
     model = plugins.build_model(cfg.model, shape, classes, cfg.norm)
     if cfg.sync_bn and not sync_batchnorm.unsynchronised(model):
         raise UserError(f"sync_bn: the model {cfg.model} has no BatchNorm layer to synchronise"
@@ -157,11 +161,32 @@ def place(run: Run) -> list:
         cpu = [r for r, d in enumerate(run.devices) if d == "cpu"]
         collective(comm, _refuse, f"amp: fp16 needs every rank on a GPU, and rank(s) {cpu} compute on the CPU; "
                                   f"use --amp bf16", timeout=cfg.comm_timeout)
-    run.model.to(run.device)
+    run.model.to(run.device, memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format)
     broadcast_parameters(run.model, comm, timeout=cfg.comm_timeout)
     if cfg.sync_bn:                # BatchNorm over the global batch (setup checked there is some)
         run.model = sync_batchnorm.convert_sync_batchnorm(run.model, comm, cfg.comm_timeout)
     return places
+
+
+def place_data(run: Run, places) -> None:
+    """Collective: the training and test sets on each rank's device where
+    cfg.data_on_device says so (training/device_data.py; every rank of a host on the same
+    GPU holds a copy); a refusal fails every rank together. run.data_on_device: every
+    rank's outcome."""
+    comm, cfg, rank = run.comm, run.cfg, run.comm.Get_rank()
+    host, device = places[rank][0], run.devices[rank]
+    sharing = sum(1 for r, (h, _) in enumerate(places) if h == host and run.devices[r] == device)
+    classes = sample_shape_and_classes(run.train_set, cfg.num_classes)[1]
+    views = [device_data.in_memory(d, classes, cfg.dataset) for d in (run.train_set, run.test_set)]
+
+    def decide():
+        return device_data.decide(cfg.data_on_device, run.device, views, sharing, device_data.free_memory(run.device))
+    if collective(comm, decide, timeout=cfg.comm_timeout):
+        run.train_set, run.test_set = (device_data.to_device(v, run.device) for v in views)
+        placed = True
+    else:
+        placed = False
+    run.data_on_device = allgather_object(comm, placed, cfg.comm_timeout, "gathering where every rank's data is")
 
 
 def _refuse(message: str):
@@ -210,7 +235,7 @@ def result_attrs(cfg: Config, run: Run, threads: int, oversubscribed: bool, plac
                 model_class=f"{type(model).__module__}.{type(model).__qualname__}", loss=cfg.loss or "cross-entropy",
                 optimizer=cfg.optimizer, num_parameters=num_parameters(model), torch_threads=threads,
                 oversubscribed=oversubscribed, sleep_while_waiting=run.sleep_wait, rank_devices=run.devices,
-                device_names=run.device_names, rank_threads=run.threads,
+                device_names=run.device_names, rank_threads=run.threads, rank_data_on_device=run.data_on_device,
                 **{k: v for k, v in scheduler_job(os.environ).items() if v})
 
 
@@ -231,6 +256,7 @@ def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state:
     run = collective(comm, setup, comm, cfg, timeout=cfg.comm_timeout)
     startup.phase("devices", backstop=True)
     places = place(run)
+    place_data(run, places)
     threads = run.threads[rank]
     oversubscribed = placement.oversubscribed(places)
     run.sleep_wait = placement.sleep_while_waiting(cfg.wait_policy, places)
@@ -272,10 +298,10 @@ def resized(state: dict, comm) -> bool:
 
 
 def make_loader(run: Run, sampler: HeteroSampler):
-    """The fast path for built-in datasets, torch's DataLoader for the others (or when
-    cfg.loader asks for it)."""
+    """The fast path for built-in datasets (and a plug-in's put on the device), torch's
+    DataLoader for the others (or when cfg.loader asks for it)."""
     cfg = run.cfg
-    if cfg.loader == "auto" and not plugins.is_spec(cfg.dataset):
+    if cfg.loader == "auto" and isinstance(run.train_set, Dataset):
         return InMemoryLoader(run.train_set, sampler, augment=cfg.augment, seed=cfg.seed)
     from torch.utils.data import DataLoader
     # A generator of its own: a DataLoader without one draws its workers' base seed from the
@@ -354,6 +380,8 @@ class SyncTrainer:
         precision = self.precision
         for x, y in _progress(loader, self.cfg, epoch, self.comm.Get_rank()):
             x, y = devices.to_device((x, y), device)
+            if self.cfg.channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
             stop.start()                  # the stop agreement overlaps the step
             optimizer.zero_grad()
             if optimizer.sits_out and precision.scaler is None:

@@ -7,6 +7,8 @@ int64 labels held in memory. It is also a map-style torch Dataset (dataset[i] is
 `InMemoryLoader`, the fast path, which indexes a whole local batch out of the tensors at
 once. Any other map-style dataset of (tensor, int label), a user's own, goes through
 torch's DataLoader; `first_samples` and `fetch_batch` read a few samples of either kind.
+The tensors may live on the rank's GPU (device_data.py): the batches are then indexed,
+and augmented, there.
 
 The augmentation is a function of (seed, epoch, sample index) only, so a sample is
 transformed alike whichever rank reads it: allocation invariance holds with it on.
@@ -54,17 +56,29 @@ class InMemoryLoader:
     def __iter__(self):
         x_all, y_all = self.dataset.x, self.dataset.y
         for indices in self.sampler.iter_arrays():
-            x = x_all[indices]
+            where = host_to(indices, x_all.device)
+            x = x_all[where]
             if self.augment:
                 x = augment(x, indices, self.sampler.epoch, self.seed)
-            yield x, y_all[indices]
+            yield x, y_all[where]
+
+
+def host_to(array, device) -> torch.Tensor:
+    """A host array (numpy, or a CPU tensor) as a tensor on `device`: on the CPU a view of
+    it; for a GPU copied through pinned memory without waiting, so that the host never
+    stalls on the device's queue (a plain copy from pageable memory synchronises)."""
+    tensor, device = torch.as_tensor(array), torch.device(device)
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def fetch_batch(dataset, indices) -> tuple:
     """Samples `indices` of a map-style dataset as a batch (x, y): one gather for an
     in-memory Dataset, else dataset[i] for each and torch's default collation."""
     if isinstance(dataset, Dataset):
-        return dataset.x[indices], dataset.y[indices]
+        where = host_to(indices, dataset.x.device)
+        return dataset.x[where], dataset.y[where]
     from torch.utils.data import default_collate
     return tuple(default_collate([dataset[int(i)] for i in indices]))
 
@@ -121,16 +135,17 @@ def augment(x: torch.Tensor, indices, epoch: int, seed: int, padding: int = 4) -
     pad by `padding` pixels of zeros (the mean colour, since x is normalised, as in He
     et al. 2016), crop HxW at a random offset, flip horizontally with probability 1/2.
 
+    Runs on x's device (the hashes on the host, one small copy of them).
     Each sample's crop and flip are a function of (seed, epoch, its dataset index) only:
     the same whichever rank reads it and whatever else is in its batch, so a step's
     transformed samples do not depend on the batch vector (allocation invariance).
     Vectorised: one gather for the whole batch."""
     n, c, h, w = x.shape
-    dy, dx, flip = (torch.from_numpy(a) for a in augment_params(indices, epoch, seed, padding))
+    dy, dx, flip = (host_to(a, x.device) for a in augment_params(indices, epoch, seed, padding))
     padded = F.pad(x, (padding,) * 4)
     height, width = h + 2 * padding, w + 2 * padding
-    rows = dy[:, None] + torch.arange(h)                       # (N, H) rows of the padded image
-    cols = dx[:, None] + torch.arange(w)                       # (N, W) columns
+    rows = dy[:, None] + torch.arange(h, device=x.device)     # (N, H) rows of the padded image
+    cols = dx[:, None] + torch.arange(w, device=x.device)     # (N, W) columns
     cols = torch.where(flip[:, None], cols.flip(1), cols)
     flat = (rows[:, :, None] * width + cols[:, None, :]).view(n, 1, h * w).expand(n, c, h * w)
     return padded.reshape(n, c, height * width).gather(2, flat).view(n, c, h, w)

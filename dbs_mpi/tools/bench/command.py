@@ -81,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
                    "(default cpu: the CPU benchmarks)")
     p.add_argument("--devices", default="", help="per-rank devices of the training cases, e.g. cuda,cpu,cpu")
     p.add_argument("--exchange", default="auto", help="gradient exchange of the training cases")
+    p.add_argument("--data-on-device", default="auto", choices=("auto", "on", "off"),
+                   help="the training cases' data in the GPU's memory (overhead: the plain loop's too)")
     p.add_argument("--iterations", type=int, default=300, help="exchange: timed exchanges per repeat and variant")
     p.add_argument("--strategies", default="ssgd,static,dbs", help="hetero: variants, ssgd first")
     p.add_argument("--speeds", default="1,0.25", help="hetero: emulated relative speed of every rank; \"none\": "

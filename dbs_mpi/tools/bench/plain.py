@@ -8,12 +8,15 @@ import time
 from ...mpi import devices
 from ...mpi.collectives import barrier
 from ...planning import allocation, sharding
+from ...training import device_data
+from ...training.batches import host_to
 from ..models import build_model
 
 
 def _plain_epoch(comm, cfg, train_set, wrap=None, warmup: int = 5) -> float:
     """Seconds of one epoch of a plain PyTorch loop over this rank's batches (the same
-    shards as `train` with equal local batches); `wrap` turns the model into e.g. DDP."""
+    shards as `train` with equal local batches, the data where `train` holds it:
+    cfg.data_on_device); `wrap` turns the model into e.g. DDP."""
     import torch
     import torch.nn.functional as F
 
@@ -26,8 +29,13 @@ def _plain_epoch(comm, cfg, train_set, wrap=None, warmup: int = 5) -> float:
     vector = allocation.equal(cfg.global_batch, comm.Get_size())
     shard = sharding.epoch_shard(len(train_set), 0, cfg.seed, cfg.global_batch, vector, comm.Get_rank())
 
+    data = train_set
+    if device_data.decide(cfg.data_on_device, device, [train_set], comm.Get_size(), device_data.free_memory(device)):
+        data = device_data.to_device(train_set, device)      # as `train` holds it: indexed on the device
+
     def step(idx):
-        x, y = devices.to_device((train_set.x[idx], train_set.y[idx]), device)
+        where = host_to(idx, data.x.device)
+        x, y = devices.to_device((data.x[where], data.y[where]), device)
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
