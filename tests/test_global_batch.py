@@ -61,7 +61,8 @@ def test_a_step_time_flat_in_the_batch_doubles_the_batch_where_noise_is_large():
 def test_no_noise_scale_yet_or_a_step_time_linear_in_the_batch_keeps_it():
     adaptive = AdaptiveBatch(16, 256)
     assert adaptive.decide(16, None, lambda b: 0.01, upper=256)[0] == 16
-    assert adaptive.decide(16, 50.0, lambda b: 1e-3 * b, upper=256)[0] == 16   # no throughput to win
+    assert AdaptiveBatch(16, 256, lower=16).decide(16, 50.0, lambda b: 1e-3 * b, upper=256)[0] == 16  # no throughput
+    assert adaptive.decide(16, 50.0, lambda b: 1e-3 * b, upper=256)[0] == 8    # to win; below: progress per sample
     assert adaptive.decide(64, 1e5, lambda b: 0.01, upper=32)[0] == 64         # the data bounds it: stay
 
 
@@ -70,14 +71,19 @@ def test_below_the_start_only_down_to_the_lower_bound_and_halving_at_most():
     scale: the smallest B makes the most progress a second, where the lower bound lets
     it."""
     step = lambda b: 1e-3 * b
-    assert AdaptiveBatch(128, 1024).decide(128, 10.0, step, upper=1024)[0] == 128        # by default never below B0
+    default = AdaptiveBatch(128, 1024)
+    assert default.decide(128, 10.0, step, upper=1024)[0] == 64                          # by default B0 / 2 ...
+    assert default.decide(64, 10.0, step, upper=1024)[0] == 64 and default.lower == 64    # ... and no lower
+    assert AdaptiveBatch(128, 1024, lower=128).decide(128, 10.0, step, upper=1024)[0] == 128   # never below B0
     below = AdaptiveBatch(128, 1024, lower=16)
     assert below.decide(128, 10.0, step, upper=1024)[0] == 64                           # at most halved ...
     assert below.decide(32, 10.0, step, upper=1024)[0] == 16                            # ... down to the bound
     assert below.decide(16, 10.0, step, upper=1024)[0] == 16
     assert below.decide(64, 1e5, lambda b: 0.010 + 1e-6 * b, upper=1024)[0] == 128      # and up again with noise
-    assert below.factor(64, 10.0) == pytest.approx(0.5 * 138 / 74) and below.factor(64, 10.0) < 1   # the lr down
+    for rule in ("adascale", "sqrt", "linear"):                                          # the start's lr below it
+        assert AdaptiveBatch(128, 1024, rule, lower=16).factor(64, 10.0) == 1.0
     assert below.state_dict() == {"start": 128, "upper": 1024, "rule": "adascale", "lower": 16}
+    assert default.state_dict() == {"start": 128, "upper": 1024, "rule": "adascale", "lower": 64}
     assert AdaptiveBatch(128, 1024, lower=128).state_dict() == {"start": 128, "upper": 1024, "rule": "adascale"}
 
 
@@ -100,7 +106,8 @@ def test_the_bounds_and_the_rule_are_checked():
     with pytest.raises(UserError, match="min_global_batch"):
         AdaptiveBatch.of(512, 0, 0, "adascale", 32)
     assert AdaptiveBatch.of(512, 0, 0, "adascale") is None
-    assert AdaptiveBatch.of("auto", 0, 0, "adascale").state_dict() == {"start": 128, "upper": 4096, "rule": "adascale"}
+    assert AdaptiveBatch.of("auto", 0, 0, "adascale").state_dict() == {"start": 128, "upper": 4096, "rule": "adascale",
+                                                                      "lower": 64}
     assert AdaptiveBatch.of("auto", 0, 0, "adascale", 32).state_dict()["lower"] == 32
 
 

@@ -144,7 +144,7 @@ def test_a_run_stopped_after_a_switch_resumes_bit_for_bit(comm):
 def test_an_epoch_whose_batch_stays_keeps_its_vector(comm):
     """No change of B, no change of anything else: the vector that ran (here one set by
     hand, uneven under ssgd) stays, as do the planners."""
-    balancer = adaptive(comm, start=24, upper=24, policy="ssgd")
+    balancer = adaptive(comm, start=24, upper=24, lower=24, policy="ssgd")
     uneven = allocation.proportional(24, speeds_for(comm.Get_size()))
     balancer.batch_sizes = uneven.copy()
     Run(comm, balancer, calibrate=False).epochs(0, 2)
@@ -179,8 +179,15 @@ def test_a_fixed_batchs_state_and_an_adaptive_one_do_not_mix(comm):
         adaptive(comm).load_state_dict(adaptive(comm, start=16).state_dict())
     with pytest.raises(dbs_mpi.UserError, match="lr scaling sqrt"):
         adaptive(comm).load_state_dict(adaptive(comm, rule="sqrt").state_dict())
-    with pytest.raises(dbs_mpi.UserError, match=r"down to 2, .* this balancer has .*down to 8,"):
+    with pytest.raises(dbs_mpi.UserError, match=r"down to 2, .* this balancer has .*down to 4,"):
         adaptive(comm).load_state_dict(adaptive(comm, lower=2).state_dict())
+    before = adaptive(comm, lower=8).state_dict()        # no bound in the state: as saved before B0 / 2 was the default
+    assert "lower" not in before["adaptive"]
+    old = adaptive(comm)
+    old.load_state_dict(before)                          # ... resumes, never going below its start
+    assert old.adaptive.lower == 8
+    with pytest.raises(dbs_mpi.UserError, match=r"down to 8, .* this balancer has .*down to 2,"):
+        adaptive(comm, lower=2).load_state_dict(before)  # a bound given by hand must match
     below = adaptive(comm, lower=2)
     below.load_state_dict(adaptive(comm, lower=2).state_dict())           # the same bounds: it resumes
     assert below.adaptive.lower == 2 and below.global_batch == 8

@@ -366,8 +366,9 @@ def test_simulate_projects_a_large_job_and_compares_strategies():
 
 def test_an_adaptive_projection_makes_the_engines_choice_at_the_noise_scale():
     """Where a step is mostly its fixed costs (a slow network), B grows after every
-    epoch (at most doubling) at a large noise scale; at a small one it stays, or falls
-    (at most halving) where --min-global-batch lets it."""
+    epoch (at most doubling) at a large noise scale; at a small one it falls to half the
+    start (by default) or further (at most halving) where --min-global-batch lets it,
+    and stays where the bound is the start."""
     def projected(noise, *more):
         common = ["simulate", "--ranks", "16", "--model", "resnet20", "--network", "1e-3,1e-8", "--local-batch", "8",
                   "--samples", "20000", "--epochs", "3", "--json", *more]
@@ -376,7 +377,8 @@ def test_an_adaptive_projection_makes_the_engines_choice_at_the_noise_scale():
         return json.loads(run.stdout)
 
     fixed, small, large = projected(0), projected(10), projected(2000)
-    assert fixed["global_batches"] == small["global_batches"] == [128, 128, 128]
+    assert fixed["global_batches"] == projected(10, "--min-global-batch", "128")["global_batches"] == [128, 128, 128]
+    assert small["global_batches"] == [128, 64, 64]
     lower = projected(10, "--min-global-batch", "32")["global_batches"]
     assert lower[:2] == [128, 64] and lower[2] in (32, 64)
     assert large["global_batches"] == [128, 256, 512]                   # at most doubling at every decision

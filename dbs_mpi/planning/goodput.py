@@ -32,6 +32,7 @@ CANDIDATES = 48       # batches tried between the bounds (log-spaced)
 MIN_GAIN = 0.05       # a new batch must be predicted this much more goodput
 MAX_GROWTH = 2.0      # ... and at most this many times the current one (the lr moves with it: a run at lr 0.05,
                       # momentum 0.9 that jumped from B = 128 to 2,444 in one decision, lr x 13, diverged)
+BELOW = 2.0           # by default B may go down to the start over this (the user's batch halved once)
 
 
 
@@ -111,8 +112,8 @@ def per_step(global_batch: int, noise, start: int, seconds: float) -> np.ndarray
 
 class AdaptiveBatch:
     """The settings of an adaptive global batch and its last decision (no MPI). lower:
-    the smallest B it may choose (0: the start); below the start the lr scales down by
-    the same rule (AdaScale's gain is then below 1)."""
+    the smallest B it may choose (0: the start over BELOW, one halving). Below the start
+    the lr stays the start's (`factor`)."""
 
     def __init__(self, start: int, upper: int, lr_scaling: str = "adascale", lower: int = 0):
         if lr_scaling not in LR_SCALING:
@@ -120,10 +121,11 @@ class AdaptiveBatch:
         if not 1 <= int(start) <= int(upper):
             raise UserError(f"max_global_batch: must be at least global_batch_start ({start}); got {upper}")
         if not 0 <= int(lower) <= int(start):
-            raise UserError(f"min_global_batch: must be from 0 (the start) to global_batch_start ({start}); "
+            raise UserError(f"min_global_batch: must be from 0 (half the start) to global_batch_start ({start}); "
                             f"got {lower}")
         self.start, self.upper, self.rule = int(start), int(upper), lr_scaling
-        self.lower = int(lower) or self.start
+        self.lower_given = int(lower) > 0        # (a checkpoint from before the default bound keeps its own)
+        self.lower = int(lower) or max(1, math.ceil(self.start / BELOW))
 
     @classmethod
     def of(cls, global_batch, start: int, upper: int, lr_scaling: str, lower: int = 0) -> "AdaptiveBatch | None":
@@ -137,7 +139,14 @@ class AdaptiveBatch:
         return None
 
     def factor(self, global_batch: int, noise: float | None) -> float:
-        """The learning rate's factor at `global_batch` (1 at the start)."""
+        """The learning rate's factor at `global_batch`: the rule's above the start, 1 at
+        and below it. Below the start the rules would scale the lr down (AdaScale's gain
+        is below 1 there) to keep a step's progress per sample the start's, and a smaller
+        B would then gain nothing; at the user's lr it trains as a smaller fixed B does,
+        faster per sample where the run can take a larger lr per sample than the start's
+        (docs/method.md, section 5.5)."""
+        if global_batch <= self.start:
+            return 1.0
         return lr_factor(self.rule, global_batch, self.start, noise)
 
     def decide(self, current: int, noise: float | None, step_time, upper: int) -> tuple[int, dict]:

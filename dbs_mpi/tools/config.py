@@ -106,7 +106,7 @@ class Config:
     dbs_window: int = 32             # steps of history per rank for dbs's step-time estimate (dbs_interval in steps)
     global_batch_auto: bool = False  # what `--global-batch auto` sets: B adapts after every epoch to the most goodput (throughput x statistical efficiency, from the measured gradient noise scale), from global_batch_start, between min_global_batch and max_global_batch; synchronous strategies
     global_batch_start: int = 0      # global_batch = auto: B0, the first epoch's global batch, which lr is tuned for (0: 128)
-    min_global_batch: int = 0        # global_batch = auto: the smallest B it may choose (0: the start, never below it); below the start the lr scales down by lr_scaling's rule
+    min_global_batch: int = 0        # global_batch = auto: the smallest B it may choose (0: half the start); below the start the lr stays the start's
     max_global_batch: int = 0        # global_batch = auto: the largest B it may choose (0: 4096; never more than the training samples)
     lr_scaling: str = "adascale"     # global_batch = auto: the lr at B is lr x adascale (AdaScale's gain at the measured noise scale) | sqrt (sqrt(B / B0)) | linear (B / B0); schedules run on samples, an epoch is the same share of the schedule at any B
     noise_scale: bool = False        # measure the gradient noise scale every step from the ranks' gradient norms (step/noise_scale, step/grad_sq, step/grad_trace); synchronous strategies

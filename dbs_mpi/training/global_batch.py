@@ -5,7 +5,7 @@ user tuned for B0, and measures the gradient noise scale every step (gradient_no
 After every epoch each rank:
 
   1. predicts a step's seconds T(B) at every candidate B between the lower bound
-     (`min_global_batch`, default B0) and the upper one (`max_global_batch`, the
+     (`min_global_batch`, default B0 / 2) and the upper one (`max_global_batch`, the
      training set, ranks x max_local_batch), within 2x of the current B: the slowest
      rank's compute under the planner's speed model (the within-epoch estimate under
      dbs, else the calibration's) for the vector it would run at B, plus the epoch's
@@ -18,7 +18,7 @@ ranks can never split over a float's last bit, and the next epoch runs at it: B 
 between epochs only, at the same step on every rank, and an epoch still has the training
 set's samples (ceil(N / B) steps). The learning rate of every step is the user's
 (schedule included) times lr_factor: AdaScale's gain at the current B and noise scale
-(default), sqrt(B / B0) or B / B0 (`lr_scaling`), below 1 below B0. DistributedOptimizer
+(default), sqrt(B / B0) or B / B0 (`lr_scaling`), and 1 at or below B0. DistributedOptimizer
 applies it for the wrapped optimizer's step and puts the user's value back after it, so
 schedulers and checkpoints see the unscaled one.
 
@@ -63,6 +63,8 @@ class Resizing:
         start); B is then the state's (it changed by set_global_batch, or adapted). On another
         number of ranks an adaptive B is brought within the new world's bounds."""
         saved = state.get("adaptive")
+        if saved and self.adaptive and "lower" not in saved and not self.adaptive.lower_given:
+            self.adaptive.lower = int(saved["start"])    # saved before B could go below its start by default
         mine = self.adaptive and self.adaptive.state_dict()
         if saved != mine:
             said = lambda a: "a fixed global batch" if a is None else \

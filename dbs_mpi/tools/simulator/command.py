@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--local-batch", type=int, default=32, help="projection: B = this x ranks unless --global-batch")
     p.add_argument("--global-batch", default="0", metavar="B|auto", help="projection: B (0: --local-batch x ranks); "
                    "auto: after every epoch the engine's goodput choice at --noise-scale (from --global-batch-start, "
-                   "default --local-batch x ranks, down to --min-global-batch, default the start, up to "
+                   "default --local-batch x ranks, down to --min-global-batch, default half the start, up to "
                    "--max-global-batch, default 4096)")
     p.add_argument("--noise-scale", type=float, default=0.0, metavar="N",
                    help="projection with --global-batch auto: the gradient noise scale, in samples (a run's "
