@@ -53,7 +53,7 @@ export -f facts
 export py
 cpus=cuda$(printf ',cpu%.0s' 1 2 3 4 5 6 7)
 step facts 60 bash -c facts
-step cuda-tests-1-rank 300 "$py" -m pytest -q -p no:cacheprovider -s -rs -m cuda tests/test_cuda.py tests/test_optimizer.py \
+step cuda-tests-1-rank 480 "$py" -m pytest -q -p no:cacheprovider -s -rs -m cuda tests/test_cuda.py tests/test_optimizer.py \
     tests/test_event_clock.py
 step cuda-tests-mpi-1-rank 90 "$mpirun" -n 1 "$py" tests/mpi_pytest.py -q -p no:cacheprovider -rs --with-mpi \
     -m "mpi and cuda" tests/test_cuda.py

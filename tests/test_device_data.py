@@ -63,6 +63,11 @@ def test_in_memory_views_a_tensor_dataset_and_nothing_read_by_item():
     assert device_data.in_memory(torch.utils.data.TensorDataset(x)) is None                 # no labels
     assert device_data.in_memory([(x[0], 1)]) is None                                      # read item by item
 
+    class Shifted(torch.utils.data.TensorDataset):       # a subclass's items are its own, not the tensors' rows
+        def __getitem__(self, i):
+            return self.tensors[0][i] + 1, self.tensors[1][i]
+    assert device_data.in_memory(Shifted(x, y)) is None
+
 
 def test_the_decision_and_its_refusals():
     x, y = tensors()
@@ -74,14 +79,15 @@ def test_the_decision_and_its_refusals():
     assert device_data.decide("on", "cpu", [view]) is True              # ... and stays there
     assert device_data.decide("auto", "cuda:0", [view], 1, 10 * need) is True
     # two ranks sharing the GPU need two copies within MEMORY_SHARE of the free memory
-    free = int(2 * need / device_data.MEMORY_SHARE)
+    free = int(2 * need / device_data.MEMORY_SHARE["on"])
     assert device_data.decide("on", "cuda:0", [view], 2, free) is True
-    assert device_data.decide("auto", "cuda:0", [view], 3, free) is False
+    assert device_data.decide("auto", "cuda:0", [view], 2, free) is False     # auto takes a quarter at most
+    assert device_data.decide("auto", "cuda:0", [view], 1, free) is True
     with pytest.raises(UserError, match=r"^data_on_device: the data takes .* for the 3 rank\(s\) on cuda:0, more "
-                                        r"than 50% of its .* free; use --data-on-device auto or off"):
+                                        r"than 50% of its .* free; use auto or off, or less data$"):
         device_data.decide("on", "cuda:0", [view], 3, free)
     assert device_data.decide("auto", "cuda:0", [view, None], 1, 10 * need) is False
-    with pytest.raises(UserError, match="^data_on_device: on needs a dataset in memory"):
+    with pytest.raises(UserError, match="^data_on_device: on needs the data in memory"):
         device_data.decide("on", "cuda:0", [view, None], 1, 10 * need)
     with pytest.raises(UserError, match="^data_on_device: must be one of auto, on, off"):
         device_data.decide("yes", "cpu", [view])
@@ -156,7 +162,9 @@ def test_auto_leaves_a_cpu_ranks_data_where_it_is(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--dataset", "deviceplug:items", "--data-on-device", "on", "--num-classes", "2", "--model", "mlp"],
-     "data_on_device: on needs a dataset in memory"),
+     "data_on_device: on needs the data in memory"),
+    (["--dataset", "deviceplug:blobs", "--num-classes", "4", "--augment", "true", "--model", "mlp"],
+     "augment: the built-in augmentation is the built-in datasets'"),
     (["--dataset", "synthetic", "--data-on-device", "on", "--loader", "dataloader"],
      "data_on_device: on indexes the data where it is"),
     (["--dataset", "synthetic", "--data-on-device", "maybe"], "data_on_device: must be one of auto, on, off"),

@@ -63,8 +63,8 @@ class Config:
     loss: str = ""                   # "" = cross-entropy | MODULE:CALLABLE: loss(output, target) -> mean over the batch (a class is instantiated)
     optimizer: str = "sgd"           # sgd (lr, momentum, weight_decay) | adam | adamw (lr, weight_decay)
     num_classes: int = 0             # plug-in datasets: number of classes; 0 = the dataset's num_classes or len(classes)
-    loader: str = "auto"             # auto: built-in datasets (and a plug-in's put on the device, data_on_device) are indexed in memory (fast path), other plug-ins go through torch's DataLoader | dataloader: always DataLoader
-    data_on_device: str = "auto"     # the in-memory training and test sets in each GPU rank's memory, batches indexed and augmented there: auto (where it fits in half the GPU's free memory with every rank sharing it) | on (refused where it does not) | off (gathered on the host and copied every step)
+    loader: str = "auto"             # auto: built-in datasets (and a plug-in's TensorDataset put on the device, data_on_device) are indexed in memory (fast path), other plug-ins go through torch's DataLoader | dataloader: always DataLoader
+    data_on_device: str = "auto"     # the in-memory training and test sets in each GPU rank's memory, batches indexed and augmented there: auto (where the copies of every rank on the GPU fit in a quarter of its free memory) | on (up to half; refused where it does not fit or is not in memory) | off (gathered on the host and copied every step); with loader = dataloader: off
     loader_workers: int = 0          # DataLoader worker processes per rank (0: load in the training process)
     norm: str = "group"              # resnet20's normalisation: group (consistent across uneven local batches) | batch
     sync_bn: bool = False            # BatchNorm layers normalise over the step's global batch (dbs_mpi.SyncBatchNorm; synchronous strategies)
@@ -320,6 +320,9 @@ def _check_choices(c: Config) -> None:
     choice("data_on_device", DATA_ON_DEVICE)
     if c.data_on_device == "on" and c.loader == "dataloader":
         _fail("data_on_device", "on indexes the data where it is, on the in-memory fast path; use loader = \"auto\"")
+    if c.augment and ":" in c.dataset:
+        _fail("augment", "the built-in augmentation is the built-in datasets'; a plug-in's dataset augments its own "
+                         "samples")
     if c.augment and c.loader == "dataloader":
         _fail("augment", "the built-in augmentation runs on the in-memory fast path; use loader = \"auto\"")
     choice("norm", NORMS)

@@ -168,25 +168,28 @@ def place(run: Run) -> list:
     return places
 
 
-def place_data(run: Run, places) -> None:
+def place_data(run: Run) -> None:
     """Collective: the training and test sets on each rank's device where
-    cfg.data_on_device says so (training/device_data.py; every rank of a host on the same
-    GPU holds a copy); a refusal fails every rank together. run.data_on_device: every
-    rank's outcome."""
-    comm, cfg, rank = run.comm, run.cfg, run.comm.Get_rank()
-    host, device = places[rank][0], run.devices[rank]
-    sharing = sum(1 for r, (h, _) in enumerate(places) if h == host and run.devices[r] == device)
+    cfg.data_on_device says so (training/device_data.py; every rank on the same GPU holds
+    a copy; with loader = dataloader nothing moves); a refusal, or a copy that fails, fails
+    every rank together. run.data_on_device: every rank's outcome."""
+    comm, cfg = run.comm, run.cfg
+    gpu = devices.gpu_identity(run.device) if run.device.type == "cuda" else None    # (host, UUID)
+    gpus = allgather_object(comm, gpu, cfg.comm_timeout, "gathering every rank's GPU")
+    sharing = gpus.count(gpu) if gpu else 1
     classes = sample_shape_and_classes(run.train_set, cfg.num_classes)[1]
     views = [device_data.in_memory(d, classes, cfg.dataset) for d in (run.train_set, run.test_set)]
+    mode = "off" if cfg.loader == "dataloader" else cfg.data_on_device
 
-    def decide():
-        return device_data.decide(cfg.data_on_device, run.device, views, sharing, device_data.free_memory(run.device))
-    if collective(comm, decide, timeout=cfg.comm_timeout):
-        run.train_set, run.test_set = (device_data.to_device(v, run.device) for v in views)
-        placed = True
-    else:
-        placed = False
-    run.data_on_device = allgather_object(comm, placed, cfg.comm_timeout, "gathering where every rank's data is")
+    def place():
+        if not device_data.decide(mode, run.device, views, sharing, device_data.free_memory(run.device)):
+            return None
+        return [device_data.to_device(v, run.device) for v in views]
+    placed = collective(comm, place, timeout=cfg.comm_timeout)
+    if placed is not None:
+        run.train_set, run.test_set = placed
+    run.data_on_device = allgather_object(comm, placed is not None, cfg.comm_timeout,
+                                          "gathering where every rank's data is")
 
 
 def _refuse(message: str):
@@ -256,7 +259,7 @@ def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state:
     run = collective(comm, setup, comm, cfg, timeout=cfg.comm_timeout)
     startup.phase("devices", backstop=True)
     places = place(run)
-    place_data(run, places)
+    place_data(run)
     threads = run.threads[rank]
     oversubscribed = placement.oversubscribed(places)
     run.sleep_wait = placement.sleep_while_waiting(cfg.wait_policy, places)
@@ -301,7 +304,8 @@ def make_loader(run: Run, sampler: HeteroSampler):
     """The fast path for built-in datasets (and a plug-in's put on the device), torch's
     DataLoader for the others (or when cfg.loader asks for it)."""
     cfg = run.cfg
-    if cfg.loader == "auto" and isinstance(run.train_set, Dataset):
+    on_device = run.data_on_device[run.comm.Get_rank()]
+    if cfg.loader == "auto" and isinstance(run.train_set, Dataset) and (on_device or not plugins.is_spec(cfg.dataset)):
         return InMemoryLoader(run.train_set, sampler, augment=cfg.augment, seed=cfg.seed)
     from torch.utils.data import DataLoader
     # A generator of its own: a DataLoader without one draws its workers' base seed from the

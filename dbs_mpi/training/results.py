@@ -62,8 +62,8 @@ SCHEMA_ATTRIBUTES = {
     "created": "ISO time the run started",
     "torch_threads": "torch threads of rank 0",
     "rank_threads": "torch threads of every rank, rank order (a GPU rank 1; CPU ranks share the node's other cores)",
-    "rank_data_on_device": "whether every rank held its training and test sets in its GPU's memory "
-                           "(`--data-on-device`), rank order",
+    "rank_data_on_device": "whether every rank indexed its batches out of data held on its device "
+                           "(`--data-on-device`: a GPU rank's in the GPU's memory; a CPU rank's with on), rank order",
     "oversubscribed": "true if some node ran more ranks than its ranks have cores together: times are shared-core "
                       "times",
     "sleep_while_waiting": "true if waiting ranks slept between polls (wait policy) instead of spinning",
