@@ -176,3 +176,20 @@ def test_ranks_taken_back_that_slowed_the_others_stay_out_as_long_as_after_a_tri
             sets.observe([400, 112], [rank0, 0.09], True)
         assert sets.verdict(12).tolist() == [512, 0]
         assert sets.banned_set([400, 112], 12 + ban - 1) and not sets.banned_set([400, 112], 12 + ban)
+
+
+def test_a_trial_is_kept_only_where_it_won_by_the_margin():
+    """The fastest rank alone, tried: measuring 1% faster than the pair (the crossover,
+    where both sets are alike) it goes back to the pair; 10% faster, it stays."""
+    rng = np.random.default_rng(5)
+    for gain, kept in ((0.99, False), (0.90, True)):
+        sets = set_check.SetCheck(["node", "node"])
+        for _ in range(set_check.RECENT):
+            sets.observe([460, 52], [0.050 * rng.lognormal(0, 0.005), 0.049], True)
+        sets.switched([460, 52], [512, 0], 70, cause="trial")
+        for _ in range(set_check.RECENT + 1):
+            sets.observe([512, 0], [0.050 * gain * rng.lognormal(0, 0.005), 0.0], True)
+        verdict = sets.verdict(77)
+        assert (verdict is None) == kept, (gain, verdict)
+        assert sets.verdicts[-1][2] == ("kept" if kept else "reverted")
+        assert not sets.banned_set([512, 0], 78)                 # a trial that lost is undone, not banned

@@ -63,9 +63,11 @@ class Resizing:
         start); B is then the state's (it changed by set_global_batch, or adapted). On another
         number of ranks an adaptive B is brought within the new world's bounds."""
         saved = state.get("adaptive")
-        if saved and self.adaptive and "lower" not in saved and not self.adaptive.lower_given:
-            self.adaptive.lower = int(saved["start"])    # saved before B could go below its start by default
         mine = self.adaptive and self.adaptive.state_dict()
+        if saved and mine and "lower" not in saved and not self.adaptive.lower_given \
+                and saved == {k: v for k, v in mine.items() if k != "lower"}:
+            self.adaptive.lower = self.adaptive.start    # saved before B could go below its start by default
+            mine = saved
         if saved != mine:
             said = lambda a: "a fixed global batch" if a is None else \
                 f"a global batch adapting from {a['start']} (down to {a.get('lower', a['start'])}, up to " \
