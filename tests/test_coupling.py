@@ -100,10 +100,36 @@ def test_a_recorded_timing_alone_counts_only_where_this_job_would_have_timed_it(
     together = fit.predict(np.array([256, 256]))
     alone = np.array([together[0] / 2, np.nan])
     hosts = ["a", "a"]
-    assert coupling.decide(fit, together, alone, hosts, "auto", True, B).vector.tolist() == [B, 0]
-    assert coupling.decide(fit, together, alone, hosts, "all", True, B) is None
-    assert coupling.decide(fit, together, alone, hosts, "auto", False, B) is None
-    assert coupling.decide(fit, together, None, hosts, "auto", True, B) is None
-    assert coupling.decide(fit, together, alone, ["a", "b"], "auto", True, B) is None
+    assert coupling.decide(fit, together, alone, hosts, "auto", True, B)[0].vector.tolist() == [B, 0]
+    assert coupling.decide(fit, together, alone, hosts, "all", True, B) == (None, False)
+    assert coupling.decide(fit, together, alone, hosts, "auto", False, B) == (None, False)
+    assert coupling.decide(fit, together, None, hosts, "auto", True, B) == (None, False)
+    assert coupling.decide(fit, together, alone, ["a", "b"], "auto", True, B) == (None, False)
     with pytest.raises(UserError, match="alone_time has 3 value"):
         coupling.decide(fit, together, np.array([0.1, np.nan, np.nan]), hosts, "auto", True, B)
+
+
+def test_ranks_timed_alone_without_coupling_postpone_the_first_trial():
+    """Rank 0 as fast alone as beside rank 1 (a 1:0.1 pair, the crossover): the start keeps
+    the calibration's plan and says it saw no coupling, and the planner started so runs
+    no trial before QUIET_FIRST steps (without it, one at TRIAL_FIRST took rank 1 to 0 for
+    its steps); with coupling the start is rank 0 alone and nothing is postponed."""
+    fit = model(1.0, 10.0)
+    together = fit.predict(np.array([470, 42]))
+    start, quiet = coupling.decide(fit, together, np.array([together[0] * 0.97, np.nan]), ["a", "a"], "auto", True, B)
+    assert start is None and quiet
+    start, quiet = coupling.decide(fit, together, np.array([together[0] / 2, np.nan]), ["a", "a"], "auto", True, B)
+    assert start is not None and not quiet
+    rng = np.random.default_rng(4)
+
+    def seconds_of(step, row):
+        return [(1e-3 + c * b) * rng.lognormal(0, 0.03) if b else 0.0 for c, b in zip((1e-4, 1e-3), row)]
+    causes = {}
+    for quiet in (False, True):
+        calibrated = SpeedModel(np.array([1e-4, 1e-3]), np.array([1e-3, 1e-3]))
+        replanner = dynamic.Replanner(0, 2, B, model=calibrated, hosts=["node", "node"])
+        replanner.start_from(calibrated, quiet)
+        _, switches = run(replanner, 400, seconds_of, [470, 42])
+        causes[quiet] = [cause for _, _, cause in switches]
+    assert "trial" in causes[False], causes
+    assert "trial" not in causes[True], causes

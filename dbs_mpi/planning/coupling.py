@@ -86,7 +86,7 @@ def coupled_start(fit: SpeedModel, together, alone, global_batch: int, min_local
     if not timed.any():
         return None
     coupling = np.where(timed, np.asarray(together, float) / np.where(timed, alone, 1.0), np.nan)
-    if float(np.median(coupling[timed])) < COUPLED:
+    if coupling_of(together, alone) < COUPLED:
         return None
     scale = np.where(timed, 1.0 / np.where(timed, coupling, 1.0), 1.0)
     model = SpeedModel(np.asarray(fit.per_sample, float) * scale, np.asarray(fit.overhead, float) * scale)
@@ -100,17 +100,30 @@ def coupled_start(fit: SpeedModel, together, alone, global_batch: int, min_local
 
 
 def decide(fit: SpeedModel, together, alone, hosts, participation: str, checked: bool, global_batch: int,
-           min_local: int = 1, max_local=None) -> Start | None:
+           min_local: int = 1, max_local=None) -> tuple[Start | None, bool]:
     """coupled_start where timed_alone says the calibration times ranks alone (a fresh
     timing, or one recorded by another launch, whose `alone` must then be of this world
-    and is read only where this job would have timed)."""
+    and is read only where this job would have timed), and whether the ranks were timed
+    alone and showed no coupling (quiet: the set check's first trial can wait)."""
     if alone is None:
-        return None
+        return None, False
     plan = allocate_for(fit, global_batch, min_local, max_local)
     mask = timed_alone(fit, hosts, participation, checked, plan)
     if mask is None:
-        return None
+        return None, False
     alone = np.asarray(alone, float).reshape(-1)
     if alone.shape != mask.shape:
         raise UserError(f"calibration: its alone_time has {alone.size} value(s); this job has {mask.size} rank(s)")
-    return coupled_start(fit, together, np.where(mask, alone, np.nan), global_batch, min_local, max_local, plan)
+    alone = np.where(mask, alone, np.nan)
+    ratio = coupling_of(together, alone)
+    quiet = ratio is not None and ratio < COUPLED
+    return coupled_start(fit, together, alone, global_batch, min_local, max_local, plan), quiet
+
+
+def coupling_of(together, alone) -> float | None:
+    """The median over the ranks timed alone of t(together) / t(alone) (None: none was)."""
+    alone = np.asarray(alone, float)
+    timed = np.isfinite(alone) & (alone > 0)
+    if not timed.any():
+        return None
+    return float(np.median(np.asarray(together, float)[timed] / alone[timed]))

@@ -463,8 +463,8 @@ class Calibration:
     def _plan_from(self, fit, small: int, large: int, times: np.ndarray, alone=None) -> np.ndarray:
         """The calibration's plan: the speed model, (static, dbs) the vector, the controllers;
         (dbs) with the fastest ranks alone where their times alone showed coupling (coupling.py)."""
-        start = coupling.decide(fit, times[:, 1], alone, self.hosts, self.participation, self._checked(),
-                                self.global_batch, self.min_local, self.max_local)
+        start, quiet = coupling.decide(fit, times[:, 1], alone, self.hosts, self.participation, self._checked(),
+                                       self.global_batch, self.min_local, self.max_local)
         model = fit if start is None else start.model
         self.speed_model = model
         if self.policy != "ssgd":
@@ -473,7 +473,7 @@ class Calibration:
         if self.policy == "dbs":
             self.controller = self._controller(model)
         if self.replanner is not None:
-            self.replanner.start_from(model)
+            self.replanner.start_from(model, quiet)
         self.startup = {"local_batch": np.array([small, large], dtype=np.int64), "step_time": times,
                         "batch_sizes": self.batch_sizes.copy()}
         if alone is not None:

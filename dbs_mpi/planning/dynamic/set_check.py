@@ -18,7 +18,8 @@ cost more than they bring. So every change of the set is checked by what it meas
               BAN_MAX), since speeds change
   trial       where ranks of the set share a host (where coupling can happen), the
               fastest ranks alone (per-sample cost within FASTEST of the fastest's) are
-              tried: first after TRIAL_FIRST steps, then after a wait that doubles with
+              tried: first after TRIAL_FIRST steps (QUIET_FIRST where the start-up timed
+              them alone and saw no coupling), then after a wait that doubles with
               every trial lost (at most TRIAL_MAX); a trial is a set change, so it is
               checked as above, the other way round: kept only where the old set's step
               time exceeds its by the margin, else reverted (not banned: it was an
@@ -65,6 +66,7 @@ TRIAL_BAN = 256       # ... and the larger set a trial beat with coupling seen, 
 TRIAL_FIRST = 64      # steps before the first trial of the fastest ranks alone (8 gave the coupled 1:0.25
                       # case 1.03 for 1.10 in its second epoch, but puts a trial into short runs everywhere)
 TRIAL_MAX = 4096      # the longest wait between two trials
+QUIET_FIRST = 512     # the first trial where the start-up timed the fastest ranks alone and saw no coupling
 SETTLE = 3 * RECENT   # steps after a change of the set before a trial may start
 FASTEST = 1.5         # ranks whose per-sample cost is within this factor of the fastest rank's are "the fastest"
 COUPLED = 1.25        # the fast ranks computed this much faster alone: coupling seen (trials go on)
@@ -118,6 +120,13 @@ class SetCheck:
         """The global batch changed: step times before it do not compare with those after."""
         self.times.clear()
         self.pending = None
+
+    def quiet_start(self) -> None:
+        """The start-up timed the fastest ranks alone and they were not faster there (no
+        coupling, planning/coupling.py): the first trial, which would measure the same, waits
+        QUIET_FIRST steps (a trial costs its RECENT + 1 steps at the other set's time, and at
+        the crossover it moved a rank between 0 and its share for nothing)."""
+        self.next_trial = max(self.next_trial, QUIET_FIRST)
 
     def banned_set(self, vector, step: int) -> bool:
         return self.banned.get(members(vector), -1) > step

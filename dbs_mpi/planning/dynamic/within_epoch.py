@@ -296,9 +296,12 @@ class Replanner:
         if self.planner is not None:
             self.planner.sets.hosts = self.hosts
 
-    def start_from(self, model: SpeedModel) -> None:
-        """Begin from a calibrated model (else the first step's measurement is the start)."""
+    def start_from(self, model: SpeedModel, quiet: bool = False) -> None:
+        """Begin from a calibrated model (else the first step's measurement is the start);
+        quiet: the calibration saw no coupling (SetCheck.quiet_start)."""
         self.planner = self._planner(model)
+        if quiet:
+            self.planner.sets.quiet_start()
 
     @property
     def size(self) -> int:

@@ -61,7 +61,7 @@ def simulated_start(job: Job, cluster: Cluster, compute: Compute, emus) -> tuple
     factor = step_factor(emus, cluster, alone.astype(np.int64))
     steps = min(job.benchmark_steps, coupling.ALONE_STEPS)
     seconds = np.median([calibration_step(compute, cluster, factor, large, alone) for _ in range(steps)], axis=0)
-    return fit, coupling.decide(fit, times[:, 1], seconds, hosts, job.participation, True, job.global_batch, *bounds)
+    return fit, coupling.decide(fit, times[:, 1], seconds, hosts, job.participation, True, job.global_batch, *bounds)[0]
 
 
 def recorded_start(job: Job, cluster: Cluster, startup: dict, fit: allocation.SpeedModel | None):
@@ -70,7 +70,7 @@ def recorded_start(job: Job, cluster: Cluster, startup: dict, fit: allocation.Sp
         return None
     return coupling.decide(fit, np.asarray(startup["step_time"])[:, 1], startup["alone_time"], _hosts(cluster),
                            job.participation, _checked(job, cluster.size), job.global_batch, job.min_local_batch,
-                           job.max_local_batch or None)
+                           job.max_local_batch or None)[0]
 
 
 def _hosts(cluster: Cluster) -> list:
