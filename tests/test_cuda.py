@@ -462,16 +462,9 @@ def test_data_on_the_gpu_trains_as_data_copied_from_the_host(tmp_path):
 
 
 def test_a_run_with_data_on_the_gpu_stopped_and_resumed_is_the_run_never_stopped(tmp_path):
-    from test_checkpoint import launch, model_of, rel_difference
+    from test_checkpoint import model_of, rel_difference, whole_and_stopped
     run = [*GPU_DATA, "--strategy", "ssgd", "--data-on-device", "on", "--synthetic-samples", "131072"]
-    whole, cut = tmp_path / "whole.h5", tmp_path / "cut.h5"
-    proc = run_cli(["train", *run, "--out", str(whole)], ranks=2, timeout=240)
-    assert proc.returncode == 0, proc.stderr
-    proc = launch([*run, "--out", str(cut)], 2)
-    read_line(proc, "epoch 1/2")
-    proc.send_signal(signal.SIGUSR1)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == checkpoint.EXIT_STOPPED, err
+    whole, cut, _ = whole_and_stopped(run, tmp_path)
     proc = run_cli(["train", "--resume", str(cut)], ranks=2, timeout=240)
     assert proc.returncode == 0, proc.stderr
     a, b = read_run(whole), read_run(cut)

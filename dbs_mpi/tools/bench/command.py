@@ -40,7 +40,7 @@ from pathlib import Path
 
 from ...mpi.agreement import agree
 from ...mpi.placement import available_cores, hostnames, mpi_library
-from ...options import UserError
+from ...options import DATA_ON_DEVICE, UserError
 from ...training.results import git_revision, versions
 from .. import bench_tracking as tracking
 from ..config import ArgumentParser
@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
                    "(default cpu: the CPU benchmarks)")
     p.add_argument("--devices", default="", help="per-rank devices of the training cases, e.g. cuda,cpu,cpu")
     p.add_argument("--exchange", default="auto", help="gradient exchange of the training cases")
-    p.add_argument("--data-on-device", default="auto", choices=("auto", "on", "off"),
+    p.add_argument("--data-on-device", default="auto", choices=DATA_ON_DEVICE,
                    help="the training cases' data in the GPU's memory (overhead: the plain loop's too)")
     p.add_argument("--iterations", type=int, default=300, help="exchange: timed exchanges per repeat and variant")
     p.add_argument("--strategies", default="ssgd,static,dbs", help="hetero: variants, ssgd first")

@@ -42,7 +42,7 @@ def _on_first(comm, k: int, fn, *args):
 def _config(args, **values):
     base = dict(dataset=args.dataset, model=args.model, data_dir=args.data_dir, epochs=1, test_subset=200,
                 progress=False, threads=args.threads, device=args.device, exchange=args.exchange,
-                data_on_device=getattr(args, "data_on_device", "auto"),
+                data_on_device=args.data_on_device,
                 synthetic_shape=args.synthetic_shape, synthetic_samples=args.synthetic_samples)
     if args.devices:
         base["devices"] = args.devices
