@@ -20,8 +20,9 @@ the result file), each case against its baseline in the same repeat:
   part, rank 0 then at half speed; "slow" reports the whole run at 1:0.02 too;
 * steady: 2 ranks at 1:0.1, dbs (3 epochs): the slow rank's local batch over epochs 2-3,
   its median, range (largest less smallest) and largest jump between two steps (and
-  between two steps it took part in), and the re-plans of those epochs by cause (plan,
-  probe in the step, revert, trial: balancer.Change.CAUSES);
+  between two steps it took part in), the re-plans of those epochs by cause (plan,
+  probe in the step, revert, trial: balancer.Change.CAUSES), and what an in-step probe
+  cost: rank 0's step while it ran over the 5 steps before;
 * crossover: 2 ranks at 1:x for x in 0.5, 0.2, 0.1, 0.05, 0.02, dbs with participation
   auto and all, each over 1 rank alone (the best subset is the smaller of all's and 1).
 
@@ -128,7 +129,25 @@ def case_steady(tmp: Path, subset: list) -> dict:
                "1:0.1 ... largest jump while it takes part": float(jumps[taking_part].max(initial=0))}
     for code, cause in enumerate(Change.CAUSES[:4]):    # the re-plans of epochs 2-3 by cause
         figures[f"1:0.1 re-plans in epochs 2-3: {cause}"] = float((causes == code).sum())
+    cost = probe_cost(d)
+    if cost is not None:
+        figures["1:0.1 in-step probes' steps over the 5 before (rank 0's step)"] = cost
     return figures
+
+
+def probe_cost(d: dict) -> float | None:
+    """The median over the run's in-step probes of rank 0's median step while the probe's
+    vector ran over its median of the 5 steps before (None: no in-step probe)."""
+    steps, rows = step_seconds(d), np.asarray(d["step/batch_sizes"])
+    ratios = []
+    for start, cause in zip(np.asarray(d["replan/run_step"]), np.asarray(d["replan/cause"])):
+        if Change.CAUSES[int(cause)] != "probe" or start < 5:
+            continue
+        end = start + 1
+        while end < len(rows) and np.array_equal(rows[end], rows[start]):
+            end += 1
+        ratios.append(np.median(steps[start + 1:end]) / np.median(steps[start - 5:start]))  # (its first: new shapes)
+    return float(np.median(ratios)) if ratios else None
 
 
 def case_crossover(tmp: Path, subset: list) -> dict:

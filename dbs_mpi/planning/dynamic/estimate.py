@@ -213,8 +213,7 @@ class StepTimeEstimator:
         return False
 
     def update(self) -> np.ndarray:
-        """Re-estimate every rank's model from the window; returns the ranks (bool) whose
-        speed changed (followed at once)."""
+        """Re-estimate every rank's model from the window; returns the ranks whose speed changed."""
         with np.errstate(invalid="ignore", divide="ignore"):
             return self._update()
 
@@ -262,8 +261,12 @@ class StepTimeEstimator:
         """Per rank, whether the steps in its window lack local batches SPREAD apart (or it
         has none): its per-sample cost is not being measured, only its level."""
         _, b, t = self._ordered()
-        valid = np.isfinite(t)
-        return ~(np.where(valid, b, -np.inf).max(axis=0) >= SPREAD * np.where(valid, b, np.inf).min(axis=0))
+        return ~(self.largest() >= SPREAD * np.where(np.isfinite(t), b, np.inf).min(axis=0))
+
+    def largest(self) -> np.ndarray:
+        """Per rank, the largest local batch among the steps in its window (0: none)."""
+        _, b, t = self._ordered()
+        return np.where(np.isfinite(t), b, 0.0).max(axis=0, initial=0.0)
 
     def uncertainty(self) -> np.ndarray:
         """Per rank, the standard error of the model's level (log) from the window's noise."""

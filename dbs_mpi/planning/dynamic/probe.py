@@ -9,14 +9,25 @@ good, a few percent slower every step than the best vector.
 
 So a rank held at a small local batch (below PROBE_BELOW of an equal share) whose window
 has no spread of local batches (the estimator's flat()) for PROBE_FIRST steps gets a
-probe: SPREAD times its local batch (at least one sample more), taken from the rank with
-the largest one, for PROBE_STEPS steps (the first at a new batch is no measurement, then
-RECENT); the line through the window then has two batches to fit the slope from. A
-rank that sits out (participation.py: local batch 0) is not measured at all, so it is
+probe for PROBE_STEPS steps (the first at a new batch is no measurement, then RECENT);
+the line through the window then has two batches to fit the slope from. The probe
+spreads the batches the cheaper way by the model's prediction: down to 1/SPREAD of the
+rank's batch, the samples given to the rank with the largest one, or up to SPREAD times
+it (at least one sample more), the samples taken from that rank. A rank small because it
+is slow goes down: going up, every rank would wait for its slow extra samples (at 1:0.1
+rank 0's steps took 1.1-1.5x while one ran); going down, the fast rank computes a few
+samples more. Up is left where the rank cannot go down (1 sample, min_local) or is far
+below its balance. After the probe the planner goes back to the vector before it unless
+the measurement finds one better by its dead band (StepPlanner: the probe's vector is a
+measurement, not a plan to improve on). A rank that sits out (participation.py: local batch 0) is not measured at all, so it is
 probed the same way at min_local samples: if it became fast, the plan takes it back.
 Where the rank can probe itself on its own time instead (training/prober.py), its probes
 ride the steps (Probes.heard: no in-step probe for it), and two of them in a row RETURN
-times faster than its model scale the model at once (sped_up).
+times faster than its model scale the model at once (sped_up). Its prober spaces them
+by its duty (45-118 steps apart at 1:0.02 on synthetic data), so once heard, a rank
+counts as measuring itself for PROBE_MAX steps after its last probe; only then (its
+prober failed) does the in-step probe take over. With PROBE_FIRST there, a rank 50x
+slower got an in-step probe, 9-15x the others' step for PROBE_STEPS steps, in every gap.
 
 A probe that changes nothing doubles the rank's wait, up to PROBE_MAX steps: the wait
 starts again at PROBE_FIRST only once the rank's batch has not been small (or 0) in any
@@ -108,13 +119,14 @@ class Probes:
         """The probe vector for the first rank due at `step` (None: none due or none
         possible); ranks no longer held start afresh."""
         small = (current > 0) & (current < PROBE_BELOW * current.sum() / len(current)) & flat
-        measured = (current == 0) & (step - self.own_time < PROBE_FIRST)     # probes itself: no in-step probe
+        quiet = np.where(self.own_time >= 0, PROBE_MAX, PROBE_FIRST)          # heard probing itself before: its
+        measured = (current == 0) & (step - self.own_time < quiet)           # duty spaces them (no in-step probe)
         held = small | ((current == 0) & ~measured)
         self.since = np.where(held, self.since, step)
         self.wait = np.where(measured | (step - self.held_at >= PROBE_FIRST), PROBE_FIRST, self.wait)
         before = float(model.predict(current).max())
         for rank in np.flatnonzero(held & (step - self.since >= self.wait)):
-            vector = _probe(current, rank, min_local, max_local)
+            vector = _probe(current, rank, min_local, max_local, model)
             if vector is None:
                 continue
             cost = max(0.0, float(model.predict(vector).max()) / max(before, 1e-300) - 1.0)
@@ -157,15 +169,31 @@ def rescale(estimator, rank: int, level: float, keep: int) -> None:
     estimator._refresh_plain_copies()
 
 
-def _probe(current: np.ndarray, rank: int, min_local: int, max_local) -> np.ndarray | None:
-    """`current` with `rank` at SPREAD times its batch (at least one sample more; a rank
-    that sits out: min_local), the samples taken from the rank with the largest batch."""
+def _probe(current: np.ndarray, rank: int, min_local: int, max_local, model: SpeedModel) -> np.ndarray | None:
+    """The cheaper of `current` with `rank` at SPREAD times its batch (at least one sample
+    more; a rank that sits out: min_local), the samples taken from the rank with the
+    largest batch, and `current` with `rank` at 1/SPREAD of its batch (where that is at
+    least min_local), the samples given to that rank; by the model's predicted step time.
+    A rank small because it is slow probes down: going up, every rank waits for its slow
+    extra samples; going down, the fast rank computes a few samples more (at 1:0.1 about
+    1% of the step against 40%)."""
+    donor = int(np.argmax(np.where(np.arange(len(current)) == rank, -1, current)))     # the largest other batch
     grow = max(1, int(np.ceil((SPREAD - 1) * current[rank]))) if current[rank] else max(1, min_local)
-    grow = grow if not max_local else min(grow, int(max_local) - int(current[rank]))
-    donor = int(np.argmax(np.where(np.arange(len(current)) == rank, -1, current)))
-    if grow < 1 or current[donor] - grow < min_local:
+    up = _moved(current, donor, rank, grow, max_local, min_local)
+    shrink = int(current[rank] - current[rank] // SPREAD)
+    down = _moved(current, rank, donor, shrink, max_local, max(1, min_local)) if current[rank] else None
+    if up is None or down is None:
+        return up if down is None else down
+    return down if float(model.predict(down).max()) <= float(model.predict(up).max()) else up
+
+
+def _moved(current: np.ndarray, source: int, to: int, samples: int, max_local, floor: int):
+    """`current` with `samples` moved from `source` to `to`, at most up to max_local (None
+    where no sample moves, or `source` would be left below `floor`)."""
+    samples = samples if not max_local else min(samples, int(max_local) - int(current[to]))
+    if samples < 1 or current[source] - samples < floor:
         return None
     vector = current.copy()
-    vector[rank] += grow
-    vector[donor] -= grow
+    vector[to] += samples
+    vector[source] -= samples
     return vector

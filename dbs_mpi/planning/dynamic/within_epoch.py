@@ -7,9 +7,12 @@ changed, by GAIN_Z standard errors of the estimate too (a dead band: noise never
 the vector). A rank whose step time at its current local batch is mostly fixed cost
 (per-sample share below TINY_SHARE) may at most double its batch (or grow by B/2n) in
 one move: its measurement says little about its per-sample cost, so a large jump would
-be a guess (the overshoot of a rank cut to a few samples); the rest of the move follows
-once RECENT steps have run at the new batch. After any move the planner waits until
-RECENT steps have run with the new vector.
+be a guess (the overshoot of a rank cut to a few samples); near its balance (not IDLE)
+it grows at most to SPREAD times the largest batch its window measured (growth_limit).
+The rest of the move follows once RECENT steps have run at the new batch. After any
+move the planner waits until RECENT steps have run with the new vector; after an
+in-step probe (probe.py) it goes back to the vector before it unless the measurement
+finds a better one by the dead band.
 
 
 How fast: a persistent change is in the level after ceil(RECENT / 2) = 3 steps, the
@@ -29,7 +32,7 @@ import numpy as np
 
 from ..allocation import SpeedModel
 from ..participation import allocate_for, least_step_time_sitting_out
-from .estimate import RECENT, REFIT, REFIT_STEADY, TINY_SHARE, WINDOW, StepTimeEstimator
+from .estimate import RECENT, REFIT, REFIT_STEADY, SPREAD, TINY_SHARE, WINDOW, StepTimeEstimator
 from .probe import PROBE_STEPS, Probes
 from .set_check import SetCheck
 
@@ -40,12 +43,23 @@ DEFAULT_INTERVAL = 1  # steps between re-plans (chosen by measurement: docs/meth
 GAIN_Z = 3.0          # a new vector must gain at least this many standard errors of the estimate
 
 
+IDLE = 2.0            # a rank whose step is below 1/IDLE of the slowest other's is idle most of the step
+
+
 def least_step_time_every_rank(model: SpeedModel, global_batch: int) -> float:
     """A lower bound of the step time of any vector in which every rank takes part (and
     pays its a_i): the continuous optimum with no bounds, sum_i (t - a_i) / c_i = B.
     (participation.least_step_time_sitting_out is the bound where ranks may sit out.)"""
     inverse = 1.0 / np.asarray(model.per_sample, float)
     return float((global_batch + np.sum(np.asarray(model.overhead, float) * inverse)) / np.sum(inverse))
+
+
+def least_step_time(model: SpeedModel, global_batch: int, participation: str) -> float:
+    """A lower bound of the step time of any vector the planner may choose: ranks may sit
+    out under "auto" (participation.least_step_time_sitting_out), not under "all"."""
+    if participation == "auto":
+        return least_step_time_sitting_out(model.per_sample, model.overhead, global_batch)
+    return least_step_time_every_rank(model, global_batch)
 
 
 def switch_step(next_step: int, horizons) -> int:
@@ -82,7 +96,8 @@ class StepPlanner:
         self.step = 0                   # steps observed
         self.capped = False             # the last move stopped short at a tiny batch's growth limit
         self.probes = Probes(len(self.estimator.model.per_sample))
-        self.probed = False             # the vector of the steps to come is a probe (probe.py)
+        self.probed = False             # the vector of the steps to come is a probe (probe.py) ...
+        self.probe_from = None          # ... from this vector, where it goes back unless a better one is found
         self.since_plan = 0             # steps observed since the last planning
         self.since_refit = 0            # steps observed since the window was last re-estimated
         self.hold_until = 2 * RECENT    # no planning before this step (the first steps; a move under way)
@@ -123,43 +138,51 @@ class StepPlanner:
         changed = self.estimator.update()
         model = self.estimator.model
         current = np.asarray(current, dtype=np.int64)
-        before = float(model.predict(current).max())
+        base = current if self.probe_from is None else self.probe_from    # a probe's vector is no plan: not the base
         gain = self.min_gain
         if not changed.any() and not self.capped and not self.probed:    # drift: a move must also beat the noise
             gain = max(gain, -math.expm1(-GAIN_Z * float(self.estimator.uncertainty().max())))
-        self.capped = self.probed = False
-        candidate = None if changed.any() else self.probes.vector(self.step, current, self.estimator.flat(), model,
+        self.capped, self.probed, self.probe_from = False, False, None
+        candidate = None if changed.any() else self.probes.vector(self.step, base, self.estimator.flat(), model,
                                                                    self.min_local, self.max_local)
         if candidate is not None and self.sets.banned_set(candidate, self.step):
             candidate = None                               # (a probe may not take a set measured slower either)
-        self.probed = candidate is not None
+        self.probed, self.probe_from = candidate is not None, None if candidate is None else base.copy()
         if candidate is None:
-            candidate = self._better(current, model, before * (1.0 - gain))
-        if candidate is None:
+            candidate = self._better(base, model, float(model.predict(base).max()) * (1.0 - gain))
+            candidate = base if candidate is None and base is not current else candidate   # back from a probe
+        if candidate is None or np.array_equal(candidate, current):
             return None
         self.hold_until = self.step + 1                    # until the announcement says when it applies
+        before = float(model.predict(current).max())
         return Proposal(candidate, model.per_sample.copy(), model.overhead.copy(), before,
                         float(model.predict(candidate).max()), changed, "probe" if self.probed else "plan")
 
     def _better(self, current: np.ndarray, model: SpeedModel, target: float) -> np.ndarray | None:
         """The model's vector if its predicted step time is at most `target` (None if not,
-        or if no vector can be: the continuous optimum is the bound)."""
-        auto = self.participation == "auto"
-        bound = least_step_time_sitting_out(model.per_sample, model.overhead, self.global_batch) if auto else \
-            least_step_time_every_rank(model, self.global_batch)
-        if bound >= target:
+        or if no vector can be: the continuous optimum is the bound); where growth_limit
+        holds a rank back, the part of that move it allows, if it is no slower than now."""
+        if least_step_time(model, self.global_batch, self.participation) >= target:
             return None                                    # no vector can pass the dead band
-        limit = self._growth_limit(current, model)
-        candidate = allocate_for(model, self.global_batch, self.min_local, limit, self.participation)
-        if self.sets.banned_set(candidate, self.step):      # measured slower lately: re-balance the set instead
-            candidate = None if self.sets.banned_set(current, self.step) else \
-                allocate_for(model, self.global_batch, self.min_local, limit, within=current > 0)
-        if candidate is None or float(model.predict(candidate).max()) > target or np.array_equal(candidate, current):
+        whole = self._allocate(model, current, self.max_local)
+        if whole is None or float(model.predict(whole).max()) > target or np.array_equal(whole, current):
             return None
-        # a move that a tiny batch's limit held back goes on after the next RECENT steps
-        self.capped = limit is not self.max_local and not np.array_equal(
-            candidate, allocate_for(model, self.global_batch, self.min_local, self.max_local, self.participation))
+        limit = growth_limit(current, self.estimator, self.global_batch, self.max_local)
+        candidate = whole if limit is self.max_local else self._allocate(model, current, limit)
+        if candidate is None or np.array_equal(candidate, current) or \
+                float(model.predict(candidate).max()) > float(model.predict(current).max()):
+            return None
+        self.capped = not np.array_equal(candidate, whole)    # the rest of the move goes on after RECENT steps
         return candidate
+
+    def _allocate(self, model: SpeedModel, current: np.ndarray, limit) -> np.ndarray | None:
+        """The model's vector within per-rank limits; a set measured slower lately is
+        re-balanced within the current set instead (None: that set is banned too)."""
+        candidate = allocate_for(model, self.global_batch, self.min_local, limit, self.participation)
+        if not self.sets.banned_set(candidate, self.step):
+            return candidate
+        return None if self.sets.banned_set(current, self.step) else \
+            allocate_for(model, self.global_batch, self.min_local, limit, within=current > 0)
 
     def _checked(self, current: np.ndarray) -> Proposal | None:
         """A proposal the set check makes (set_check.py): back to the vector before a set
@@ -177,21 +200,10 @@ class StepPlanner:
                         float(model.predict(current).max()), float(model.predict(vector).max()),
                         np.zeros(len(current), bool), cause)
 
-    def _growth_limit(self, current: np.ndarray, model: SpeedModel):
-        """Per-rank upper bounds: a rank at a tiny batch (mostly fixed cost) at most doubles
-        (or grows by B/2n, if that is more); the others are bounded by max_local only."""
-        per_sample = model.per_sample * current
-        share = per_sample / np.maximum(model.overhead + per_sample, 1e-300)
-        if (current == 0).any():             # a rank out whose own-time probes spread: its slope is measured
-            share = np.where((current == 0) & ~self.estimator.flat(), 1.0, share)
-        bound = np.inf if not self.max_local else float(self.max_local)
-        lift = math.ceil(self.global_batch / (2 * len(current)))
-        limit = np.minimum(np.where(share < TINY_SHARE, np.maximum(2 * current, current + lift), np.inf), bound)
-        return limit if limit.sum() >= self.global_batch else self.max_local
-
     def resize(self, global_batch: int) -> None:
-        """Another global batch from the next step on (set_check.SetCheck.resized)."""
-        self.global_batch = int(global_batch)
+        """Another global batch from the next step on (set_check.SetCheck.resized); a
+        probe's vector before it is of the old one (no way back to it)."""
+        self.global_batch, self.probe_from = int(global_batch), None
         self.sets.resized()
 
     def scheduled(self, ahead: int, old=None, new=None, cause: str = "plan") -> None:
@@ -212,6 +224,7 @@ class StepPlanner:
                 "interval": self.interval, "min_gain": self.min_gain, "step": self.step, "capped": self.capped,
                 "since_plan": self.since_plan, "since_refit": self.since_refit, "hold_until": self.hold_until,
                 "settle_until": self.settle_until, "probes": self.probes.state_dict(), "probed": self.probed,
+                "probe_from": None if self.probe_from is None else self.probe_from.copy(),
                 "participation": self.participation, "sets": self.sets.state_dict()}
 
     @classmethod
@@ -225,9 +238,36 @@ class StepPlanner:
         self.step, self.since_plan, self.since_refit, self.hold_until, self.settle_until = (
             int(state[k]) for k in ("step", "since_plan", "since_refit", "hold_until", "settle_until"))
         self.capped, self.probed = bool(state["capped"]), bool(state.get("probed", False))
+        self.probe_from = None if state.get("probe_from") is None else np.asarray(state["probe_from"], np.int64).copy()
         self.probes = Probes.from_state(state.get("probes"), len(self.estimator.model.per_sample))
         self.sets = SetCheck.from_state(state.get("sets"))
         return self
+
+
+def growth_limit(current: np.ndarray, estimator: StepTimeEstimator, global_batch: int, max_local):
+    """Per-rank upper bounds of a move: a rank at a tiny batch (mostly fixed cost) at most
+    doubles (or grows by B/2n, if that is more); the others are bounded by max_local only.
+    Where such a rank's step takes at least 1/IDLE of the slowest other rank's (near its
+    balance, not idle most of the step), it grows at most to SPREAD times the largest
+    batch its window measured (at least one sample more): beyond that its slope is a
+    guess, read from batches close together or only scaled (at 1:0.1 a slope read from
+    batches 1.4x apart took a rank at 19 samples to 48, 1.4x the step there, and back).
+    The move itself spreads the window's batches as a probe does, and the rest follows
+    on a measured slope."""
+    model, flat = estimator.model, estimator.flat()
+    per_sample = model.per_sample * current
+    share = per_sample / np.maximum(model.overhead + per_sample, 1e-300)
+    if (current == 0).any():             # a rank out whose own-time probes spread: its slope is measured
+        share = np.where((current == 0) & ~flat, 1.0, share)
+    step = model.predict(current)
+    second, top = np.sort(step)[-2:] if len(step) > 1 else (0.0, float(step[0]))
+    others = np.where(step >= top, second, top)               # the slowest other rank's step, per rank
+    guess = (current > 0) & (IDLE * step >= others)
+    measured = np.maximum(np.ceil(SPREAD * np.maximum(estimator.largest(), current)), current + 1) - current
+    lift = np.where(guess, measured, np.maximum(current, math.ceil(global_batch / (2 * len(current)))))
+    bound = np.inf if not max_local else float(max_local)
+    limit = np.minimum(np.where(share < TINY_SHARE, current + lift, np.inf), bound)
+    return limit if limit.sum() >= global_batch else max_local
 
 
 def with_probes(row, seconds, probe_batches, probe_seconds):
