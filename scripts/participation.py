@@ -146,6 +146,8 @@ def probe_cost(d: dict) -> float | None:
         end = start + 1
         while end < len(rows) and np.array_equal(rows[end], rows[start]):
             end += 1
+        if end - start < 2:
+            continue                                      # the run ended in its first step
         ratios.append(np.median(steps[start + 1:end]) / np.median(steps[start - 5:start]))  # (its first: new shapes)
     return float(np.median(ratios)) if ratios else None
 

@@ -259,8 +259,9 @@ def test_planner_state_round_trips():
 
 def test_a_probe_under_way_survives_a_checkpoint_and_a_new_global_batch():
     """Mid-probe, a planner restored from its state goes back to the same vector before
-    the probe as the one saved; after a new global batch, the way back (a vector of the
-    old one) is dropped and nothing of the old sum is proposed."""
+    the probe as the one saved (a state saved before there was a way back plans from the
+    probe's vector); after a new global batch the way back (a vector of the old one) is
+    dropped and nothing of the old sum is proposed, and a forced vector drops it too."""
     machine = Machine([8e-5, 8e-4], [2e-3, 1.6e-2], noise=0.03, seed=3)
     planner = StepPlanner(model_of(machine.per_sample, machine.overhead), B, participation="all")
     vector, step, proposal = planner.model.allocate(B), 0, None
@@ -272,8 +273,13 @@ def test_a_probe_under_way_survives_a_checkpoint_and_a_new_global_batch():
             planner.scheduled(0)
             before, vector = vector, proposal.vector
     copy = StepPlanner.from_state(planner.state_dict())
-    resized = StepPlanner.from_state(planner.state_dict())
+    older = planner.state_dict()
+    del older["probe_from"]
+    resized, forced = StepPlanner.from_state(planner.state_dict()), StepPlanner.from_state(planner.state_dict())
     resized.resize(B // 2)
+    forced.scheduled(0, vector, np.array([B - 40, 40]), "forced")
+    assert copy.probe_from.tolist() == before.tolist() and StepPlanner.from_state(older).probe_from is None
+    assert resized.probe_from is None and forced.probe_from is None and not forced.probed
     half = np.array([B // 2 - vector[1], vector[1]])
     back = [None, None, None]
     for s in range(step, step + 3 * dynamic.PROBE_STEPS):
@@ -425,6 +431,13 @@ def test_a_rank_rightly_small_is_probed_ever_more_rarely_going_down_and_back():
         end = first_step(vectors, s, lambda v: not np.array_equal(v, vectors[s]))   # announced after the probe
         assert end == dynamic.PROBE_STEPS + 1 and np.array_equal(vectors[s + end], vectors[s - 1]), (s, end)
         assert truth.predict(vectors[s]).max() <= 1.05 * truth.predict(vectors[s - 1]).max()
+    probes = dynamic.Probes(2)
+    probes.ran([500, 12], 40)
+    again = dynamic.Probes.from_state(probes.state_dict(), 2)
+    np.testing.assert_array_equal(again.held_at, [-dynamic.PROBE_FIRST, 40])    # resumes with its spells
+    state = probes.state_dict()
+    del state["held_at"]                                                      # a checkpoint from before
+    np.testing.assert_array_equal(dynamic.Probes.from_state(state, 2).held_at, [-dynamic.PROBE_FIRST] * 2)
 
 
 def test_a_probe_takes_the_cheaper_way_to_spread_a_small_ranks_batches():
@@ -442,15 +455,10 @@ def test_a_probe_takes_the_cheaper_way_to_spread_a_small_ranks_batches():
     assert probe(*slow, [512, 0]) == [511, 1]
     assert probe(*slow, [510, 2], min_local=2) == [509, 3]
     assert probe([1e-3, 1e-3, 1e-5], [0.0, 0.3, 0.4], [400, 100, 10]) == [395, 100, 15]
+    capped = dynamic.Probes(2).vector(dynamic.PROBE_FIRST, np.array([490, 22]), np.ones(2, bool),
+                                      model_of(*slow), 1, 495)
+    assert capped.tolist() == [479, 33]            # down would need 498 > max_local: up, not a 1-sample probe
 
-
-    probes = dynamic.Probes(2)
-    probes.ran([500, 12], 40)
-    again = dynamic.Probes.from_state(probes.state_dict(), 2)
-    np.testing.assert_array_equal(again.held_at, [-dynamic.PROBE_FIRST, 40])    # resumes with its spells
-    state = probes.state_dict()
-    del state["held_at"]                                                      # a checkpoint from before
-    np.testing.assert_array_equal(dynamic.Probes.from_state(state, 2).held_at, [-dynamic.PROBE_FIRST] * 2)
 
 
 def test_a_move_on_a_guessed_slope_grows_a_rank_near_its_balance_by_spread_at_most():

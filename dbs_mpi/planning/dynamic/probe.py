@@ -19,8 +19,10 @@ rank 0's steps took 1.1-1.5x while one ran); going down, the fast rank computes 
 samples more. Up is left where the rank cannot go down (1 sample, min_local) or is far
 below its balance. After the probe the planner goes back to the vector before it unless
 the measurement finds one better by its dead band (StepPlanner: the probe's vector is a
-measurement, not a plan to improve on). A rank that sits out (participation.py: local batch 0) is not measured at all, so it is
-probed the same way at min_local samples: if it became fast, the plan takes it back.
+measurement, not a plan to improve on), and where that set is not banned. A probe that
+max_local would cut short is not made (it would not spread the batches). A rank that
+sits out (participation.py: local batch 0) is not measured at all, so it is probed the
+same way at min_local samples: if it became fast, the plan takes it back.
 Where the rank can probe itself on its own time instead (training/prober.py), its probes
 ride the steps (Probes.heard: no in-step probe for it), and two of them in a row RETURN
 times faster than its model scale the model at once (sped_up). Its prober spaces them
@@ -188,10 +190,12 @@ def _probe(current: np.ndarray, rank: int, min_local: int, max_local, model: Spe
 
 
 def _moved(current: np.ndarray, source: int, to: int, samples: int, max_local, floor: int):
-    """`current` with `samples` moved from `source` to `to`, at most up to max_local (None
-    where no sample moves, or `source` would be left below `floor`)."""
-    samples = samples if not max_local else min(samples, int(max_local) - int(current[to]))
+    """`current` with `samples` moved from `source` to `to` (None where that would take `to`
+    past max_local, a probe that would not spread the batches, or leave `source` below
+    `floor`)."""
     if samples < 1 or current[source] - samples < floor:
+        return None
+    if max_local and current[to] + samples > int(max_local):
         return None
     vector = current.copy()
     vector[to] += samples

@@ -150,12 +150,12 @@ class StepPlanner:
         self.probed, self.probe_from = candidate is not None, None if candidate is None else base.copy()
         if candidate is None:
             candidate = self._better(base, model, float(model.predict(base).max()) * (1.0 - gain))
-            candidate = base if candidate is None and base is not current else candidate   # back from a probe
+            back = base is not current and not self.sets.banned_set(base, self.step)
+            candidate = base if candidate is None and back else candidate   # back from a probe
         if candidate is None or np.array_equal(candidate, current):
             return None
         self.hold_until = self.step + 1                    # until the announcement says when it applies
-        before = float(model.predict(current).max())
-        return Proposal(candidate, model.per_sample.copy(), model.overhead.copy(), before,
+        return Proposal(candidate, model.per_sample.copy(), model.overhead.copy(), float(model.predict(current).max()),
                         float(model.predict(candidate).max()), changed, "probe" if self.probed else "plan")
 
     def _better(self, current: np.ndarray, model: SpeedModel, target: float) -> np.ndarray | None:
@@ -176,8 +176,7 @@ class StepPlanner:
         return candidate
 
     def _allocate(self, model: SpeedModel, current: np.ndarray, limit) -> np.ndarray | None:
-        """The model's vector within per-rank limits; a set measured slower lately is
-        re-balanced within the current set instead (None: that set is banned too)."""
+        """The model's vector within `limit`; a set banned lately is re-balanced within the current one instead."""
         candidate = allocate_for(model, self.global_batch, self.min_local, limit, self.participation)
         if not self.sets.banned_set(candidate, self.step):
             return candidate
@@ -201,8 +200,7 @@ class StepPlanner:
                         np.zeros(len(current), bool), cause)
 
     def resize(self, global_batch: int) -> None:
-        """Another global batch from the next step on (set_check.SetCheck.resized); a
-        probe's vector before it is of the old one (no way back to it)."""
+        """Another global batch from the next step on (set_check.SetCheck.resized; no way back from a probe)."""
         self.global_batch, self.probe_from = int(global_batch), None
         self.sets.resized()
 
@@ -213,6 +211,8 @@ class StepPlanner:
         planner built in the middle of a run (a resume on another number of ranks, a second
         calibration) holds for as long as one built at the run's first step."""
         first = self.step + int(ahead)
+        if cause not in ("plan", "probe"):        # a trial, a revert or a forced vector: no way back from a probe
+            self.probed, self.probe_from = False, None
         if old is not None:
             self.sets.switched(old, new, first, cause)
         self.hold_until = first + (PROBE_STEPS if self.probed else RECENT)
