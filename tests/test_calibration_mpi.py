@@ -17,20 +17,44 @@ def test_a_slower_rank_times_fewer_steps_never_more_than_asked():
     assert balancer.calibration_steps(float("nan"), 5, 2) == (5, 2)
 
 
+def sleeper(fixed: float, per_sample: float, calls: list):
+    def step(b):
+        calls.append(b)
+        time.sleep(fixed + per_sample * b)
+    return step
+
+
+def test_a_rank_much_slower_at_the_tiny_batch_times_the_small_batch_only():
+    """At SHORT_START times the fastest's tiny step or more, the large batch's time is read
+    off the line through the tiny and the small timings (a step of 4 ms + 0.2 ms a sample:
+    the line's value at 64 is that step's, within the sleeps' noise); below it, both are
+    timed. Never more steps than asked."""
+    calls = []
+    step = sleeper(0.004, 0.0002, calls)
+    tiny = balancer.time_step(step, 2, balancer.TINY_STEPS, 1)
+    calls.clear()
+    small, large = balancer.calibrated_times(step, tiny, tiny / 3, 16, 64, steps=5, warmup=2)
+    assert calls == [16] * 4, calls                        # 3 timed, 1 untimed, at the small batch only
+    assert large == pytest.approx(0.004 + 0.0002 * 64, rel=0.25), (small, large)
+    calls.clear()
+    balancer.calibrated_times(step, tiny, tiny / 1.5, 16, 64, steps=5, warmup=2)
+    assert calls == [16] * 4 + [64] * 4, calls             # 1.5x: both batches, 3 timed and 1 untimed each
+    calls.clear()
+    balancer.calibrated_times(step, tiny, tiny / 3, 2, 64, steps=5, warmup=2)
+    assert calls == [2] * 4 + [64] * 4, calls              # no line through the tiny batch and itself
+
+
 @pytest.mark.mpi
 def test_every_rank_but_the_fastest_calls_its_step_less_often(comm):
     """Rank 0's step sleeps 2 ms, every other rank's 12 ms (6x: below the 8x that skips
-    timing): rank 0 takes its 1 + 3 tiny steps and 2 + 5 at each batch; the others 1 + 3
-    at each (LEAST_TIMED, one untimed). All get the fitted model of every rank."""
+    timing, above the 2x that times the small batch only): rank 0 takes its 1 + 3 tiny
+    steps and 2 + 5 at each batch; the others 1 + 3 at the small batch (LEAST_TIMED, one
+    untimed). All get the fitted model of every rank."""
     calls = []
-
-    def step(b):
-        calls.append(b)
-        time.sleep(0.002 if comm.Get_rank() == 0 else 0.012)
-
+    step = sleeper(0.002 if comm.Get_rank() == 0 else 0.012, 0.0, calls)
     fit, times = balancer.calibrate(comm, step, 8, 32, steps=5, warmup=2, timeout=60.0)
     tiny = 1 + balancer.TINY_STEPS
-    assert len(calls) == (tiny + 2 * 7 if comm.Get_rank() == 0 else tiny + 2 * 4), calls
+    assert len(calls) == (tiny + 2 * 7 if comm.Get_rank() == 0 else tiny + 4), calls
     assert times.shape == (comm.Get_size(), 2)
     assert (times[1:] > 3 * times[0]).all(), times
 

@@ -69,6 +69,9 @@ POLICIES = ("ssgd", "static", "dbs")
 SLOW_START = 8.0      # a rank this many times slower than the fastest at a tiny batch is not timed further
 TINY_STEPS = 3        # timed steps at that tiny batch (their median: one step of a busy machine's noise fooled it)
 LEAST_TIMED = 3       # a slower rank times fewer steps, down to this many (see calibration_steps)
+SHORT_START = 2.0     # a rank this many times slower at the tiny batch times only the smaller batch (see
+                      # calibrated_times: at 1:0.25 its 4 steps of the larger one took 0.8 s, its fastest
+                      # rank's whole calibration 0.5 s, and the coupled pair's 3 epochs lost 1.09x to it alone)
 
 
 def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int = 2, stretch=None,
@@ -80,22 +83,41 @@ def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int
     batches took 17 s, a short run's start-up lost to its fast rank alone), so it is
     not timed further; its times are the fastest rank's scaled by that ratio (it will sit
     out or take a few samples, and the steps measure it from then on). A slower rank times
-    fewer steps (calibration_steps), so that no rank waits long for it."""
+    fewer steps (calibration_steps), and one SHORT_START times slower only the smaller
+    batch (calibrated_times), so that no rank waits long for it."""
     # The timed steps draw (dropout) from random streams of their own: training's draws are
     # then the same whether a launch calibrated or reused a calibration (use_calibration).
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=cuda):
         tiny = allgather_array(comm, [time_step(step, min(small, 2), TINY_STEPS, 1, stretch)], timeout)[:, 0]
         slow = tiny > SLOW_START * tiny.min()
-        timed, untimed = calibration_steps(tiny[comm.Get_rank()] / tiny.min(), steps, warmup)
         mine = [np.nan, np.nan] if slow[comm.Get_rank()] else \
-            [time_step(step, small, timed, untimed, stretch), time_step(step, large, timed, untimed, stretch)]
+            calibrated_times(step, tiny[comm.Get_rank()], tiny.min(), small, large, steps, warmup, stretch)
     times = allgather_array(comm, mine, timeout)
     fastest = int(np.argmin(tiny))
     times[slow] = np.outer(tiny[slow] / tiny[fastest], times[fastest])
     n = comm.Get_size()
     fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1], affine=affine)
     return fit, times
+
+
+def calibrated_times(step, tiny: float, fastest: float, small: int, large: int, steps: int, warmup: int,
+                     stretch=None) -> list:
+    """This rank's step times at the small and the large batch. A rank SHORT_START times
+    slower than the fastest at the tiny batch (its time `tiny`, the fastest's `fastest`)
+    times the small batch only, and reads the large batch's time off the line through its
+    tiny and small timings (the same fit, so a recorded calibration reproduces it). Its
+    share lies near or below the small batch (B/2n): at most B/3 of two ranks at 1:0.5,
+    B/5 at 1:0.25, so that line spans where its batch will be; and its four steps of the
+    large batch (2B/n, at 3 timed and 1 untimed: calibration_steps) would take it longer
+    than the fastest rank's whole calibration, which then waits."""
+    ratio = tiny / fastest
+    timed, untimed = calibration_steps(ratio, steps, warmup)
+    at_small = time_step(step, small, timed, untimed, stretch)
+    if not ratio >= SHORT_START or small <= 2:
+        return [at_small, time_step(step, large, timed, untimed, stretch)]
+    slope = max(at_small - tiny, 0.0) / (small - 2)
+    return [at_small, at_small + slope * (large - small)]
 
 
 def calibration_steps(ratio: float, steps: int, warmup: int) -> tuple[int, int]:
