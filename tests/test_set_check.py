@@ -193,3 +193,30 @@ def test_a_trial_is_kept_only_where_it_won_by_the_margin():
         assert (verdict is None) == kept, (gain, verdict)
         assert sets.verdicts[-1][2] == ("kept" if kept else "reverted")
         assert not sets.banned_set([512, 0], 78)                 # a trial that lost is undone, not banned
+
+
+def test_a_check_whose_steps_lie_far_apart_is_decided_after_early_steps():
+    """Rank 1 taken back: where rank 0 then steps 1.8x its time alone (the coupled pair on
+    this machine measured 1.7-1.9x) the pair is reverted after its first step and EARLY
+    more, and banned for TRIAL_BAN (the coupling read from those steps); where the steps
+    are only 10% slower, or one of them lies within the old set's, the check waits for
+    RECENT steps; a trial EARLY_MARGIN faster is kept as soon."""
+    def check(after, cause="plan", old=(512, 0), new=(400, 112)):
+        sets = set_check.SetCheck(["node", "node"])
+        for t in (0.050, 0.052, 0.051, 0.049, 0.050):
+            sets.observe(old, [t, 0.0] if old[1] == 0 else [t, t], True)
+        sets.switched(old, new, 5, cause)
+        verdicts = []
+        for step, t in enumerate(after, start=6):
+            sets.observe(new, [t, 0.04] if new[1] else [t, 0.0], True)
+            verdicts.append(sets.verdict(step))
+        return sets, verdicts
+
+    sets, verdicts = check([0.095, 0.092, 0.094])
+    assert verdicts[:2] == [None, None] and verdicts[2].tolist() == [512, 0], verdicts
+    assert sets.banned_set([400, 112], 8 + set_check.TRIAL_BAN - 1) and sets.verdicts[-1][2] == "reverted"
+    for after in ([0.056, 0.055, 0.057], [0.095, 0.060, 0.094]):
+        sets, verdicts = check(after)
+        assert verdicts == [None] * 3 and sets.pending is not None, (after, verdicts)
+    sets, verdicts = check([0.030, 0.036, 0.035], cause="trial", old=(400, 112), new=(512, 0))
+    assert verdicts == [None] * 3 and sets.pending is None and sets.verdicts[-1][2] == "kept", verdicts

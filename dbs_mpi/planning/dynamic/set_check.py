@@ -16,6 +16,10 @@ cost more than they bring. So every change of the set is checked by what it meas
               the planner goes back to the old vector, and the new set is *banned*: no
               plan may take it for BAN steps (doubling each time it fails again, at most
               BAN_MAX), since speeds change
+  early       a check is decided after EARLY steps (its first left out) where every one
+              of them lies beyond every one of the old set's RECENT by EARLY_MARGIN,
+              slower or faster: a coupled pair's take-back measured 1.7-1.9x its
+              fast rank alone, and its RECENT + 1 steps cost a 3-epoch LeNet-5 run 0.28 s
   trial       where ranks of the set share a host (where coupling can happen), the
               fastest ranks alone (per-sample cost within FASTEST of the fastest's) are
               tried: first after TRIAL_FIRST steps (QUIET_FIRST where the start-up timed
@@ -38,8 +42,9 @@ cost more than they bring. So every change of the set is checked by what it meas
               would compare the fastest ranks with a vector not yet balanced (it came 7
               steps after a 50x slow rank's return, and held the return back 20 steps)
 
-A trial costs at most RECENT + 1 steps at the slower set's time, once per wait: 6 steps
-after the first 64, then in 128, ... (without coupling, once). Pure code, no MPI: the
+A trial costs at most RECENT + 1 steps at the slower set's time (EARLY + 1 where the two
+sets measure far apart), once per wait: 6 steps after the first 64, then in 128, ...
+(without coupling, once). Pure code, no MPI: the
 planner (within_epoch.py) runs it on every rank from the same summed times, and rank 0's
 proposals are the ones applied.
 """
@@ -55,6 +60,8 @@ from .estimate import MAD_SIGMA, MEDIAN_SE, RECENT
 
 MARGIN = 0.03         # a new set must be at least this much slower to be reverted ...
 CHECK_Z = 3.0         # ... and this many standard errors of the difference of the two medians
+EARLY = 2             # steps of a new set (after its first) that decide its check at once ...
+EARLY_MARGIN = 0.2    # ... where each lies this much beyond every step of the old set's last RECENT
 
 
 BAN = 64              # steps a set that measured slower is banned for (doubling on every repeat) ...
@@ -78,6 +85,14 @@ UNCHECKED = ("revert", "forced", "probe")   # changes of the set that are not ch
 def members(vector) -> tuple:
     """The ranks that take part in `vector` (a hashable key of the set)."""
     return tuple(int(r) for r in np.flatnonzero(np.asarray(vector) > 0))
+
+
+def apart(before, after) -> bool:
+    """Whether EARLY or more step times of a new set (`after`) all lie EARLY_MARGIN beyond
+    every one of the old set's RECENT (`before`), slower or faster: its check needs no more."""
+    if len(after) < EARLY or len(before) < RECENT:
+        return False
+    return min(after) > (1 + EARLY_MARGIN) * max(before) or (1 + EARLY_MARGIN) * max(after) < min(before)
 
 
 class SetCheck:
@@ -138,7 +153,7 @@ class SetCheck:
         if p is None:
             return None
         after = [t for s, t, _ in list(self.times) if s == p["new"]][1:]       # its first step: new shapes
-        if len(after) < RECENT:
+        if len(after) < RECENT and not apart(p["before"], after):
             return None if step - p["at"] < 4 * RECENT else self._drop()
         self.pending = None
         after = after[-RECENT:]
@@ -148,9 +163,9 @@ class SetCheck:
         # measure alike, at the crossover, it would otherwise move the ranks back and forth)
         slower = not self._slower(after, p["before"]) if p["trial"] else self._slower(p["before"], after)
         if p["trial"]:
-            self._after_trial(p, slower, step)
+            self._after_trial(p, slower, step, len(after))
         elif slower:                      # a change that lost (a trial that lost is just undone)
-            self._ban(p["new"], step, TRIAL_BAN if self._coupled(p) else BAN)
+            self._ban(p["new"], step, TRIAL_BAN if self._coupled(p, len(after)) else BAN)
         self.verdicts.append((step, p["new"], "reverted" if slower else "kept", float(np.median(p["before"])),
                               float(np.median(after))))
         return p["old"] if slower else None
@@ -176,11 +191,11 @@ class SetCheck:
         se = MEDIAN_SE * sigma / math.sqrt(RECENT)
         return float(np.median(logs_a) - np.median(logs_b)) > max(math.log1p(MARGIN), CHECK_Z * math.sqrt(2) * se)
 
-    def _after_trial(self, p: dict, slower: bool, step: int) -> None:
+    def _after_trial(self, p: dict, slower: bool, step: int, rows: int = RECENT) -> None:
         """A trial that won bans the larger set where the fast ranks computed faster alone
         (coupling: else the per-rank model saw the same and decides as before); one that
         lost doubles the wait, and ends the trials where it showed no coupling."""
-        coupled = self._coupled(p)
+        coupled = self._coupled(p, rows)
         if not slower:
             if coupled:
                 self._ban(members(p["old"]), step, TRIAL_BAN)
@@ -188,15 +203,16 @@ class SetCheck:
         self.trial_wait = min(2 * self.trial_wait, TRIAL_MAX)
         self.next_trial = p["at"] + self.trial_wait if coupled else math.inf
 
-    def _coupled(self, p: dict) -> bool:
+    def _coupled(self, p: dict, rows: int = RECENT) -> bool:
         """Whether the ranks of the smaller of the two sets of a change computed at least
         COUPLED times faster per sample in it than beside the others (the medians of
-        RECENT steps of each); False where neither set holds the other."""
+        RECENT steps of the old set, of the new set's last `rows`, those its check read);
+        False where neither set holds the other."""
         old, new = members(p["old"]), tuple(p["new"])
         if set(new) < set(old):                  # (a trial)
-            ranks, alone, with_others = new, self._per_rank(new), p["per_rank"]
+            ranks, alone, with_others = new, self._per_rank(new, rows), p["per_rank"]
         elif set(old) < set(new):                # ranks taken back
-            ranks, alone, with_others = old, p["per_rank"], self._per_rank(new)
+            ranks, alone, with_others = old, p["per_rank"], self._per_rank(new, rows)
         else:
             return False
         if alone is None or with_others is None:
@@ -204,11 +220,11 @@ class SetCheck:
         ranks = list(ranks)
         return float(np.median(with_others[ranks] / np.maximum(alone[ranks], 1e-12))) >= COUPLED
 
-    def _per_rank(self, key):
-        """Every rank's median seconds per sample over the last RECENT full steps of set
-        `key` (NaN: not in it; None: too few steps)."""
-        rows = [secs for s, _, secs in self.times if s == key][-RECENT:]
-        return None if len(rows) < RECENT else np.median(np.array(rows), axis=0)
+    def _per_rank(self, key, last: int = RECENT):
+        """Every rank's median seconds per sample over the `last` full steps of set `key`
+        (NaN: not in it; None: too few steps)."""
+        rows = [secs for s, _, secs in self.times if s == key][-last:]
+        return None if len(rows) < last else np.median(np.array(rows), axis=0)
 
     def _ban(self, key, step: int, first: int = BAN) -> None:
         self.strikes[key] = self.strikes.get(key, 0) + 1
