@@ -220,3 +220,18 @@ def test_a_check_whose_steps_lie_far_apart_is_decided_after_early_steps():
         assert verdicts == [None] * 3 and sets.pending is not None, (after, verdicts)
     sets, verdicts = check([0.030, 0.036, 0.035], cause="trial", old=(400, 112), new=(512, 0))
     assert verdicts == [None] * 3 and sets.pending is None and sets.verdicts[-1][2] == "kept", verdicts
+
+
+def test_a_coupled_take_back_runs_a_few_steps_however_long_the_hold_after_a_move():
+    """The coupled host, rank 0 alone at the start with its speed alone in the model (as
+    after coupling.py's start): the per-rank model takes rank 1 back at once, and the pair,
+    its steps 1.9x rank 0's alone, runs its first step, EARLY more and the one that carries
+    the revert (not RECENT + 2: the planner asks the check while the move's hold lasts),
+    then stays out for TRIAL_BAN steps."""
+    for seed in range(3):
+        replanner = dynamic.Replanner(0, 2, B, model=SpeedModel(np.array([1e-4, 4e-4]), np.array([1e-3, 1e-3])),
+                                      hosts=["node", "node"])
+        rows, switches = run(replanner, 300, coupled_times(np.random.default_rng(seed)), [512, 0])
+        assert [cause for _, _, cause in switches[:2]] == ["plan", "revert"], switches
+        assert (rows[:, 1] > 0).sum() <= set_check.EARLY + 2, switches
+        assert (rows[switches[1][0] + 1:, 1] == 0).all(), switches

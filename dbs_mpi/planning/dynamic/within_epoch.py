@@ -81,6 +81,23 @@ class Proposal:
     cause: str = "plan"             # plan | probe (in the step) | revert (a set measured slower) | trial (set_check.py)
 
 
+def set_proposal(sets: SetCheck, model: SpeedModel, step: int, current, global_batch: int, min_local: int,
+                 max_local, trials: bool) -> Proposal | None:
+    """A proposal the set check makes (set_check.py): back to the vector before a set
+    change that measured slower (as soon as its steps lie far apart: set_check.apart, so
+    the planner asks while a move's hold lasts too), or (trials) a trial of the fastest
+    ranks alone."""
+    vector, cause = sets.verdict(step), "revert"
+    if vector is None and trials:
+        part, cause = sets.trial(step, current, model.per_sample), "trial"
+        vector = None if part is None else allocate_for(model, global_batch, min_local, max_local, within=part)
+    if vector is None or np.array_equal(vector, current):
+        return None
+    return Proposal(np.asarray(vector, np.int64), model.per_sample.copy(), model.overhead.copy(),
+                    float(model.predict(current).max()), float(model.predict(vector).max()),
+                    np.zeros(len(current), bool), cause)
+
+
 class StepPlanner:
     """The within-epoch DBS rule: observe() every step, plan() proposes a new vector (or
     None) at most every `interval` steps, scheduled() says from which step a proposal
@@ -125,8 +142,8 @@ class StepPlanner:
         `interval` steps the ranks' recent levels are checked (cheap); the whole window is
         re-estimated when one moved, or at least every REFIT steps (drift). A rank held at a
         small batch or sitting out is probed now and then (probe.py)."""
-        if self.step < self.hold_until or self.since_plan < self.interval:
-            return None
+        if self.step < self.hold_until or self.since_plan < self.interval:     # (a new set's steps far apart
+            return None if self.sets.pending is None else self._checked(np.asarray(current, np.int64), False)
         self.since_plan = 0
         checked = self._checked(np.asarray(current, dtype=np.int64))
         if checked is not None or self.sets.pending is not None:      # a new set is measured first
@@ -183,21 +200,13 @@ class StepPlanner:
         return None if self.sets.banned_set(current, self.step) else \
             allocate_for(model, self.global_batch, self.min_local, limit, within=current > 0)
 
-    def _checked(self, current: np.ndarray) -> Proposal | None:
-        """A proposal the set check makes (set_check.py): back to the vector before a set
-        change that measured slower, or a trial of the fastest ranks alone (where ranks may sit out)."""
-        model = self.estimator.model
-        vector, cause = self.sets.verdict(self.step), "revert"
-        if vector is None and self.participation == "auto":      # (under "all" no rank may sit out)
-            part, cause = self.sets.trial(self.step, current, model.per_sample), "trial"
-            vector = None if part is None else allocate_for(model, self.global_batch, self.min_local,
-                                                            self.max_local, within=part)
-        if vector is None or np.array_equal(vector, current):
-            return None
-        self.hold_until = self.step + 1
-        return Proposal(np.asarray(vector, np.int64), model.per_sample.copy(), model.overhead.copy(),
-                        float(model.predict(current).max()), float(model.predict(vector).max()),
-                        np.zeros(len(current), bool), cause)
+    def _checked(self, current: np.ndarray, trials: bool = True) -> Proposal | None:
+        """The set check's proposal (set_proposal; trials only where ranks may sit out)."""
+        proposal = set_proposal(self.sets, self.estimator.model, self.step, current, self.global_batch,
+                                self.min_local, self.max_local, trials and self.participation == "auto")
+        if proposal is not None:
+            self.hold_until = self.step + 1
+        return proposal
 
     def resize(self, global_batch: int) -> None:
         """Another global batch from the next step on (set_check.SetCheck.resized; no way back from a probe)."""
