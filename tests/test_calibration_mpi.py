@@ -44,17 +44,35 @@ def test_a_rank_much_slower_at_the_tiny_batch_times_the_small_batch_only():
     assert calls == [2] * 4 + [64] * 4, calls              # no line through the tiny batch and itself
 
 
+def test_a_timing_ends_once_its_steps_are_steady_and_never_runs_more_than_asked():
+    """Steps of 20 ms: the timing ends after STEADY timed steps; steps alternating between
+    10 and 30 ms are never steady, and all 5 run; without `steady`, all 5 always."""
+    for seconds, steady, timed in (([0.02], balancer.STEADY, balancer.STEADY), ([0.01, 0.03], balancer.STEADY, 5),
+                                   ([0.02], 0, 5)):
+        calls = []
+
+        def step(b):
+            calls.append(b)
+            time.sleep(seconds[len(calls) % len(seconds)])
+        median = balancer.time_step(step, 4, 5, 2, steady=steady)
+        assert len(calls) == 2 + timed, (seconds, steady, calls)
+        assert min(seconds) < median < 1.5 * max(seconds)
+
+
 @pytest.mark.mpi
 def test_every_rank_but_the_fastest_calls_its_step_less_often(comm):
     """Rank 0's step sleeps 2 ms, every other rank's 12 ms (6x: below the 8x that skips
     timing, above the 2x that times the small batch only): rank 0 takes its 1 + 3 tiny
-    steps and 2 + 5 at each batch; the others 1 + 3 at the small batch (LEAST_TIMED, one
-    untimed). All get the fitted model of every rank."""
+    steps and 2 + 5 at each batch (2 + 3 where its steps were steady); the others 1 + 3
+    at the small batch (LEAST_TIMED, one untimed). All get the fitted model of every rank."""
     calls = []
     step = sleeper(0.002 if comm.Get_rank() == 0 else 0.012, 0.0, calls)
     fit, times = balancer.calibrate(comm, step, 8, 32, steps=5, warmup=2, timeout=60.0)
     tiny = 1 + balancer.TINY_STEPS
-    assert len(calls) == (tiny + 2 * 7 if comm.Get_rank() == 0 else tiny + 4), calls
+    if comm.Get_rank() == 0:
+        assert tiny + 2 * (2 + balancer.STEADY) <= len(calls) <= tiny + 2 * 7, calls
+    else:
+        assert len(calls) == tiny + 4, calls
     assert times.shape == (comm.Get_size(), 2)
     assert (times[1:] > 3 * times[0]).all(), times
 

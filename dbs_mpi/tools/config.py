@@ -96,7 +96,7 @@ class Config:
     max_local_batch: int = 0         # memory bound: the most samples a rank computes at once (0 = no bound); a larger share runs in micro-batches of this size (with sync_bn and the asynchronous strategies, which cannot accumulate, the largest share)
     participation: str = "auto"      # auto: static and dbs leave out a rank whose least share would slow every step (local batch 0, no forward or backward; dbs probes it and takes it back when it pays) | all: every rank takes part
     calibration_from: str = ""       # static, dbs: plan from the start-up calibration recorded in this result file (its startup/*, same number of ranks) instead of timing the ranks; two static launches from one file train alike, bit for bit
-    benchmark_steps: int = 5         # start-up benchmark: timed steps at each of two local batch sizes
+    benchmark_steps: int = 5         # start-up benchmark: timed steps at each of two local batch sizes (at most: 3 where steady)
     benchmark_warmup: int = 2        # start-up benchmark: untimed steps first
     dbs_model: str = "affine"        # affine: step time a_i + b/v_i | proportional: b/v_i (the DBS paper's rule)
     dbs_smoothing: float = 0.5       # weight of a new measurement when it is within dbs_follow of the model

@@ -69,6 +69,8 @@ POLICIES = ("ssgd", "static", "dbs")
 SLOW_START = 8.0      # a rank this many times slower than the fastest at a tiny batch is not timed further
 TINY_STEPS = 3        # timed steps at that tiny batch (their median: one step of a busy machine's noise fooled it)
 LEAST_TIMED = 3       # a slower rank times fewer steps, down to this many (see calibration_steps)
+STEADY = 3            # a batch's timing ends after this many timed steps where they are steady (profiling.
+                      # time_step: the coupled pair's fast rank spent 0.6 s of its 1.0 s calibration on 5 at each)
 SHORT_START = 2.0     # a rank this many times slower at the tiny batch times only the smaller batch (see
                       # calibrated_times: at 1:0.25 its 4 steps of the larger one took 0.8 s, its fastest
                       # rank's whole calibration 0.5 s, and the coupled pair's 3 epochs lost 1.09x to it alone)
@@ -113,9 +115,9 @@ def calibrated_times(step, tiny: float, fastest: float, small: int, large: int, 
     than the fastest rank's whole calibration, which then waits."""
     ratio = tiny / fastest
     timed, untimed = calibration_steps(ratio, steps, warmup)
-    at_small = time_step(step, small, timed, untimed, stretch)
+    at_small = time_step(step, small, timed, untimed, stretch, STEADY)
     if not ratio >= SHORT_START or small <= 2:
-        return [at_small, time_step(step, large, timed, untimed, stretch)]
+        return [at_small, time_step(step, large, timed, untimed, stretch, STEADY)]
     slope = max(at_small - tiny, 0.0) / (small - 2)
     return [at_small, at_small + slope * (large - small)]
 

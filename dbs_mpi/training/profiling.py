@@ -81,9 +81,14 @@ def split_wait(pre: np.ndarray, collective: np.ndarray) -> tuple[np.ndarray, np.
     return wait, collective - wait
 
 
-def time_step(step, local_batch: int, steps: int, warmup: int, stretch=None) -> float:
+STEADY_SPREAD = 0.05  # timed steps that lie within this fraction of their median of each other are steady
+
+
+def time_step(step, local_batch: int, steps: int, warmup: int, stretch=None, steady: int = 0) -> float:
     """Median seconds of `step(local_batch)` over `steps` calls after `warmup` untimed
-    ones; `stretch(wall seconds, CPU seconds)` (the emulated slow-down) is applied to every call."""
+    ones; `stretch(wall seconds, CPU seconds)` (the emulated slow-down) is applied to every
+    call. steady: stop once that many timed steps or more are steady (STEADY_SPREAD: their
+    median is then known within half that), else time all `steps` (0: always all)."""
     times = []
     for i in range(warmup + steps):
         start, cpu = time.perf_counter(), time.process_time()
@@ -92,6 +97,8 @@ def time_step(step, local_batch: int, steps: int, warmup: int, stretch=None) -> 
             stretch(time.perf_counter() - start, time.process_time() - cpu)
         if i >= warmup:
             times.append(time.perf_counter() - start)
+            if 0 < steady <= len(times) and max(times) - min(times) <= STEADY_SPREAD * statistics.median(times):
+                break
     return statistics.median(times)
 
 
