@@ -6,7 +6,8 @@ import time
 import numpy as np
 import pytest
 
-from dbs_mpi.training import balancer
+from dbs_mpi.planning import calibration
+from dbs_mpi.training import balancer, profiling
 
 
 def test_a_slower_rank_times_fewer_steps_never_more_than_asked():
@@ -24,39 +25,52 @@ def sleeper(fixed: float, per_sample: float, calls: list):
     return step
 
 
-def test_a_rank_much_slower_at_the_tiny_batch_times_the_small_batch_only():
-    """At SHORT_START times the fastest's tiny step or more, the large batch's time is read
-    off the line through the tiny and the small timings (a step of 4 ms + 0.2 ms a sample:
-    the line's value at 64 is that step's, within the sleeps' noise); below it, both are
-    timed. Never more steps than asked."""
-    calls = []
-    step = sleeper(0.004, 0.0002, calls)
-    tiny = balancer.time_step(step, 2, balancer.TINY_STEPS, 1)
-    calls.clear()
-    small, large = balancer.calibrated_times(step, tiny, tiny / 3, 16, 64, steps=5, warmup=2)
-    assert calls == [16] * 4, calls                        # 3 timed, 1 untimed, at the small batch only
-    assert large == pytest.approx(0.004 + 0.0002 * 64, rel=0.25), (small, large)
-    calls.clear()
-    balancer.calibrated_times(step, tiny, tiny / 1.5, 16, 64, steps=5, warmup=2)
-    assert calls == [16] * 4 + [64] * 4, calls             # 1.5x: both batches, 3 timed and 1 untimed each
-    calls.clear()
-    balancer.calibrated_times(step, tiny, tiny / 3, 2, 64, steps=5, warmup=2)
-    assert calls == [2] * 4 + [64] * 4, calls              # no line through the tiny batch and itself
+def test_a_rank_slower_at_the_tiny_batch_times_less_and_the_rest_is_read_off():
+    """Ratios 1, 1.5, 3 and 10 at the tiny batch: the 3x rank times the small batch only,
+    the 10x rank nothing more; where the small batch lies too close to the tiny one for
+    the line to reach the large (4 of 16), every rank not slow times both."""
+    slow, short = calibration.roles([1.0, 1.5, 3.0, 10.0], 128, 512)
+    assert slow.tolist() == [False, False, False, True] and short.tolist() == [False, False, True, False]
+    slow, short = calibration.roles([1.0, 3.0], 4, 16)
+    assert not short.any()
+    tiny = np.array([0.002, 0.0044, 0.006, 0.030])
+    times = np.array([[0.010, 0.040], [0.004 + 0.0002 * 128, np.nan], [0.005, np.nan], [np.nan, np.nan]])
+    done = calibration.completed(tiny, times, 128, 512)
+    assert done[1, 1] == pytest.approx(0.004 + 0.0002 * 512, rel=0.02)   # on the line through 2 and 128 samples
+    assert done[2, 1] == pytest.approx(0.005 * 4)              # no positive slope: the small batch, proportionally
+    assert done[3].tolist() == pytest.approx([0.150, 0.600])   # 15x the fastest's
+    assert done[0].tolist() == [0.010, 0.040] and done[1, 0] == times[1, 0]
 
 
-def test_a_timing_ends_once_its_steps_are_steady_and_never_runs_more_than_asked():
+class FakeClock:
+    """time.perf_counter and process_time of a process whose steps take what they say."""
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+    def process_time(self):
+        return self.now
+
+
+def test_a_timing_ends_once_its_steps_are_steady_and_never_runs_more_than_asked(monkeypatch):
     """Steps of 20 ms: the timing ends after STEADY timed steps; steps alternating between
-    10 and 30 ms are never steady, and all 5 run; without `steady`, all 5 always."""
+    10 and 30 ms are never steady, and all 5 run; within 5% of their median, steady; without
+    `steady`, all 5 always."""
+    clock = FakeClock()
+    monkeypatch.setattr(profiling, "time", clock)
     for seconds, steady, timed in (([0.02], balancer.STEADY, balancer.STEADY), ([0.01, 0.03], balancer.STEADY, 5),
-                                   ([0.02], 0, 5)):
+                                   ([0.0200, 0.0209, 0.0201], balancer.STEADY, 3),
+                                   ([0.0200, 0.0212, 0.0201], balancer.STEADY, 5), ([0.02], 0, 5)):
         calls = []
 
         def step(b):
             calls.append(b)
-            time.sleep(seconds[len(calls) % len(seconds)])
+            clock.now += seconds[(len(calls) - 3) % len(seconds)]     # (the 2 untimed: the last two values)
         median = balancer.time_step(step, 4, 5, 2, steady=steady)
         assert len(calls) == 2 + timed, (seconds, steady, calls)
-        assert min(seconds) < median < 1.5 * max(seconds)
+        assert min(seconds) - 1e-9 <= median <= max(seconds) + 1e-9
 
 
 @pytest.mark.mpi
@@ -68,7 +82,7 @@ def test_every_rank_but_the_fastest_calls_its_step_less_often(comm):
     calls = []
     step = sleeper(0.002 if comm.Get_rank() == 0 else 0.012, 0.0, calls)
     fit, times = balancer.calibrate(comm, step, 8, 32, steps=5, warmup=2, timeout=60.0)
-    tiny = 1 + balancer.TINY_STEPS
+    tiny = 1 + calibration.TINY_STEPS
     if comm.Get_rank() == 0:
         assert tiny + 2 * (2 + balancer.STEADY) <= len(calls) <= tiny + 2 * 7, calls
     else:

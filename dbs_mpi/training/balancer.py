@@ -56,7 +56,7 @@ from ..mpi.placement import placement
 from ..mpi.waits import wait
 from ..mpi.devices import model_device
 from ..options import UserError, parse_interval
-from ..planning import allocation, coupling, dynamic, participation, sharding
+from ..planning import allocation, calibration, coupling, dynamic, participation, sharding
 from ..planning.heterogeneity import Emulator, others_compute
 from .batches import first_samples
 from .global_batch import AdaptiveBatch, Resizing
@@ -66,60 +66,35 @@ from .profiling import StepTimes, model_step, split_wait, time_step
 POLICIES = ("ssgd", "static", "dbs")
 
 
-SLOW_START = 8.0      # a rank this many times slower than the fastest at a tiny batch is not timed further
-TINY_STEPS = 3        # timed steps at that tiny batch (their median: one step of a busy machine's noise fooled it)
 LEAST_TIMED = 3       # a slower rank times fewer steps, down to this many (see calibration_steps)
 STEADY = 3            # a batch's timing ends after this many timed steps where they are steady (profiling.
                       # time_step: the coupled pair's fast rank spent 0.6 s of its 1.0 s calibration on 5 at each)
-SHORT_START = 2.0     # a rank this many times slower at the tiny batch times only the smaller batch (see
-                      # calibrated_times: at 1:0.25 its 4 steps of the larger one took 0.8 s, its fastest
-                      # rank's whole calibration 0.5 s, and the coupled pair's 3 epochs lost 1.09x to it alone)
 
 
 def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int = 2, stretch=None,
               affine: bool = True, timeout: float = 600.0) -> tuple[allocation.SpeedModel, np.ndarray]:
     """Collective: every rank times step(small) and step(large); returns the fitted
     speed model of every rank and the (ranks x 2) median step times. First every rank
-    times TINY_STEPS steps of 2 samples (after one untimed): a rank SLOW_START times slower than
-    the fastest there would take its share's time many times over (at 1:0.02 the two
-    batches took 17 s, a short run's start-up lost to its fast rank alone), so it is
-    not timed further; its times are the fastest rank's scaled by that ratio (it will sit
-    out or take a few samples, and the steps measure it from then on). A slower rank times
-    fewer steps (calibration_steps), and one SHORT_START times slower only the smaller
-    batch (calibrated_times), so that no rank waits long for it."""
+    times a few steps of 2 samples; its ratio to the fastest rank's time there decides
+    what it times (planning/calibration.py: a much slower rank nothing more, a slower one
+    the small batch only, its other times read off), and a slower rank times fewer steps
+    (calibration_steps), so that no rank waits long for it."""
     # The timed steps draw (dropout) from random streams of their own: training's draws are
     # then the same whether a launch calibrated or reused a calibration (use_calibration).
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    rank = comm.Get_rank()
     with torch.random.fork_rng(devices=cuda):
-        tiny = allgather_array(comm, [time_step(step, min(small, 2), TINY_STEPS, 1, stretch)], timeout)[:, 0]
-        slow = tiny > SLOW_START * tiny.min()
-        mine = [np.nan, np.nan] if slow[comm.Get_rank()] else \
-            calibrated_times(step, tiny[comm.Get_rank()], tiny.min(), small, large, steps, warmup, stretch)
-    times = allgather_array(comm, mine, timeout)
-    fastest = int(np.argmin(tiny))
-    times[slow] = np.outer(tiny[slow] / tiny[fastest], times[fastest])
+        tiny = time_step(step, min(small, calibration.TINY), calibration.TINY_STEPS, 1, stretch)
+        tiny = allgather_array(comm, [tiny], timeout)[:, 0]
+        slow, short = calibration.roles(tiny, small, large)
+        timed, untimed = calibration_steps(tiny[rank] / tiny.min(), steps, warmup)
+        batches = [] if slow[rank] else [small] if short[rank] else [small, large]
+        mine = [time_step(step, b, timed, untimed, stretch, STEADY) for b in batches]
+    times = calibration.completed(tiny, allgather_array(comm, mine + [np.nan] * (2 - len(mine)), timeout),
+                                  small, large)
     n = comm.Get_size()
     fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1], affine=affine)
     return fit, times
-
-
-def calibrated_times(step, tiny: float, fastest: float, small: int, large: int, steps: int, warmup: int,
-                     stretch=None) -> list:
-    """This rank's step times at the small and the large batch. A rank SHORT_START times
-    slower than the fastest at the tiny batch (its time `tiny`, the fastest's `fastest`)
-    times the small batch only, and reads the large batch's time off the line through its
-    tiny and small timings (the same fit, so a recorded calibration reproduces it). Its
-    share lies near or below the small batch (B/2n): at most B/3 of two ranks at 1:0.5,
-    B/5 at 1:0.25, so that line spans where its batch will be; and its four steps of the
-    large batch (2B/n, at 3 timed and 1 untimed: calibration_steps) would take it longer
-    than the fastest rank's whole calibration, which then waits."""
-    ratio = tiny / fastest
-    timed, untimed = calibration_steps(ratio, steps, warmup)
-    at_small = time_step(step, small, timed, untimed, stretch, STEADY)
-    if not ratio >= SHORT_START or small <= 2:
-        return [at_small, time_step(step, large, timed, untimed, stretch, STEADY)]
-    slope = max(at_small - tiny, 0.0) / (small - 2)
-    return [at_small, at_small + slope * (large - small)]
 
 
 def calibration_steps(ratio: float, steps: int, warmup: int) -> tuple[int, int]:

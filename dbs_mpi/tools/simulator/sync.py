@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from ...options import parse_interval
-from ...planning import allocation, coupling, dynamic, participation, sharding
+from ...planning import allocation, calibration, coupling, dynamic, participation, sharding
 from .adaptive import next_batch, resized
 from .cluster import Cluster, Compute, emulators, free_running_rate, step_factor
 from .job import Job, Result
@@ -31,13 +31,17 @@ def calibration_step(compute: Compute, cluster: Cluster, factor: np.ndarray, loc
 
 def calibration_times(job: Job, cluster: Cluster, compute: Compute, emus) -> tuple[tuple, np.ndarray]:
     """The start-up calibration as the engine runs it (balancer.calibrate): the medians of
-    benchmark_steps steps at two local batches. Returns ((small, large), (ranks x 2) seconds)."""
-    batches = allocation.calibration_batches(job.global_batch, cluster.size, job.min_local_batch,
-                                             job.max_local_batch or None)
+    benchmark_steps steps at two local batches, and what planning/calibration.py reads off
+    instead of timing, from the tiny batch's times. Returns ((small, large), (ranks x 2) seconds)."""
+    small, large = allocation.calibration_batches(job.global_batch, cluster.size, job.min_local_batch,
+                                                  job.max_local_batch or None)
     factor = step_factor(emus, cluster)              # every rank computes: a coupled rank is timed coupled
-    times = [np.median([calibration_step(compute, cluster, factor, b) for _ in range(job.benchmark_steps)], axis=0)
-             for b in batches]
-    return batches, np.stack(times, axis=1)
+
+    def timed(b: int, steps: int) -> np.ndarray:
+        return np.median([calibration_step(compute, cluster, factor, b) for _ in range(steps)], axis=0)
+    tiny = timed(min(small, calibration.TINY), calibration.TINY_STEPS)
+    times = np.stack([timed(b, job.benchmark_steps) for b in (small, large)], axis=1)
+    return (small, large), calibration.completed(tiny, times, small, large)
 
 
 def simulated_calibration(job: Job, cluster: Cluster, compute: Compute, emus) -> allocation.SpeedModel:
