@@ -169,11 +169,11 @@ def test_ranks_taken_back_that_slowed_the_others_stay_out_as_long_as_after_a_tri
     TRIAL_BAN steps; where rank 1 is merely slow, for BAN."""
     for rank0, ban in ((0.081, set_check.TRIAL_BAN), (0.041, set_check.BAN)):     # 400 samples at 2e-4 / 1e-4
         sets = set_check.SetCheck(["node", "node"])
-        for _ in range(set_check.RECENT):
-            sets.observe([512, 0], [0.052, 0.0], True)
+        for step in range(set_check.RECENT):
+            sets.observe([512, 0], [0.052, 0.0], True, step)
         sets.switched([512, 0], [400, 112], 5)
-        for _ in range(set_check.RECENT + 1):
-            sets.observe([400, 112], [rank0, 0.09], True)
+        for step in range(5, 6 + set_check.RECENT):
+            sets.observe([400, 112], [rank0, 0.09], True, step)
         assert sets.verdict(12).tolist() == [512, 0]
         assert sets.banned_set([400, 112], 12 + ban - 1) and not sets.banned_set([400, 112], 12 + ban)
 
@@ -184,11 +184,11 @@ def test_a_trial_is_kept_only_where_it_won_by_the_margin():
     rng = np.random.default_rng(5)
     for gain, kept in ((0.99, False), (0.90, True)):
         sets = set_check.SetCheck(["node", "node"])
-        for _ in range(set_check.RECENT):
-            sets.observe([460, 52], [0.050 * rng.lognormal(0, 0.005), 0.049], True)
+        for step in range(65, 70):
+            sets.observe([460, 52], [0.050 * rng.lognormal(0, 0.005), 0.049], True, step)
         sets.switched([460, 52], [512, 0], 70, cause="trial")
-        for _ in range(set_check.RECENT + 1):
-            sets.observe([512, 0], [0.050 * gain * rng.lognormal(0, 0.005), 0.0], True)
+        for step in range(70, 71 + set_check.RECENT):
+            sets.observe([512, 0], [0.050 * gain * rng.lognormal(0, 0.005), 0.0], True, step)
         verdict = sets.verdict(77)
         assert (verdict is None) == kept, (gain, verdict)
         assert sets.verdicts[-1][2] == ("kept" if kept else "reverted")
@@ -203,13 +203,13 @@ def test_a_check_whose_steps_lie_far_apart_is_decided_after_early_steps():
     RECENT steps; a trial EARLY_MARGIN faster is kept as soon."""
     def check(after, cause="plan", old=(512, 0), new=(400, 112)):
         sets = set_check.SetCheck(["node", "node"])
-        for t in (0.050, 0.052, 0.051, 0.049, 0.050):
-            sets.observe(old, [t, 0.0] if old[1] == 0 else [t, t], True)
+        for step, t in enumerate((0.050, 0.052, 0.051, 0.049, 0.050)):
+            sets.observe(old, [t, 0.0] if old[1] == 0 else [t, t], True, step)
         sets.switched(old, new, 5, cause)
         verdicts = []
-        for step, t in enumerate(after, start=6):
-            sets.observe(new, [t, 0.04] if new[1] else [t, 0.0], True)
-            verdicts.append(sets.verdict(step))
+        for step, t in enumerate(after, start=5):
+            sets.observe(new, [t, 0.04] if new[1] else [t, 0.0], True, step)
+            verdicts.append(sets.verdict(step + 1))
         return sets, verdicts
 
     sets, verdicts = check([0.095, 0.092, 0.094])
@@ -235,3 +235,22 @@ def test_a_coupled_take_back_runs_a_few_steps_however_long_the_hold_after_a_move
         assert [cause for _, _, cause in switches[:2]] == ["plan", "revert"], switches
         assert (rows[:, 1] > 0).sum() <= set_check.EARLY + 2, switches
         assert (rows[switches[1][0] + 1:, 1] == 0).all(), switches
+
+
+def test_a_set_taken_back_soon_is_checked_on_its_new_steps_only():
+    """The pair ran, then rank 0 alone (kept early: far faster), then the pair again within
+    a few steps: its steps from before the two changes are still among the times kept, and
+    its check must not read them (they would revert it before it ran a step)."""
+    sets = set_check.SetCheck(["node", "node"])
+    for step in range(5):
+        sets.observe([400, 112], [0.095, 0.04], True, step)
+    sets.switched([400, 112], [512, 0], 5)
+    verdicts = []
+    for step in range(5, 10):
+        sets.observe([512, 0], [0.050, 0.0], True, step)
+        verdicts.append(sets.verdict(step + 1))
+    assert sets.verdicts and sets.verdicts[-1][2] == "kept" and verdicts == [None] * 5, sets.verdicts
+    sets.switched([512, 0], [400, 112], 10)
+    assert sets.verdict(10) is None and sets.pending is not None
+    sets.observe([400, 112], [0.052, 0.04], True, 10)               # its first step
+    assert sets.verdict(11) is None and sets.pending is not None

@@ -42,8 +42,8 @@ cost more than they bring. So every change of the set is checked by what it meas
               would compare the fastest ranks with a vector not yet balanced (it came 7
               steps after a 50x slow rank's return, and held the return back 20 steps)
 
-A trial costs at most RECENT + 1 steps at the slower set's time (EARLY + 1 where the two
-sets measure far apart), once per wait: 6 steps after the first 64, then in 128, ...
+A trial costs at most RECENT + 2 steps at the slower set's time (EARLY + 2 where the two
+sets measure far apart: its first and the one that carries the way back too), once per wait: 6 steps after the first 64, then in 128, ...
 (without coupling, once). Pure code, no MPI: the
 planner (within_epoch.py) runs it on every rank from the same summed times, and rank 0's
 proposals are the ones applied.
@@ -101,7 +101,7 @@ class SetCheck:
 
     def __init__(self, hosts=None):
         self.hosts = None if hosts is None else list(hosts)
-        self.times: deque = deque(maxlen=2 * RECENT + 1)   # (set, step seconds, per-rank seconds) of full steps
+        self.times: deque = deque(maxlen=2 * RECENT + 1)   # (set, step seconds, per-rank seconds, step) of full steps
         self.pending = None        # a set change to check: {"old": vector, "before": times, "trial": bool, "at": step}
         self.banned: dict = {}     # set -> the step until which it is banned
         self.strikes: dict = {}    # set -> times it measured slower
@@ -110,12 +110,12 @@ class SetCheck:
         self.verdicts: list = []   # (step, set, "reverted" | "kept", before s, after s): for the records
 
     # --- measurement ---------------------------------------------------------------
-    def observe(self, row, seconds, full: bool) -> None:
-        """A step's local batches (0: sat out) and every rank's compute seconds."""
+    def observe(self, row, seconds, full: bool, step: int) -> None:
+        """Planner step `step`'s local batches (0: sat out) and every rank's compute seconds."""
         part = np.asarray(row) > 0
         if full and part.any():
             per_sample = np.where(part, np.asarray(seconds, float) / np.maximum(np.asarray(row, float), 1), np.nan)
-            self.times.append((members(row), float(np.max(np.asarray(seconds)[part])), per_sample))
+            self.times.append((members(row), float(np.max(np.asarray(seconds)[part])), per_sample, int(step)))
 
     def switched(self, old, new, step: int, cause: str = "plan") -> None:
         """A new vector applies from planner step `step`: a new set is checked (UNCHECKED:
@@ -127,7 +127,7 @@ class SetCheck:
             self.pending = None if cause in UNCHECKED else self.pending
             return
         trial = cause == "trial"
-        before = [t for s, t, _ in self.times if s == members(old)][-RECENT:]
+        before = [t for s, t, _, _ in self.times if s == members(old)][-RECENT:]
         self.pending = {"old": np.asarray(old).copy(), "new": members(new), "before": before, "trial": trial,
                         "at": int(step), "per_rank": self._per_rank(members(old))}
 
@@ -152,16 +152,19 @@ class SetCheck:
         p = self.pending
         if p is None:
             return None
-        after = [t for s, t, _ in list(self.times) if s == p["new"]][1:]       # its first step: new shapes
-        if len(after) < RECENT and not apart(p["before"], after):
+        after = [t for s, t, _, at in self.times if s == p["new"] and at > p["at"]]   # its first step: new shapes
+        early = len(after) < RECENT and apart(p["before"], after)
+        if len(after) < RECENT and not early:
             return None if step - p["at"] < 4 * RECENT else self._drop()
         self.pending = None
         after = after[-RECENT:]
         if len(p["before"]) < RECENT:
             return None
-        # a trial is an experiment: kept only where it won by the margin (where the two sets
-        # measure alike, at the crossover, it would otherwise move the ranks back and forth)
-        slower = not self._slower(after, p["before"]) if p["trial"] else self._slower(p["before"], after)
+        # early: the direction every step showed; a trial is an experiment: kept only where it won
+        # by the margin (where the two sets measure alike, at the crossover, it would otherwise move
+        # the ranks back and forth)
+        slower = min(after) > max(p["before"]) if early else \
+            not self._slower(after, p["before"]) if p["trial"] else self._slower(p["before"], after)
         if p["trial"]:
             self._after_trial(p, slower, step, len(after))
         elif slower:                      # a change that lost (a trial that lost is just undone)
@@ -210,9 +213,9 @@ class SetCheck:
         False where neither set holds the other."""
         old, new = members(p["old"]), tuple(p["new"])
         if set(new) < set(old):                  # (a trial)
-            ranks, alone, with_others = new, self._per_rank(new, rows), p["per_rank"]
+            ranks, alone, with_others = new, self._per_rank(new, rows, p["at"]), p["per_rank"]
         elif set(old) < set(new):                # ranks taken back
-            ranks, alone, with_others = old, p["per_rank"], self._per_rank(new, rows)
+            ranks, alone, with_others = old, p["per_rank"], self._per_rank(new, rows, p["at"])
         else:
             return False
         if alone is None or with_others is None:
@@ -220,10 +223,10 @@ class SetCheck:
         ranks = list(ranks)
         return float(np.median(with_others[ranks] / np.maximum(alone[ranks], 1e-12))) >= COUPLED
 
-    def _per_rank(self, key, last: int = RECENT):
+    def _per_rank(self, key, last: int = RECENT, since: float = -math.inf):
         """Every rank's median seconds per sample over the `last` full steps of set `key`
-        (NaN: not in it; None: too few steps)."""
-        rows = [secs for s, _, secs in self.times if s == key][-last:]
+        run after step `since` (NaN: not in it; None: too few steps)."""
+        rows = [secs for s, _, secs, at in self.times if s == key and at > since][-last:]
         return None if len(rows) < last else np.median(np.array(rows), axis=0)
 
     def _ban(self, key, step: int, first: int = BAN) -> None:
@@ -246,7 +249,7 @@ class SetCheck:
                 "strikes": [[list(k), v] for k, v in self.strikes.items()],
                 "next_trial": float(self.next_trial), "trial_wait": int(self.trial_wait),
                 "changed_at": float(self.changed_at),
-                "times": [[list(s), t, secs.copy()] for s, t, secs in self.times],
+                "times": [[list(s), t, secs.copy(), at] for s, t, secs, at in self.times],
                 "pending": None if p is None else {**p, "new": list(p["new"]), "before": list(p["before"])},
                 "verdicts": [[v[0], list(v[1]), v[2], v[3], v[4]] for v in self.verdicts]}
 
@@ -258,7 +261,8 @@ class SetCheck:
             self.strikes = {tuple(k): int(v) for k, v in state["strikes"]}
             self.next_trial, self.trial_wait = float(state["next_trial"]), int(state["trial_wait"])
             self.changed_at = float(state.get("changed_at", -math.inf))     # (checkpoints before it: none)
-            self.times.extend((tuple(s), float(t), np.asarray(secs, float)) for s, t, secs in state["times"])
+            self.times.extend((tuple(s), float(t), np.asarray(secs, float), int(at[0]) if at else -1)   # (before: -1)
+                              for s, t, secs, *at in state["times"])
             p = state["pending"]
             self.pending = None if p is None else {**p, "new": tuple(p["new"]), "old": np.asarray(p["old"])}
             self.verdicts = [(v[0], tuple(v[1]), v[2], v[3], v[4]) for v in state["verdicts"]]

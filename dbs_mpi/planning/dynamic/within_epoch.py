@@ -130,7 +130,7 @@ class StepPlanner:
         the rank sat out and its entry is a probe it ran on its own time (probe.py), warm."""
         self.estimator.observe(batches, seconds, own_time)
         row = batches if own_time is None else np.where(own_time, 0, batches)
-        self.sets.observe(row, seconds, int(np.sum(row)) == self.global_batch)
+        self.sets.observe(row, seconds, int(np.sum(row)) == self.global_batch, self.step)
         self.probes.ran(row, self.step)
         if own_time is not None:
             self.probes.heard(own_time, self.step)
@@ -141,7 +141,8 @@ class StepPlanner:
         """A better vector than `current` (the vector of the steps to come), or None. Every
         `interval` steps the ranks' recent levels are checked (cheap); the whole window is
         re-estimated when one moved, or at least every REFIT steps (drift). A rank held at a
-        small batch or sitting out is probed now and then (probe.py)."""
+        small batch or sitting out is probed now and then (probe.py). A pending set check is
+        asked at every step, a move's hold and the interval notwithstanding (set_proposal)."""
         if self.step < self.hold_until or self.since_plan < self.interval:     # (a new set's steps far apart
             return None if self.sets.pending is None else self._checked(np.asarray(current, np.int64), False)
         self.since_plan = 0
