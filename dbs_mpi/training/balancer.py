@@ -75,10 +75,9 @@ def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int
               affine: bool = True, timeout: float = 600.0) -> tuple[allocation.SpeedModel, np.ndarray]:
     """Collective: every rank times step(small) and step(large); returns the fitted
     speed model of every rank and the (ranks x 2) median step times. First every rank
-    times a few steps of 2 samples; its ratio to the fastest rank's time there decides
-    what it times (planning/calibration.py: a much slower rank nothing more, a slower one
-    the small batch only, its other times read off), and a slower rank times fewer steps
-    (calibration_steps), so that no rank waits long for it."""
+    times a few steps of 2 samples; a rank much slower than the fastest there times
+    nothing more (planning/calibration.py: its times are read off the fastest's), and a
+    slower rank times fewer steps (calibration_steps), so that no rank waits long for it."""
     # The timed steps draw (dropout) from random streams of their own: training's draws are
     # then the same whether a launch calibrated or reused a calibration (use_calibration).
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
@@ -86,12 +85,10 @@ def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int
     with torch.random.fork_rng(devices=cuda):
         tiny = time_step(step, min(small, calibration.TINY), calibration.TINY_STEPS, 1, stretch)
         tiny = allgather_array(comm, [tiny], timeout)[:, 0]
-        slow, short = calibration.roles(tiny, small, large)
-        timed, untimed = calibration_steps(tiny[rank] / tiny.min(), steps, warmup)
-        batches = [] if slow[rank] else [small] if short[rank] else [small, large]
-        mine = [time_step(step, b, timed, untimed, stretch, STEADY) for b in batches]
-    times = calibration.completed(tiny, allgather_array(comm, mine + [np.nan] * (2 - len(mine)), timeout),
-                                  small, large)
+        timed, untimed = calibration_steps(calibration.ratios(tiny)[rank], steps, warmup)
+        mine = [np.nan, np.nan] if calibration.slow(tiny)[rank] else \
+            [time_step(step, b, timed, untimed, stretch, STEADY) for b in (small, large)]
+    times = calibration.completed(tiny, allgather_array(comm, mine, timeout))
     n = comm.Get_size()
     fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1], affine=affine)
     return fit, times

@@ -19,7 +19,7 @@ cost more than they bring. So every change of the set is checked by what it meas
   early       a check is decided after EARLY steps (its first left out) where every one
               of them lies beyond every one of the old set's RECENT by EARLY_MARGIN,
               slower or faster: a coupled pair's take-back measured 1.7-1.9x its
-              fast rank alone, and its RECENT + 1 steps cost a 3-epoch LeNet-5 run 0.28 s
+              fast rank alone, and its RECENT + 2 steps cost a 3-epoch LeNet-5 run 0.28 s
   trial       where ranks of the set share a host (where coupling can happen), the
               fastest ranks alone (per-sample cost within FASTEST of the fastest's) are
               tried: first after TRIAL_FIRST steps (QUIET_FIRST where the start-up timed
@@ -43,10 +43,10 @@ cost more than they bring. So every change of the set is checked by what it meas
               steps after a 50x slow rank's return, and held the return back 20 steps)
 
 A trial costs at most RECENT + 2 steps at the slower set's time (EARLY + 2 where the two
-sets measure far apart: its first and the one that carries the way back too), once per wait: 6 steps after the first 64, then in 128, ...
-(without coupling, once). Pure code, no MPI: the
-planner (within_epoch.py) runs it on every rank from the same summed times, and rank 0's
-proposals are the ones applied.
+sets measure far apart: its first and the one that carries the way back too), once per
+wait: 7 steps after the first 64, then in 128, ... (without coupling, once). Pure code,
+no MPI: the planner (within_epoch.py) runs it on every rank from the same summed times,
+and rank 0's proposals are the ones applied.
 """
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ EARLY_MARGIN = 0.2    # ... where each lies this much beyond every step of the o
 BAN = 64              # steps a set that measured slower is banned for (doubling on every repeat) ...
 BAN_MAX = 2048        # ... at most
 TRIAL_BAN = 256       # ... and the larger set a trial beat with coupling seen, at first (each take-back of it
-                      # costs RECENT + 1 steps at its time: 1.4x on the coupled pair, 5% of the steps at BAN)
+                      # costs RECENT + 2 steps at its time, EARLY + 2 far apart: 1.4x on the coupled pair,
+                      # 5% of the steps at BAN)
 
 
 TRIAL_FIRST = 64      # steps before the first trial of the fastest ranks alone (8 gave the coupled 1:0.25
@@ -139,7 +140,7 @@ class SetCheck:
     def quiet_start(self) -> None:
         """The start-up timed the fastest ranks alone and they were not faster there (no
         coupling, planning/coupling.py): the first trial, which would measure the same, waits
-        QUIET_FIRST steps (a trial costs its RECENT + 1 steps at the other set's time, and at
+        QUIET_FIRST steps (a trial costs its RECENT + 2 steps at the other set's time, and at
         the crossover it moved a rank between 0 and its share for nothing)."""
         self.next_trial = max(self.next_trial, QUIET_FIRST)
 
