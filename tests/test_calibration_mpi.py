@@ -25,15 +25,19 @@ def sleeper(fixed: float, per_sample: float, calls: list):
     return step
 
 
-def test_a_rank_much_slower_at_the_tiny_batch_is_read_off_the_fastest():
-    """Ratios 1, 3, 10 and 15 at the tiny batch: the 10x and 15x ranks time nothing more,
-    their times are the fastest's scaled by their ratio (the fastest need not be rank 0);
-    the others keep what they timed. A clock that read 0 does not make every rank slow."""
+def test_a_rank_much_slower_at_the_tiny_batch_is_read_off_its_time_there():
+    """Ratios 3, 1, 10 and 15 at the tiny batch (the fastest is rank 1): the 10x and 15x
+    ranks time nothing more; their times at 128 and 512 samples are their tiny times plus
+    the fastest's cost per sample (0.1 ms) times their ratio for the samples beyond 2, so
+    the fixed cost they showed stays (the fastest's times scaled would give the 15x rank
+    [0.15, 0.6] s, 25 ms less at a few samples); the others keep what they timed. A clock
+    that read 0 does not make every rank slow."""
     tiny = np.array([0.006, 0.002, 0.020, 0.030])
     assert calibration.slow(tiny).tolist() == [False, False, True, True]
-    times = np.array([[0.03, 0.09], [0.010, 0.040], [np.nan, np.nan], [np.nan, np.nan]])
-    done = calibration.completed(tiny, times)
-    assert done[2].tolist() == pytest.approx([0.100, 0.400]) and done[3].tolist() == pytest.approx([0.150, 0.600])
+    times = np.array([[0.03, 0.09], [0.0126, 0.0510], [np.nan, np.nan], [np.nan, np.nan]])
+    done = calibration.completed(tiny, times, 128, 512)
+    assert done[2].tolist() == pytest.approx([0.020 + 10 * 1e-4 * 126, 0.020 + 10 * 1e-4 * 510])
+    assert done[3].tolist() == pytest.approx([0.030 + 15 * 1e-4 * 126, 0.030 + 15 * 1e-4 * 510])
     assert done[:2].tolist() == times[:2].tolist()
     assert calibration.slow([0.0, 1e-10, 0.001]).tolist() == [False, False, True]
 

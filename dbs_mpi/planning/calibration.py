@@ -5,9 +5,14 @@ large local batch (allocation.calibration_batches) and fits t_i(b) = a_i + c_i b
 should wait long for a slower one, so every rank first times a tiny batch of TINY
 samples, and its ratio r to the fastest rank's time there decides:
 
-  slow     r > SLOW_START: not timed further. Its times are the fastest rank's scaled
-           by r (it will sit out or take a few samples, and the steps measure it from
-           then on; at 1:0.02 its two batches took 17 s of a short run)
+  slow     r > SLOW_START: not timed further (at 1:0.02 its two batches took 17 s of a
+           short run). Its times are read off the line through its own tiny time with
+           the fastest rank's cost per sample at the two batches, times r: its fixed cost
+           is the one it showed. (The fastest's times times r had lost it: a line fitted
+           at 128 and 512 samples says little of 2, and at 1:0.02 the plan gave the slow
+           rank 4 samples, whose steps took 100-130 ms against the fast rank's 46 for the
+           first 11 steps.) It then sits out or takes a few samples, and the steps
+           measure it from then on
   timed    the rest: both batches (a slower one fewer steps: balancer.calibration_steps)
 
 A rank 2-8x slower still times both batches, though its steps of the large one may
@@ -40,10 +45,14 @@ def slow(tiny) -> np.ndarray:
     return ratios(tiny) > SLOW_START
 
 
-def completed(tiny, times) -> np.ndarray:
-    """The (ranks x 2) calibration times with the slow ranks' filled in: the fastest rank's
-    times scaled by their ratio."""
-    times = np.array(times, float)
+def completed(tiny, times, small: int, large: int) -> np.ndarray:
+    """The (ranks x 2) calibration times at (small, large) with the slow ranks' filled in:
+    t(b) = tiny + r c (b - TINY), c the fastest rank's seconds per sample between the two
+    batches (none: 0)."""
+    tiny, times = np.asarray(tiny, float), np.array(times, float)
     late = slow(tiny)
-    times[late] = np.outer(ratios(tiny)[late], times[int(np.argmin(tiny))])
+    fastest = int(np.argmin(tiny))
+    per_sample = max((times[fastest, 1] - times[fastest, 0]) / (large - small), 0.0)
+    beyond = np.array([small, large], float) - min(small, TINY)
+    times[late] = tiny[late, None] + np.outer(ratios(tiny)[late] * per_sample, beyond)
     return times

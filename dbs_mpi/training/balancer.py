@@ -76,7 +76,7 @@ def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int
     """Collective: every rank times step(small) and step(large); returns the fitted
     speed model of every rank and the (ranks x 2) median step times. First every rank
     times a few steps of 2 samples; a rank much slower than the fastest there times
-    nothing more (planning/calibration.py: its times are read off the fastest's), and a
+    nothing more (planning/calibration.py: its times are read off its tiny one), and a
     slower rank times fewer steps (calibration_steps), so that no rank waits long for it."""
     # The timed steps draw (dropout) from random streams of their own: training's draws are
     # then the same whether a launch calibrated or reused a calibration (use_calibration).
@@ -88,7 +88,7 @@ def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int
         timed, untimed = calibration_steps(calibration.ratios(tiny)[rank], steps, warmup)
         mine = [np.nan, np.nan] if calibration.slow(tiny)[rank] else \
             [time_step(step, b, timed, untimed, stretch, STEADY) for b in (small, large)]
-    times = calibration.completed(tiny, allgather_array(comm, mine, timeout))
+    times = calibration.completed(tiny, allgather_array(comm, mine, timeout), small, large)
     n = comm.Get_size()
     fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1], affine=affine)
     return fit, times

@@ -32,7 +32,7 @@ def calibration_step(compute: Compute, cluster: Cluster, factor: np.ndarray, loc
 def calibration_times(job: Job, cluster: Cluster, compute: Compute, emus) -> tuple[tuple, np.ndarray]:
     """The start-up calibration as the engine runs it (balancer.calibrate): the medians of
     benchmark_steps steps at two local batches, those of a rank much slower at the tiny
-    batch read off the fastest's (planning/calibration.py). Returns ((small, large), (ranks x 2) seconds)."""
+    batch read off its tiny one (planning/calibration.py). Returns ((small, large), (ranks x 2) seconds)."""
     small, large = allocation.calibration_batches(job.global_batch, cluster.size, job.min_local_batch,
                                                   job.max_local_batch or None)
     factor = step_factor(emus, cluster)              # every rank computes: a coupled rank is timed coupled
@@ -41,7 +41,7 @@ def calibration_times(job: Job, cluster: Cluster, compute: Compute, emus) -> tup
         return np.median([calibration_step(compute, cluster, factor, b) for _ in range(steps)], axis=0)
     tiny = timed(min(small, calibration.TINY), calibration.TINY_STEPS)
     times = np.stack([timed(b, job.benchmark_steps) for b in (small, large)], axis=1)
-    return (small, large), calibration.completed(tiny, times)
+    return (small, large), calibration.completed(tiny, times, small, large)
 
 
 def simulated_calibration(job: Job, cluster: Cluster, compute: Compute, emus) -> allocation.SpeedModel:
