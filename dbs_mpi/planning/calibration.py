@@ -20,7 +20,7 @@ outlast the fastest rank's whole calibration (at 1:0.25, 0.9 s against 0.5 s): i
 computes while the fastest ranks time theirs, as it will while they train, so a rank
 slowed by the others of its host is timed so (coupling.py compares that with its time
 alone); and a tiny batch says little of a GPU's cost per sample, which a line through it
-would extrapolate. The scaled times are recorded like measured ones (startup/step_time),
+would extrapolate. The times read off are recorded like measured ones (startup/step_time),
 so a launch that reuses a recorded calibration fits the same model. The simulator
 (tools/simulator/sync.py) fills in its simulated calibration by the same rule. Pure
 code, no MPI: every rank decides alike from the gathered tiny times.
@@ -32,6 +32,11 @@ import numpy as np
 TINY = 2              # samples of the tiny batch ...
 TINY_STEPS = 3        # ... and its timed steps (their median: one step of a busy machine's noise fooled it)
 SLOW_START = 8.0      # a rank this many times slower than the fastest at the tiny batch is not timed further
+
+
+def tiny_batch(small: int) -> int:
+    """The tiny batch's samples where the small calibration batch is `small`."""
+    return min(int(small), TINY)
 
 
 def ratios(tiny) -> np.ndarray:
@@ -53,6 +58,6 @@ def completed(tiny, times, small: int, large: int) -> np.ndarray:
     late = slow(tiny)
     fastest = int(np.argmin(tiny))
     per_sample = max((times[fastest, 1] - times[fastest, 0]) / (large - small), 0.0)
-    beyond = np.array([small, large], float) - min(small, TINY)
+    beyond = np.array([small, large], float) - tiny_batch(small)
     times[late] = tiny[late, None] + np.outer(ratios(tiny)[late] * per_sample, beyond)
     return times

@@ -25,8 +25,8 @@ rank back after the first epoch, unchecked): its per-rank model, seeing the fast
 ranks' speed alone, soon takes the larger set back, measures it, and reverts and bans
 it where it is slower. So a timing fooled by noise (a busy machine) costs a few steps
 alone, and real coupling costs one check (RECENT + 2 steps at the coupled speed,
-EARLY + 2 where far apart) where it cost TRIAL_FIRST steps. static plans once and has no check: it keeps the
-calibration's plan.
+EARLY + 2 where far apart) where it cost TRIAL_FIRST steps. static plans once and has
+no check: it keeps the calibration's plan.
 
 What it costs: ALONE_STEPS + 1 more steps of the large batch on the fastest ranks, only
 on a shared host with ranks of other speeds that the calibration's plan keeps. Pure

@@ -81,7 +81,7 @@ def split_wait(pre: np.ndarray, collective: np.ndarray) -> tuple[np.ndarray, np.
     return wait, collective - wait
 
 
-STEADY_SPREAD = 0.05  # timed steps that lie within this fraction of their median of each other are steady
+STEADY_SPREAD = 0.05  # timed steps whose range (largest less smallest) is within this share of their median: steady
 
 
 def time_step(step, local_batch: int, steps: int, warmup: int, stretch=None, steady: int = 0) -> float:

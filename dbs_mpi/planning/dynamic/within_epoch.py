@@ -143,7 +143,7 @@ class StepPlanner:
         re-estimated when one moved, or at least every REFIT steps (drift). A rank held at a
         small batch or sitting out is probed now and then (probe.py). A pending set check is
         asked at every step, a move's hold and the interval notwithstanding (set_proposal)."""
-        if self.step < self.hold_until or self.since_plan < self.interval:     # (a new set's steps far apart
+        if self.step < self.hold_until or self.since_plan < self.interval:     # (only a pending set check)
             return None if self.sets.pending is None else self._checked(np.asarray(current, np.int64), False)
         self.since_plan = 0
         checked = self._checked(np.asarray(current, dtype=np.int64))

@@ -39,7 +39,7 @@ def calibration_times(job: Job, cluster: Cluster, compute: Compute, emus) -> tup
 
     def timed(b: int, steps: int) -> np.ndarray:
         return np.median([calibration_step(compute, cluster, factor, b) for _ in range(steps)], axis=0)
-    tiny = timed(min(small, calibration.TINY), calibration.TINY_STEPS)
+    tiny = timed(calibration.tiny_batch(small), calibration.TINY_STEPS)
     times = np.stack([timed(b, job.benchmark_steps) for b in (small, large)], axis=1)
     return (small, large), calibration.completed(tiny, times, small, large)
 
