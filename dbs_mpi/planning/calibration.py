@@ -5,15 +5,25 @@ large local batch (allocation.calibration_batches) and fits t_i(b) = a_i + c_i b
 should wait long for a slower one, so every rank first times a tiny batch of TINY
 samples, and its ratio r to the fastest rank's time there decides:
 
-  slow     r > SLOW_START: not timed further (at 1:0.02 its two batches took 17 s of a
-           short run). Its times are read off the line through its own tiny time with
-           the fastest rank's cost per sample at the two batches, times r: its fixed cost
-           is the one it showed. (The fastest's times times r had lost it: a line fitted
-           at 128 and 512 samples says little of 2, and at 1:0.02 the plan gave the slow
-           rank 4 samples, whose steps took 100-130 ms against the fast rank's 46 for the
-           first 11 steps.) It then sits out or takes a few samples, and the steps
-           measure it from then on
+  slow     r > SLOW_START: it does not time the two batches (at 1:0.02 they took 17 s of
+           a short run). While the others time theirs, it times one batch of its own, about
+           SECOND x small / r samples (second_batch: its steps there take about SECOND of
+           the fastest's small ones, a fraction of the fastest's calibration). Its times at
+           the two batches are read off the line through its tiny and its second time:
+           its fixed cost and its cost per sample are the ones it showed. Where that
+           batch would be under SECOND_LEAST samples (r above SECOND x small / SECOND_LEAST:
+           at 1:0.02), too close to the tiny one to show a slope, it times nothing more,
+           and its cost per sample is the fastest rank's times r. It then sits out or
+           takes a few samples, and the steps measure it from then on
   timed    the rest: both batches (a slower one fewer steps: balancer.calibration_steps)
+
+Why a slow rank's own slope. Its tiny ratio overstates its cost per sample wherever the
+fastest rank's tiny step is cheaper than its line says (a line fitted at 128 and 512
+samples says little of 2): at 1:0.1 (LeNet-5) the ratio was 20 and the cost per sample
+10x, so the first plan gave the slow rank 16 samples instead of about 32, and a probe and
+a re-fit later moved it by up to 12 samples. (Before, the fastest's times were scaled by r,
+which lost the slow rank's fixed cost too: at 1:0.02 the first plan gave it 4 samples, whose
+steps took 100-130 ms against the fast rank's 46 for the first 11 steps.)
 
 A rank 2-8x slower still times both batches, though its steps of the large one may
 outlast the fastest rank's whole calibration (at 1:0.25, 0.9 s against 0.5 s): it then
@@ -32,6 +42,8 @@ import numpy as np
 TINY = 2              # samples of the tiny batch ...
 TINY_STEPS = 3        # ... and its timed steps (their median: one step of a busy machine's noise fooled it)
 SLOW_START = 8.0      # a rank this many times slower than the fastest at the tiny batch is not timed further
+SECOND = 2.0          # a slow rank's own second batch: SECOND x small / r samples ...
+SECOND_LEAST = 2 * TINY   # ... where that is at least this many (fewer: too close to TINY for a slope)
 
 
 def tiny_batch(small: int) -> int:
@@ -46,18 +58,31 @@ def ratios(tiny) -> np.ndarray:
 
 
 def slow(tiny) -> np.ndarray:
-    """The ranks (bool) that time nothing more (see the module docstring)."""
+    """The ranks (bool) that do not time the two batches (see the module docstring)."""
     return ratios(tiny) > SLOW_START
 
 
+def second_batch(tiny, small: int) -> np.ndarray:
+    """Per rank, the samples of the one batch a slow rank times besides the tiny one
+    (0: a rank that is not slow, or one too slow for it; see the module docstring)."""
+    tiny = np.asarray(tiny, float)
+    second = np.round(SECOND * int(small) / ratios(tiny))       # below small: SECOND < SLOW_START
+    return np.where(slow(tiny) & (second >= SECOND_LEAST), second, 0).astype(int)
+
+
 def completed(tiny, times, small: int, large: int) -> np.ndarray:
-    """The (ranks x 2) calibration times at (small, large) with the slow ranks' filled in:
-    t(b) = tiny + r c (b - TINY), c the fastest rank's seconds per sample between the two
-    batches (none: 0)."""
+    """The (ranks x 2) calibration times at (small, large) with the slow ranks' filled in.
+    times: what the ranks timed, a slow rank's first column its second batch's seconds
+    (NaN: none). A slow rank's times are t(b) = tiny + c (b - TINY): c its own cost per
+    sample between its tiny and second batches (at least the fastest rank's), or, without
+    a second batch, the fastest rank's between the two batches (none: 0) times its ratio."""
     tiny, times = np.asarray(tiny, float), np.array(times, float)
-    late = slow(tiny)
+    late, second = slow(tiny), second_batch(tiny, small)
     fastest = int(np.argmin(tiny))
     per_sample = max((times[fastest, 1] - times[fastest, 0]) / (large - small), 0.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        own = (times[:, 0] - tiny) / (second - tiny_batch(small))
+    slope = np.where((second > 0) & np.isfinite(own), np.maximum(own, per_sample), ratios(tiny) * per_sample)
     beyond = np.array([small, large], float) - tiny_batch(small)
-    times[late] = tiny[late, None] + np.outer(ratios(tiny)[late] * per_sample, beyond)
+    times[late] = tiny[late, None] + np.outer(slope[late], beyond)
     return times

@@ -75,9 +75,10 @@ def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int
               affine: bool = True, timeout: float = 600.0) -> tuple[allocation.SpeedModel, np.ndarray]:
     """Collective: every rank times step(small) and step(large); returns the fitted
     speed model of every rank and the (ranks x 2) median step times. First every rank
-    times a few steps of 2 samples; a rank much slower than the fastest there times
-    nothing more (planning/calibration.py: its times are read off its tiny one), and a
-    slower rank times fewer steps (calibration_steps), so that no rank waits long for it."""
+    times a few steps of 2 samples; a rank much slower than the fastest there times one
+    batch of its own instead (planning/calibration.py: its times are read off the line
+    through those two), and a slower rank times fewer steps (calibration_steps), so that
+    no rank waits long for it."""
     # The timed steps draw (dropout) from random streams of their own: training's draws are
     # then the same whether a launch calibrated or reused a calibration (use_calibration).
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
@@ -86,8 +87,11 @@ def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int
         tiny = time_step(step, calibration.tiny_batch(small), calibration.TINY_STEPS, 1, stretch)
         tiny = allgather_array(comm, [tiny], timeout)[:, 0]
         timed, untimed = calibration_steps(calibration.ratios(tiny)[rank], steps, warmup)
-        mine = [np.nan, np.nan] if calibration.slow(tiny)[rank] else \
-            [time_step(step, b, timed, untimed, stretch, STEADY) for b in (small, large)]
+        second = int(calibration.second_batch(tiny, small)[rank])
+        if calibration.slow(tiny)[rank]:         # its own second batch, or nothing more
+            mine = [time_step(step, second, calibration.TINY_STEPS, 1, stretch) if second else np.nan, np.nan]
+        else:
+            mine = [time_step(step, b, timed, untimed, stretch, STEADY) for b in (small, large)]
     times = calibration.completed(tiny, allgather_array(comm, mine, timeout), small, large)
     n = comm.Get_size()
     fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1], affine=affine)

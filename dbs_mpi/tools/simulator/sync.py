@@ -18,29 +18,34 @@ from .job import Job, Result
 from .network import Network, buckets
 
 
-def calibration_step(compute: Compute, cluster: Cluster, factor: np.ndarray, local_batch: int,
+def calibration_step(compute: Compute, cluster: Cluster, factor: np.ndarray, local_batch,
                      computing=None) -> np.ndarray:
-    """Every rank's calibration step at `local_batch`, the ranks' loops unsynchronised
-    (free_running_rate), the emulated slow-down included (seconds, per rank); computing
-    (bool per rank, None: all): the ranks that compute, the others take no core."""
+    """Every rank's calibration step at `local_batch` (one, or one per rank), the ranks'
+    loops unsynchronised (free_running_rate), the emulated slow-down included (seconds,
+    per rank); computing (bool per rank, None: all): the ranks that compute, the others
+    take no core."""
     busy = factor if computing is None else np.where(computing, factor, np.inf)
     rate = free_running_rate(cluster.nodes, busy, cluster.node_cores())
-    work = compute.work(np.full(cluster.size, local_batch))
+    work = compute.work(np.zeros(cluster.size) + local_batch)
     return work / rate + work * (factor - 1.0)
 
 
 def calibration_times(job: Job, cluster: Cluster, compute: Compute, emus) -> tuple[tuple, np.ndarray]:
     """The start-up calibration as the engine runs it (balancer.calibrate): the medians of
     benchmark_steps steps at two local batches, those of a rank much slower at the tiny
-    batch read off its tiny one (planning/calibration.py). Returns ((small, large), (ranks x 2) seconds)."""
+    batch read off its tiny and its own second batch (planning/calibration.py). Returns
+    ((small, large), (ranks x 2) seconds)."""
     small, large = allocation.calibration_batches(job.global_batch, cluster.size, job.min_local_batch,
                                                   job.max_local_batch or None)
     factor = step_factor(emus, cluster)              # every rank computes: a coupled rank is timed coupled
 
-    def timed(b: int, steps: int) -> np.ndarray:
+    def timed(b, steps: int) -> np.ndarray:
         return np.median([calibration_step(compute, cluster, factor, b) for _ in range(steps)], axis=0)
     tiny = timed(calibration.tiny_batch(small), calibration.TINY_STEPS)
     times = np.stack([timed(b, job.benchmark_steps) for b in (small, large)], axis=1)
+    second = calibration.second_batch(tiny, small)      # a slow rank's own batch
+    if second.any():
+        times[second > 0, 0] = timed(second, calibration.TINY_STEPS)[second > 0]
     return (small, large), calibration.completed(tiny, times, small, large)
 
 
