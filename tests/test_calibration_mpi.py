@@ -47,12 +47,12 @@ def test_a_slow_rank_is_read_off_its_own_line_through_its_tiny_and_second_batche
     times SECOND x small / r samples of its own, and its times at 128 and 512 are read off
     the line through that and its tiny time. A second time below its tiny one (noise)
     gives it the fastest rank's cost per sample, no less; a rank too slow for a second
-    batch of SECOND_LEAST samples (r = 100: 2.56) keeps the fastest's cost times r."""
+    batch of SECOND_LEAST samples (r = 100: 5.12) keeps the fastest's cost times r."""
     tiny = np.array([0.001, 0.020, 0.100])
-    assert calibration.second_batch(tiny, 128).tolist() == [0, 13, 0]
+    assert calibration.second_batch(tiny, 128).tolist() == [0, 26, 0]
     assert calibration.second_batch([0.001, 0.007], 128).tolist() == [0, 0]          # 7x: not slow
     fastest = [0.0126, 0.0510]                                                          # 0.1 ms a sample
-    done = calibration.completed(tiny, [fastest, [0.020 + 7.5e-4 * 11, np.nan], [np.nan, np.nan]], 128, 512)
+    done = calibration.completed(tiny, [fastest, [0.020 + 7.5e-4 * 24, np.nan], [np.nan, np.nan]], 128, 512)
     assert done[1].tolist() == pytest.approx([0.020 + 7.5e-4 * 126, 0.020 + 7.5e-4 * 510])
     assert done[2].tolist() == pytest.approx([0.100 + 100 * 1e-4 * 126, 0.100 + 100 * 1e-4 * 510])
     done = calibration.completed(tiny, [fastest, [0.019, np.nan], [np.nan, np.nan]], 128, 512)
@@ -156,7 +156,7 @@ def test_a_rank_coupled_to_the_others_of_its_host_is_timed_alone_and_starts_alon
 def test_a_much_slower_rank_times_its_own_second_batch_and_is_read_off_its_line(comm):
     """Rank 0's step sleeps 0.5 ms + 0.02 ms a sample, every other rank's 10 ms + 0.5 ms
     a sample (20x at the tiny batch, 25x a sample): those time their tiny batch and one
-    of their own (round(2 x 64 / r) samples, 1 untimed step and 3 timed), never the two
+    of their own (round(4 x 64 / r) samples, 1 untimed step and 3 timed), never the two
     batches, and their times there are their own line's (10 ms + 0.5 ms b)."""
     calls = []
     rank = comm.Get_rank()

@@ -6,15 +6,17 @@ should wait long for a slower one, so every rank first times a tiny batch of TIN
 samples, and its ratio r to the fastest rank's time there decides:
 
   slow     r > SLOW_START: it does not time the two batches (at 1:0.02 they took 17 s of
-           a short run). While the others time theirs, it times one batch of its own, about
-           SECOND x small / r samples (second_batch: its steps there take about SECOND of
-           the fastest's small ones, a fraction of the fastest's calibration). Its times at
-           the two batches are read off the line through its tiny and its second time:
-           its fixed cost and its cost per sample are the ones it showed. Where that
-           batch would be under SECOND_LEAST samples (r above SECOND x small / SECOND_LEAST:
-           at 1:0.02), too close to the tiny one to show a slope, it times nothing more,
-           and its cost per sample is the fastest rank's times r. It then sits out or
-           takes a few samples, and the steps measure it from then on
+           a short run). While the others time theirs, it times one batch of its own,
+           about SECOND x small / r samples (second_batch; with a cost per sample near r
+           times the fastest's, its 4 steps there take about 4 x SECOND of the fastest's
+           small ones, while the fastest times at least 5 of each batch, the large one 4x
+           the small). Its times at the two batches are read off the line through its
+           tiny and its second time: its fixed cost and its cost per sample are the ones
+           it showed. Where that batch would be under SECOND_LEAST samples (r above about
+           68 where small is 128; at 1:0.02 r is about 93), too close to the tiny one to
+           show a slope, it times nothing more, and its cost per sample is the fastest
+           rank's times r. It then sits out or takes a few samples, and the steps measure
+           it from then on
   timed    the rest: both batches (a slower one fewer steps: balancer.calibration_steps)
 
 Why a slow rank's own slope. Its tiny ratio overstates its cost per sample wherever the
@@ -42,8 +44,8 @@ import numpy as np
 TINY = 2              # samples of the tiny batch ...
 TINY_STEPS = 3        # ... and its timed steps (their median: one step of a busy machine's noise fooled it)
 SLOW_START = 8.0      # a rank this many times slower than the fastest at the tiny batch is not timed further
-SECOND = 2.0          # a slow rank's own second batch: SECOND x small / r samples ...
-SECOND_LEAST = 2 * TINY   # ... where that is at least this many (fewer: too close to TINY for a slope)
+SECOND = 4.0          # a slow rank's own second batch: SECOND x small / r samples ...
+SECOND_LEAST = 4 * TINY   # ... where that is at least this many (fewer: too close to TINY for a slope)
 
 
 def tiny_batch(small: int) -> int:
