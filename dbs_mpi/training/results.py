@@ -94,7 +94,8 @@ SCHEMA_ATTRIBUTES = {
 SCHEMA_DATASETS = {
     "startup/local_batch": ("(2,) int", "samples", "the two local batches of the start-up calibration"),
     "startup/step_time": ("(R, 2)", "s", "median seconds per step of every rank at those local batches (a "
-                           "rank 8x slower than the fastest at 2 samples: read off its time there)"),
+                           "rank 8x slower than the fastest at 2 samples: read off the line through its "
+                           "times there and at a batch of its own)"),
     "startup/alone_time": ("(R,)", "s", "median seconds of the fastest ranks at the larger batch with no other rank "
                            "computing (NaN: not timed; empty: no rank was; planning/coupling.py)"),
     "startup/batch_sizes": ("(R,) int", "samples", "the vector chosen from it (asynchronous: 0 for the server, "
