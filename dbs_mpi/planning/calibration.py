@@ -7,25 +7,29 @@ samples, and its ratio r to the fastest rank's time there decides:
 
   slow     r > SLOW_START: it does not time the two batches (at 1:0.02 they took 17 s of
            a short run). While the others time theirs, it times one batch of its own,
-           about SECOND x small / r samples (second_batch; with a cost per sample near r
-           times the fastest's, its 4 steps there take about 4 x SECOND of the fastest's
-           small ones, while the fastest times at least 5 of each batch, the large one 4x
-           the small). Its times at the two batches are read off the line through its
-           tiny and its second time: its fixed cost and its cost per sample are the ones
-           it showed. Where that batch would be under SECOND_LEAST samples (r above about
-           68 where small is 128; at 1:0.02 r is about 93), too close to the tiny one to
-           show a slope, it times nothing more, and its cost per sample is the fastest
-           rank's times r. It then sits out or takes a few samples, and the steps measure
-           it from then on
+           about SECOND x small / r samples (second_batch), 1 untimed step and 3 timed.
+           Its times at the two batches are read off the line through its tiny and its
+           second time: its fixed cost and its cost per sample are the ones it showed.
+           Where that batch would be under SECOND_LEAST samples (r above about 68 where
+           small is 128; at 1:0.02 r is about 93), too close to the tiny one to show a
+           slope, it times nothing more; there, and where its second time shows a cost
+           per sample no larger than the fastest rank's (noise), its cost per sample is
+           the fastest rank's times r. It then sits out or takes a few samples, and the
+           steps measure it from then on
   timed    the rest: both batches (a slower one fewer steps: balancer.calibration_steps)
 
 Why a slow rank's own slope. Its tiny ratio overstates its cost per sample wherever the
 fastest rank's tiny step is cheaper than its line says (a line fitted at 128 and 512
 samples says little of 2): at 1:0.1 (LeNet-5) the ratio was 20 and the cost per sample
-10x, so the first plan gave the slow rank 16 samples instead of about 32, and a probe and
-a re-fit later moved it by up to 12 samples. (Before, the fastest's times were scaled by r,
-which lost the slow rank's fixed cost too: at 1:0.02 the first plan gave it 4 samples, whose
-steps took 100-130 ms against the fast rank's 46 for the first 11 steps.)
+about 9x, so the first plan gave the slow rank 11-19 samples where its balance is about
+34. (Before, the fastest's times were scaled by r, which lost the slow rank's fixed cost
+too: at 1:0.02 the first plan gave it 4 samples, whose steps took 100-130 ms against the
+fast rank's 46 for the first 11 steps.) What the second batch costs: its 4 steps take
+about 4 of the rank's tiny steps plus, with a cost per sample near r times the fastest's,
+about 4 x SECOND of the fastest's small steps' per-sample work; the fastest times at
+least 5 steps of each batch, the large one 4x the small. Where the fastest ranks'
+calibration is shorter than that (a step of theirs mostly fixed cost), they wait for the
+rest, as they wait for the slow rank's tiny steps.
 
 A rank 2-8x slower still times both batches, though its steps of the large one may
 outlast the fastest rank's whole calibration (at 1:0.25, 0.9 s against 0.5 s): it then
@@ -68,7 +72,8 @@ def second_batch(tiny, small: int) -> np.ndarray:
     """Per rank, the samples of the one batch a slow rank times besides the tiny one
     (0: a rank that is not slow, or one too slow for it; see the module docstring)."""
     tiny = np.asarray(tiny, float)
-    second = np.round(SECOND * int(small) / ratios(tiny))       # below small: SECOND < SLOW_START
+    with np.errstate(divide="ignore"):                           # (a clock that read 0: not slow)
+        second = np.round(SECOND * int(small) / ratios(tiny))   # below small: SECOND < SLOW_START
     return np.where(slow(tiny) & (second >= SECOND_LEAST), second, 0).astype(int)
 
 
@@ -76,15 +81,15 @@ def completed(tiny, times, small: int, large: int) -> np.ndarray:
     """The (ranks x 2) calibration times at (small, large) with the slow ranks' filled in.
     times: what the ranks timed, a slow rank's first column its second batch's seconds
     (NaN: none). A slow rank's times are t(b) = tiny + c (b - TINY): c its own cost per
-    sample between its tiny and second batches (at least the fastest rank's), or, without
-    a second batch, the fastest rank's between the two batches (none: 0) times its ratio."""
+    sample between its tiny and second batches where that is more than the fastest
+    rank's, else the fastest rank's between the two batches (none: 0) times its ratio."""
     tiny, times = np.asarray(tiny, float), np.array(times, float)
     late, second = slow(tiny), second_batch(tiny, small)
     fastest = int(np.argmin(tiny))
     per_sample = max((times[fastest, 1] - times[fastest, 0]) / (large - small), 0.0)
     with np.errstate(invalid="ignore", divide="ignore"):
         own = (times[:, 0] - tiny) / (second - tiny_batch(small))
-    slope = np.where((second > 0) & np.isfinite(own), np.maximum(own, per_sample), ratios(tiny) * per_sample)
+    slope = np.where((second > 0) & (own > per_sample), own, ratios(tiny) * per_sample)     # (NaN > x: False)
     beyond = np.array([small, large], float) - tiny_batch(small)
     times[late] = tiny[late, None] + np.outer(slope[late], beyond)
     return times
