@@ -100,7 +100,7 @@ def test_every_rank_but_the_fastest_calls_its_step_less_often(comm):
     fitted model of every rank."""
     calls = []
     step = sleeper(0.002 if comm.Get_rank() == 0 else 0.012, 0.0, calls)
-    fit, times = balancer.calibrate(comm, step, 8, 32, steps=5, warmup=2, timeout=60.0)
+    fit, times, tiny = balancer.calibrate(comm, step, 8, 32, steps=5, warmup=2, timeout=60.0)
     tiny = 1 + calibration.TINY_STEPS
     if comm.Get_rank() == 0:
         assert tiny + 2 * (2 + balancer.STEADY) <= len(calls) <= tiny + 2 * 7, calls
@@ -149,6 +149,8 @@ def test_a_rank_coupled_to_the_others_of_its_host_is_timed_alone_and_starts_alon
     assert vector.tolist() == [64 * size] + [0] * (size - 1), vector
     again = Balancer(comm, 64 * size, "dbs", emulator=device_emulator(rank, 1.0), timeout=60.0)
     assert again.use_calibration(b.startup).tolist() == vector.tolist()
+    assert b.startup["tiny_time"].shape == (size,) and (b.startup["tiny_time"] > 0).all()
+    assert np.array_equal(again.startup["tiny_time"], b.startup["tiny_time"])      # recorded again
     static = Balancer(comm, 64 * size, "static", emulator=emulator, timeout=60.0)
     static.calibrate(device_step(5e-4), steps=3, warmup=1)
     assert "alone_time" not in static.startup
@@ -164,7 +166,7 @@ def test_a_much_slower_rank_times_its_own_second_batch_and_is_read_off_its_line(
     calls = []
     rank = comm.Get_rank()
     step = sleeper(0.002, 0.00001, calls) if rank == 0 else sleeper(0.030, 0.001, calls)
-    fit, times = balancer.calibrate(comm, step, 64, 256, steps=5, warmup=2, timeout=60.0)
+    fit, times, tiny = balancer.calibrate(comm, step, 64, 256, steps=5, warmup=2, timeout=60.0)
     if rank > 0:
         second = [b for b in calls if b != calibration.TINY]
         assert len(second) == 1 + calibration.TINY_STEPS and len(set(second)) == 1, calls
@@ -173,3 +175,4 @@ def test_a_much_slower_rank_times_its_own_second_batch_and_is_read_off_its_line(
         assert 64 in calls and 256 in calls
     expected = 0.030 + 0.001 * np.array([64, 256])
     assert (np.abs(times[1:] / expected - 1) < 0.25).all(), times
+    assert tiny.shape == (comm.Get_size(),) and calibration.slow(tiny)[1:].all() and not calibration.slow(tiny)[0]

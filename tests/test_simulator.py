@@ -337,6 +337,22 @@ def test_a_replay_adds_the_machines_compute_extra_to_every_training_step():
     assert replay_job(VALIDATION / "ssgd-2r.h5", Machine.load())[0].compute_extra == {}     # the file has none
 
 
+def test_a_replays_load_factor_reads_only_the_cells_its_ranks_timed():
+    """A rank much slower at the tiny batch (`tiny_time`, calibration.slow) has its
+    calibration times read off, not timed: the load factor leaves them out. Rank 1's
+    cells a tenth of what they were would lower it; with rank 1 slow at the tiny batch
+    they do not. A file without `tiny_time` reads every rank's cells, as before."""
+    from dbs_mpi.tools.simulator.replaying import load_factor
+    j, c, _, _, startup = replay_job(VALIDATION / "ssgd-2r.h5", Machine.load())
+    assert "tiny_time" not in startup
+    timed = load_factor(j, c, startup)
+    rank_0 = load_factor(j, c, {**startup, "tiny_time": np.array([1e-3, 1e-2])})    # rank 1 10x: read off
+    read_off = {**startup, "step_time": startup["step_time"] * np.array([[1.0], [0.1]])}
+    assert load_factor(j, c, read_off) < 0.5 * min(timed, rank_0)
+    assert load_factor(j, c, {**read_off, "tiny_time": np.array([1e-3, 1e-2])}) == pytest.approx(rank_0)
+    assert rank_0 >= timed
+
+
 def test_simulated_calibration_finds_the_emulated_speeds():
     j = job("static", samples=4096, global_batch=512, speeds=(1.0, 0.5, 0.25))
     r = simulate_sync(j, cluster([1, 1, 1]), Network(1e-5, 1e-9), noise=0.0)

@@ -76,9 +76,9 @@ def initial_vector(run, emulator):
     # local batches; the workers' part of the fit sizes their local batches.
     small, large = allocation.calibration_batches(cfg.global_batch, comm.Get_size(), cfg.min_local_batch, max_local)
     step = model_step(run.model, run.loss_fn, *first_samples(run.train_set, large))
-    fit, times = calibrate(comm, step, small, large, steps=cfg.benchmark_steps, warmup=cfg.benchmark_warmup,
-                           stretch=emulator.stretch, affine=cfg.dbs_model == "affine", timeout=cfg.comm_timeout)
-    timings = {"local_batch": np.array([small, large], dtype=np.int64), "step_time": times}
+    fit, times, tiny = calibrate(comm, step, small, large, steps=cfg.benchmark_steps, warmup=cfg.benchmark_warmup,
+                                 stretch=emulator.stretch, affine=cfg.dbs_model == "affine", timeout=cfg.comm_timeout)
+    timings = {"local_batch": np.array([small, large], dtype=np.int64), "step_time": times, "tiny_time": tiny}
     speed_model = allocation.SpeedModel(fit.per_sample[1:].copy(), fit.overhead[1:].copy())
     controller = dynamic.DBSController(
         model=speed_model, global_batch=cfg.global_batch, min_local=cfg.min_local_batch, max_local=max_local,

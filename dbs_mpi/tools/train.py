@@ -128,7 +128,8 @@ def setup(comm, cfg: Config) -> Run:
 
 
 def recorded_calibration(path: str) -> dict:
-    """The start-up calibration a result file recorded (startup/local_batch, startup/step_time)."""
+    """The start-up calibration a result file recorded (startup/local_batch, step_time and,
+    where recorded, alone_time and tiny_time)."""
     if not Path(path).is_file():
         raise UserError(f"calibration_from: no result file {path}")
     try:
@@ -139,7 +140,8 @@ def recorded_calibration(path: str) -> dict:
         raise UserError(f"calibration_from: {path} recorded no start-up calibration (ssgd, or a resumed run's "
                         f"file: use the file of the launch that calibrated)")
     return {"local_batch": data["startup/local_batch"], "step_time": data["startup/step_time"],
-            **({"alone_time": data["startup/alone_time"]} if len(data.get("startup/alone_time", ())) else {})}
+            **{name: data[f"startup/{name}"] for name in ("alone_time", "tiny_time")
+               if len(data.get(f"startup/{name}", ()))}}
 
 
 def place(run: Run) -> list:

@@ -72,9 +72,10 @@ STEADY = 3            # a batch's timing ends after this many timed steps where 
 
 
 def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int = 2, stretch=None,
-              affine: bool = True, timeout: float = 600.0) -> tuple[allocation.SpeedModel, np.ndarray]:
+              affine: bool = True, timeout: float = 600.0) -> tuple[allocation.SpeedModel, np.ndarray, np.ndarray]:
     """Collective: every rank times step(small) and step(large); returns the fitted
-    speed model of every rank and the (ranks x 2) median step times. First every rank
+    speed model of every rank, the (ranks x 2) median step times and every rank's median
+    at the tiny batch (which tells the times read off: calibration.slow). First every rank
     times a few steps of 2 samples; a rank much slower than the fastest there times one
     batch of its own instead (planning/calibration.py: its times are read off the line
     through those two), and a slower rank times fewer steps (calibration_steps), so that
@@ -95,7 +96,7 @@ def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int
     times = calibration.completed(tiny, allgather_array(comm, mine, timeout), small, large)
     n = comm.Get_size()
     fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1], affine=affine)
-    return fit, times
+    return fit, times, tiny
 
 
 def calibration_steps(ratio: float, steps: int, warmup: int) -> tuple[int, int]:
@@ -416,9 +417,9 @@ class Calibration:
         and the balancer must know the device (`on_device`; calibrate_model tells it). largest:
         the most samples a rank computes at once (0: any; a loop that accumulates larger shares)."""
         small, large = self.calibration_batches(largest)
-        fit, times = calibrate(self.comm, step, small, large, steps=steps, warmup=warmup,
-                               stretch=self.stretch, affine=self.affine, timeout=self.timeout)
-        return self._plan_from(fit, small, large, times, self._time_alone(step, fit, large, steps, warmup))
+        fit, times, tiny = calibrate(self.comm, step, small, large, steps=steps, warmup=warmup,
+                                     stretch=self.stretch, affine=self.affine, timeout=self.timeout)
+        return self._plan_from(fit, small, large, times, self._time_alone(step, fit, large, steps, warmup), tiny)
 
     def _time_alone(self, step, fit, large: int, steps: int, warmup: int) -> np.ndarray | None:
         """Collective where it is needed (coupling.timed_alone; every rank decides alike from
@@ -458,11 +459,12 @@ class Calibration:
         n = self.world_size
         fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1],
                                         affine=self.affine)
-        return self._plan_from(fit, small, large, times, alone)
+        return self._plan_from(fit, small, large, times, alone, startup.get("tiny_time"))
 
-    def _plan_from(self, fit, small: int, large: int, times: np.ndarray, alone=None) -> np.ndarray:
+    def _plan_from(self, fit, small: int, large: int, times: np.ndarray, alone=None, tiny=None) -> np.ndarray:
         """The calibration's plan: the speed model, (static, dbs) the vector, the controllers;
-        (dbs) with the fastest ranks alone where their times alone showed coupling (coupling.py)."""
+        (dbs) with the fastest ranks alone where their times alone showed coupling (coupling.py).
+        tiny: every rank's time at the tiny batch, recorded with the rest (None: not known)."""
         start, quiet = coupling.decide(fit, times[:, 1], alone, self.hosts, self.participation, self._checked(),
                                        self.global_batch, self.min_local, self.max_local)
         model = fit if start is None else start.model
@@ -478,6 +480,8 @@ class Calibration:
                         "batch_sizes": self.batch_sizes.copy()}
         if alone is not None:
             self.startup["alone_time"] = np.asarray(alone, dtype=np.float64)
+        if tiny is not None and len(tiny) == self.world_size:
+            self.startup["tiny_time"] = np.asarray(tiny, dtype=np.float64)
         return self.batch_sizes
 
     def _checked(self) -> bool:

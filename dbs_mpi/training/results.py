@@ -90,12 +90,17 @@ SCHEMA_ATTRIBUTES = {
     "grid_elapsed": "experiment grid: seconds of the launch, start-up included",
 }
 
+# What a run records of its start-up calibration (startup/*, below), in this order.
+STARTUP = ("local_batch", "step_time", "tiny_time", "batch_sizes", "alone_time")
+
 # Datasets: name -> (shape, unit, meaning). Float64 unless the shape says int.
 SCHEMA_DATASETS = {
     "startup/local_batch": ("(2,) int", "samples", "the two local batches of the start-up calibration"),
     "startup/step_time": ("(R, 2)", "s", "median seconds per step of every rank at those local batches (a "
                            "rank 8x slower than the fastest at 2 samples: read off the line through its "
                            "times there and at a batch of its own)"),
+    "startup/tiny_time": ("(R,)", "s", "median seconds per step of every rank at the tiny batch (2 samples); a "
+                          "rank 8x slower than the fastest there has its step_time read off, not timed"),
     "startup/alone_time": ("(R,)", "s", "median seconds of the fastest ranks at the larger batch with no other rank "
                            "computing (NaN: not timed; empty: no rank was; planning/coupling.py)"),
     "startup/batch_sizes": ("(R,) int", "samples", "the vector chosen from it (asynchronous: 0 for the server, "
@@ -512,8 +517,7 @@ class Recorder:
                                                    ("global_batch", balancer.global_batch))
                                  if k not in self.attrs})
         if balancer.startup:
-            self.writer.write_startup({name: balancer.startup[name] for name in ("local_batch", "step_time",
-                                                                                 "batch_sizes", "alone_time")
+            self.writer.write_startup({name: balancer.startup[name] for name in STARTUP
                                        if name in balancer.startup})
 
     def append_steps(self, rows: dict) -> None:

@@ -13,6 +13,7 @@ from .. import config as config_mod
 from ..data import SPLIT_SIZES
 from ..machine import Machine, ModelCost
 from ...options import parse_couple
+from ...planning import calibration
 from .cluster import DEFAULT_NOISE, Cluster, Compute, emulators, step_factor
 from .job import SYNC, Job
 from .network import Network
@@ -73,7 +74,8 @@ def read_inputs(path) -> dict:
     import h5py
     with h5py.File(path, "r") as f:
         attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
-        startup = {k: f[f"startup/{k}"][()] for k in ("local_batch", "step_time", "batch_sizes", "alone_time")
+        startup = {k: f[f"startup/{k}"][()] for k in ("local_batch", "step_time", "tiny_time", "batch_sizes",
+                                                        "alone_time")
                    if f"startup/{k}" in f and len(f[f"startup/{k}"])}      # (empty: killed before its calibration)
         sizes = tuple(int(b) for b in f["epoch/global_batch"][()]) if "epoch/global_batch" in f else ()
     return {"config": json.loads(attrs["config"]), "hostnames": list(attrs["hostnames"]),
@@ -95,14 +97,17 @@ def placement_of(inputs: dict, machine: Machine) -> tuple[np.ndarray, list]:
 def load_factor(job: Job, cluster: Cluster, startup: dict) -> float:
     """How much slower (above 1) or faster (below) than the machine constants the run's own
     calibration was: the smallest ratio over ranks and local batches of measured to
-    simulated step times (noise only ever adds time). Background load makes it larger; a
-    machine whose speed moves on its own, as VMs' does, makes it either."""
+    simulated step times (noise only ever adds time), over the ranks that timed them (a
+    rank much slower at the tiny batch has its times read off: calibration.slow; a file
+    without `tiny_time`, every rank). Background load makes it larger; a machine whose
+    speed moves on its own, as VMs' does, makes it either."""
     if "step_time" not in startup:
         return 1.0
     factor = step_factor(emulators(job, cluster.size), cluster)     # the calibration: every rank computes
     compute = Compute(job, cluster, 0.0, None)
     simulated = np.stack([calibration_step(compute, cluster, factor, b) for b in startup["local_batch"]], axis=1)
-    load = float(np.min(startup["step_time"] / simulated))
+    timed = ~calibration.slow(startup["tiny_time"]) if "tiny_time" in startup else np.ones(cluster.size, bool)
+    load = float(np.min(startup["step_time"][timed] / simulated[timed]))
     return load if np.isfinite(load) and load > 0 else 1.0       # (a calibration without a time: none)
 
 
