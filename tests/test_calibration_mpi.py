@@ -100,7 +100,7 @@ def test_every_rank_but_the_fastest_calls_its_step_less_often(comm):
     fitted model of every rank."""
     calls = []
     step = sleeper(0.002 if comm.Get_rank() == 0 else 0.012, 0.0, calls)
-    fit, times, tiny = balancer.calibrate(comm, step, 8, 32, steps=5, warmup=2, timeout=60.0)
+    fit, times, _ = balancer.calibrate(comm, step, 8, 32, steps=5, warmup=2, timeout=60.0)
     tiny = 1 + calibration.TINY_STEPS
     if comm.Get_rank() == 0:
         assert tiny + 2 * (2 + balancer.STEADY) <= len(calls) <= tiny + 2 * 7, calls

@@ -353,6 +353,17 @@ def test_a_replays_load_factor_reads_only_the_cells_its_ranks_timed():
     assert rank_0 >= timed
 
 
+def test_a_run_resumed_on_another_number_of_ranks_is_not_replayed(tmp_path):
+    """Its startup/* are the first launch's, its hosts the last one's: one clear error."""
+    path = tmp_path / "resumed.h5"
+    shutil.copy(VALIDATION / "ssgd-2r.h5", path)
+    with h5py.File(path, "a") as f:                 # what a resume on 3 ranks writes
+        f.attrs["hostnames"] = np.array(["a", "a", "a"], dtype=h5py.string_dtype())
+        f.attrs["rank_cores"] = np.array(["0,1", "0,1", "0,1"], dtype=h5py.string_dtype())
+    with pytest.raises(ValueError, match="timed 2 rank.*ran 3"):
+        replay_job(path, Machine.load())
+
+
 def test_simulated_calibration_finds_the_emulated_speeds():
     j = job("static", samples=4096, global_batch=512, speeds=(1.0, 0.5, 0.25))
     r = simulate_sync(j, cluster([1, 1, 1]), Network(1e-5, 1e-9), noise=0.0)

@@ -542,7 +542,8 @@ class BatchPolicy(Calibration, Resizing):
         self.batch_sizes = allocation.equal(self.global_batch, self.world_size, self.min_local, self.max_local)
         self.speed_model: allocation.SpeedModel | None = None
         self.controller: dynamic.DBSController | None = None
-        self.startup: dict | None = None      # the calibration: local_batch (2,), step_time (R, 2), batch_sizes
+        self.startup: dict | None = None      # the calibration: local_batch (2,), step_time (R, 2), batch_sizes,
+                                              # where known tiny_time (R,) and alone_time (R,)
         self.sample_inputs = None             # the calibration's inputs (what a rank that sits out probes with)
         self._heard = False                   # within-epoch dbs: step times arrived in the open epoch
         self._warned = False                  # ... and the warning that none did was given

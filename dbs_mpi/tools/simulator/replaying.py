@@ -64,6 +64,10 @@ def replay_job(path, machine: Machine) -> tuple[Job, Cluster, Network, dict, dic
     cluster = Cluster(nodes=nodes, cores=cores, device=np.ones(len(nodes)), sleeping=inputs["sleeping"],
                       hosts=np.array(inputs["hostnames"]))
     network = Network(machine.alpha, machine.beta, "auto", machine.sleep_wait, machine.oversubscribed_message)
+    timed = len(inputs["startup"].get("step_time", ()))
+    if timed and timed != cluster.size:           # (a resume keeps the first launch's startup/*, its own hosts)
+        raise ValueError(f"{path}: its calibration timed {timed} rank(s) and its last launch ran {cluster.size}; "
+                         f"a run resumed on another number of ranks is not replayed")
     return job, cluster, network, cfg, inputs["startup"]
 
 
@@ -106,8 +110,9 @@ def load_factor(job: Job, cluster: Cluster, startup: dict) -> float:
     factor = step_factor(emulators(job, cluster.size), cluster)     # the calibration: every rank computes
     compute = Compute(job, cluster, 0.0, None)
     simulated = np.stack([calibration_step(compute, cluster, factor, b) for b in startup["local_batch"]], axis=1)
-    timed = ~calibration.slow(startup["tiny_time"]) if "tiny_time" in startup else np.ones(cluster.size, bool)
-    load = float(np.min(startup["step_time"][timed] / simulated[timed]))
+    tiny, times = startup.get("tiny_time", ()), np.asarray(startup["step_time"])
+    timed = ~calibration.slow(tiny) if len(tiny) == len(times) else np.ones(len(times), bool)
+    load = float(np.min(times[timed] / simulated[timed]))
     return load if np.isfinite(load) and load > 0 else 1.0       # (a calibration without a time: none)
 
 
