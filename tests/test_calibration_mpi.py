@@ -44,7 +44,7 @@ def test_a_rank_much_slower_at_the_tiny_batch_is_read_off_its_time_there():
 
 
 def test_a_slow_rank_is_read_off_its_own_line_through_its_tiny_and_second_batches():
-    """At 1:0.1 the slow rank's tiny ratio (20) overstated its cost per sample (10x): it
+    """A slow rank's tiny ratio (20) overstates its cost per sample (7.5x here): it
     times SECOND x small / r samples of its own, and its times at 128 and 512 are read off
     the line through that and its tiny time. A second time that shows no more cost per
     sample than the fastest rank's (noise), and a rank too slow for a second batch of

@@ -38,9 +38,8 @@ slowed by the others of its host is timed so (coupling.py compares that with its
 alone); and a tiny batch says little of a GPU's cost per sample, which a line through it
 would extrapolate. The times read off are recorded like measured ones (startup/step_time;
 startup/tiny_time tells which), so a launch that reuses a recorded calibration fits the
-same model. The simulator
-(tools/simulator/sync.py) fills in its simulated calibration by the same rule. Pure
-code, no MPI: every rank decides alike from the gathered tiny times.
+same model. The simulator (tools/simulator/sync.py) fills in its simulated calibration by
+the same rule. Pure code, no MPI: every rank decides alike from the gathered tiny times.
 """
 from __future__ import annotations
 

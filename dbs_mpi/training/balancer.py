@@ -87,11 +87,11 @@ def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int
     with torch.random.fork_rng(devices=cuda):
         tiny = time_step(step, calibration.tiny_batch(small), calibration.TINY_STEPS, 1, stretch)
         tiny = allgather_array(comm, [tiny], timeout)[:, 0]
-        timed, untimed = calibration_steps(calibration.ratios(tiny)[rank], steps, warmup)
-        second = int(calibration.second_batch(tiny, small)[rank])
         if calibration.slow(tiny)[rank]:         # its own second batch, or nothing more
+            second = int(calibration.second_batch(tiny, small)[rank])
             mine = [time_step(step, second, calibration.TINY_STEPS, 1, stretch) if second else np.nan, np.nan]
         else:
+            timed, untimed = calibration_steps(calibration.ratios(tiny)[rank], steps, warmup)
             mine = [time_step(step, b, timed, untimed, stretch, STEADY) for b in (small, large)]
     times = calibration.completed(tiny, allgather_array(comm, mine, timeout), small, large)
     n = comm.Get_size()
