@@ -262,7 +262,7 @@ def test_a_probe_under_way_survives_a_checkpoint_and_a_new_global_batch():
     the probe as the one saved (a state saved before there was a way back plans from the
     probe's vector); after a new global batch the way back (a vector of the old one) is
     dropped and nothing of the old sum is proposed, and a forced vector drops it too."""
-    machine = Machine([8e-5, 8e-4], [2e-3, 1.6e-2], noise=0.03, seed=3)
+    machine = Machine([8e-5, 3e-2], [2e-3, 0.0], noise=0.03, seed=3)      # rank 1 idle at 1 sample: probed
     planner = StepPlanner(model_of(machine.per_sample, machine.overhead), B, participation="all")
     vector, step, proposal = planner.model.allocate(B), 0, None
     while proposal is None or proposal.cause != "probe":
@@ -410,27 +410,40 @@ def test_a_probe_finds_a_recovered_rank_within_its_bound():
     assert np.mean(slowed) <= 1.01 * np.mean(held)
 
 
-def test_a_rank_rightly_small_is_probed_ever_more_rarely_going_down_and_back():
-    """Rank 1 at 1:0.1 with a larger fixed cost: its best batch, about 30 of 512, is
-    below PROBE_BELOW of an equal share, so its flat window gets an in-step probe now
-    and then. A probe that finds nothing doubles the wait (up to PROBE_MAX): the probe's
-    own lift of the rank and the spread it leaves in the window are no new spell (they
-    reset the wait to PROBE_FIRST, and the rank was probed every 71 steps for good).
-    The probe goes down, to 1/SPREAD of the rank's batch, and after it the vector is the
-    one before it: going up (1.5x), every step of the probe waited for the slow rank's
-    extra samples, 1.5x the step; going down the fast rank takes them, about 1.04x."""
-    machine = Machine([8e-5, 8e-4], [2e-3, 1.6e-2], noise=0.03, seed=3)
-    truth = model_of(machine.per_sample, machine.overhead)
+def test_a_rank_rightly_small_near_its_balance_is_not_probed():
+    """Rank 1 at 1:0.1 with a larger fixed cost, 8 seeds: its best batch, about 30 of 512,
+    is below PROBE_BELOW of an equal share and its window is flat, but its step is within
+    PROBE_IDLE of the others' (its level says where it stands), so it is not probed: over
+    steps 100-999 its batch never moves. Before, an in-step probe took it to 2/3 of its
+    batch for PROBE_STEPS steps 4 times in 900, a jump of 10-11 samples each way."""
+    for seed in range(8):
+        machine = Machine([8e-5, 8e-4], [2e-3, 1.6e-2], noise=0.03, seed=seed)
+        slow = closed_loop(machine, 1000, participation="all")[100:, 1]
+        assert 20 <= np.median(slow) < dynamic.PROBE_BELOW * B / 2, (seed, np.median(slow))
+        assert (slow == slow[0]).all(), (seed, sorted(set(slow.tolist())))
+
+
+def test_a_rank_idle_at_one_sample_is_probed_ever_more_rarely_going_up_and_back():
+    """Rank 1 at 30 ms a sample and no fixed cost: at one sample (rightly: two take longer
+    than the other rank's whole step) it idles 30% of the step, so it is probed. A probe
+    that finds nothing doubles the wait (up to PROBE_MAX), and a costly one (here 1.4x the
+    step) waits for its budget: the probe's own lift and the spread it leaves in the window
+    are no new spell (they reset the wait to PROBE_FIRST, and a rank rightly small was
+    probed every 71 steps for good). The probe goes up (the rank cannot go down) and after
+    it the vector is the one before it; the probes cost the steps at most PROBE_BUDGET."""
+    machine = Machine([8e-5, 3e-2], [2e-3, 0.0], noise=0.03, seed=3)
     vectors = closed_loop(machine, 1000, participation="all")
     slow = vectors[:, 1]
-    assert 20 <= np.median(slow[100:]) < dynamic.PROBE_BELOW * B / 2, np.median(slow[100:])
-    starts = [s for s in range(101, 1000) if slow[s] * dynamic.SPREAD <= slow[s - 1] + 1]
+    assert (slow[100:] <= 2).all() and np.median(slow[100:]) == 1
+    starts = [s for s in range(1, 1000) if slow[s] > slow[s - 1]]
     waits = np.diff(starts)
-    assert 1 <= len(starts) <= 5 and (waits >= 4 * dynamic.PROBE_FIRST).all(), starts    # (was 71 apart)
-    for s in starts:
+    assert 2 <= len(starts) <= 8 and (waits >= 4 * dynamic.PROBE_FIRST).all() and (np.diff(waits) >= 0).all(), starts
+    for s in starts[:-1]:
         end = first_step(vectors, s, lambda v: not np.array_equal(v, vectors[s]))   # announced after the probe
         assert end == dynamic.PROBE_STEPS + 1 and np.array_equal(vectors[s + end], vectors[s - 1]), (s, end)
-        assert truth.predict(vectors[s]).max() <= 1.05 * truth.predict(vectors[s - 1]).max()
+    truth = model_of(machine.per_sample, machine.overhead)
+    taken = np.mean([truth.predict(v).max() for v in vectors[100:]])
+    assert taken <= (1 + dynamic.PROBE_BUDGET) * truth.predict(vectors[99]).max(), taken
     probes = dynamic.Probes(2)
     probes.ran([500, 12], 40)
     again = dynamic.Probes.from_state(probes.state_dict(), 2)
@@ -443,21 +456,26 @@ def test_a_rank_rightly_small_is_probed_ever_more_rarely_going_down_and_back():
 def test_a_probe_takes_the_cheaper_way_to_spread_a_small_ranks_batches():
     """Down where the rank is small because it is slow (the fast rank takes the samples),
     up where it cannot go down (1 sample, or sitting out: min_local) or where going up is
-    cheaper (a rank small because of its fixed cost, beside a slow large one)."""
+    cheaper (a rank small because of its fixed cost, beside a slow large one). Each rank
+    here idles at least PROBE_IDLE of the step by the model; one near its balance is not
+    probed at all."""
     def probe(per_sample, overhead, current, min_local=1):
         flat = np.ones(len(current), bool)
         return dynamic.Probes(len(current)).vector(dynamic.PROBE_FIRST, np.array(current), flat,
                                                    model_of(per_sample, overhead), min_local, None).tolist()
-    slow = ([8e-5, 8e-4], [2e-3, 1.6e-2])
-    assert probe(*slow, [490, 22]) == [498, 14]                 # 22 // 1.5
-    assert probe(*slow, [510, 2]) == [509, 3]                  # (at 2 of its ~30, going up costs nothing)
+    slow = ([8e-5, 2.5e-3], [2e-3, 2e-3])                      # (best: [496, 16])
+    assert probe(*slow, [501, 11]) == [505, 7]                  # 11 // 1.5; up, 1.06x the step
+    assert probe(*slow, [510, 2]) == [509, 3]                  # (at 2 of its 16, going up costs nothing)
     assert probe(*slow, [511, 1]) == [510, 2]
     assert probe(*slow, [512, 0]) == [511, 1]
     assert probe(*slow, [510, 2], min_local=2) == [509, 3]
-    assert probe([1e-3, 1e-3, 1e-5], [0.0, 0.3, 0.4], [400, 100, 10]) == [395, 100, 15]
-    capped = dynamic.Probes(2).vector(dynamic.PROBE_FIRST, np.array([490, 22]), np.ones(2, bool),
-                                      model_of(*slow), 1, 495)
-    assert capped.tolist() == [479, 33]            # down would need 498 > max_local: up, not a 1-sample probe
+    assert probe([1e-3, 1e-3, 1e-5], [0.0, 0.3, 0.2], [400, 100, 10]) == [395, 100, 15]
+    capped = dynamic.Probes(2).vector(dynamic.PROBE_FIRST, np.array([501, 11]), np.ones(2, bool),
+                                      model_of(*slow), 1, 504)
+    assert capped.tolist() == [495, 17]            # down would need 505 > max_local: up, not a 1-sample probe
+    near = dynamic.Probes(2).vector(dynamic.PROBE_FIRST, np.array([500, 12]), np.ones(2, bool),
+                                    model_of(*slow), 1, None)
+    assert near is None                            # 32 ms against 42: within PROBE_IDLE of the step
 
 
 
@@ -479,6 +497,40 @@ def test_a_move_on_a_guessed_slope_grows_a_rank_near_its_balance_by_spread_at_mo
     assert limit(*guessed, [493, 19], [[493, 19]] * 8)[1] == 29
     assert limit(*guessed, [493, 19], [[485, 27]] * 3 + [[493, 19]] * 5)[1] == 41
     assert limit([1e-4] * 4, [2e-3] * 4, [171, 170, 1, 170], [[171, 170, 1, 170]] * 8)[2] == 1 + 64
+
+
+def test_the_rest_of_a_move_cut_short_follows_though_alone_it_is_within_the_dead_band():
+    """1:0.1 (fixed costs 3 and 30 ms), rank 1 at 15 samples and 1.4x faster than its model:
+    the move to its balance (about 37) passes the dead band and growth_limit cuts it at
+    1.5x (23). The rest, from 23, would gain about 2.5% alone, within the 3% dead band, and
+    stayed undone (the rank held 23 for good); it is judged with the whole move, so it
+    follows once RECENT steps ran at 23, also from a planner restored in between."""
+    machine = Machine([8.5e-5, 8.5e-4 * 0.7], [3e-3, 3e-2 * 0.7], noise=0.02, seed=1)
+    planner = StepPlanner(model_of([8.5e-5, 8.5e-4], [3e-3, 3e-2]), B, participation="all")
+
+    def run(planner, vector, steps, start):
+        for s in range(start, start + steps):
+            planner.observe(vector, machine.times(s, vector))
+            proposal = planner.plan(vector)
+            if proposal is not None:
+                planner.scheduled(0)
+                vector = proposal.vector
+                if planner.move_from is not None:
+                    return vector, s + 1
+        return vector, start + steps
+
+    vector, step = run(planner, np.array([497, 15]), 40, 0)
+    assert vector.tolist() == [489, 23] and planner.move_from.tolist() == [497, 15]
+    restored = StepPlanner.from_state(planner.state_dict())
+    state = planner.state_dict()
+    del state["move_from"]                                              # a checkpoint from before
+    assert StepPlanner.from_state(state).move_from is None
+    rng = machine.rng.bit_generator.state
+    ends = []
+    for p in (planner, restored):
+        machine.rng.bit_generator.state = rng
+        ends.append(run(p, vector, 30, step)[0].tolist())
+    assert ends[0] == ends[1] and ends[0][1] >= 33, ends
 
 
 def test_a_slow_rank_that_speeds_up_near_its_balance_grows_in_measured_steps():

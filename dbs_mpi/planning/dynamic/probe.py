@@ -7,10 +7,16 @@ the line through the window read as a steep slope), the plan keeps the rank tiny
 steps at one batch never correct the slope, and the rank stays pinned at 1-2 samples for
 good, a few percent slower every step than the best vector.
 
-So a rank held at a small local batch (below PROBE_BELOW of an equal share) whose window
-has no spread of local batches (the estimator's flat()) for PROBE_FIRST steps gets a
-probe for PROBE_STEPS steps (the first at a new batch is no measurement, then RECENT);
-the line through the window then has two batches to fit the slope from. The probe
+A pinned rank is idle: its steep slope predicts that the samples that would fill its
+step cost more than the dead band lets the plan move, so by its own (level-scaled)
+model its step is well short of the step. A rank small near its balance is not: its
+step is about as long as the others', its level says where it stands, and a probe only
+moved its batch (at 1:0.1 on 2 ranks, 1/3 of it for PROBE_STEPS steps a few times a run,
+for nothing). So a rank held at a small local batch (below PROBE_BELOW of an equal
+share) whose step by its model is at least PROBE_IDLE shorter than the step, and whose
+window has no spread of local batches (the estimator's flat()), for PROBE_FIRST steps
+gets a probe for PROBE_STEPS steps (the first at a new batch is no measurement, then
+RECENT); the line through the window then has two batches to fit the slope from. The probe
 spreads the batches the cheaper way by the model's prediction: down to 1/SPREAD of the
 rank's batch, the samples given to the rank with the largest one, or up to SPREAD times
 it (at least one sample more), the samples taken from that rank. A rank small because it
@@ -56,6 +62,9 @@ from .estimate import RECENT, SPREAD
 
 
 PROBE_BELOW = 0.125   # a local batch below this share of an equal one (B / n) is small
+
+
+PROBE_IDLE = 0.25     # ... and whose step, by its model, is shorter than the step by at least this share
 
 
 PROBE_FIRST = 32      # steps a rank is held tiny and unmeasured before its first probe
@@ -120,13 +129,15 @@ class Probes:
                max_local) -> np.ndarray | None:
         """The probe vector for the first rank due at `step` (None: none due or none
         possible); ranks no longer held start afresh."""
-        small = (current > 0) & (current < PROBE_BELOW * current.sum() / len(current)) & flat
+        times = model.predict(current)
+        idle = times <= (1.0 - PROBE_IDLE) * times.max()                   # (near its balance: its level says enough)
+        small = (current > 0) & (current < PROBE_BELOW * current.sum() / len(current)) & flat & idle
         quiet = np.where(self.own_time >= 0, PROBE_MAX, PROBE_FIRST)          # heard probing itself before: its
         measured = (current == 0) & (step - self.own_time < quiet)           # duty spaces them (no in-step probe)
         held = small | ((current == 0) & ~measured)
         self.since = np.where(held, self.since, step)
         self.wait = np.where(measured | (step - self.held_at >= PROBE_FIRST), PROBE_FIRST, self.wait)
-        before = float(model.predict(current).max())
+        before = float(times.max())
         for rank in np.flatnonzero(held & (step - self.since >= self.wait)):
             vector = _probe(current, rank, min_local, max_local, model)
             if vector is None:

@@ -9,7 +9,9 @@ the vector). A rank whose step time at its current local batch is mostly fixed c
 one move: its measurement says little about its per-sample cost, so a large jump would
 be a guess (the overshoot of a rank cut to a few samples); near its balance (not IDLE)
 it grows at most to SPREAD times the largest batch its window measured (growth_limit).
-The rest of the move follows once RECENT steps have run at the new batch. After any
+The rest of the move follows once RECENT steps have run at the new batch, judged with
+the whole move (its gain over the vector before the move's first part: alone, the rest
+of a small rank's move is often within the dead band, and it stayed undone). After any
 move the planner waits until RECENT steps have run with the new vector; after an
 in-step probe (probe.py) it goes back to the vector before it unless the measurement
 finds a better one by the dead band.
@@ -111,7 +113,8 @@ class StepPlanner:
         self.participation = participation
         self.interval, self.min_gain = int(interval), float(min_gain)
         self.step = 0                   # steps observed
-        self.capped = False             # the last move stopped short at a tiny batch's growth limit
+        self.capped = False             # the last move stopped short at a tiny batch's growth limit ...
+        self.move_from = None           # ... from this vector: its rest is judged with the whole move
         self.probes = Probes(len(self.estimator.model.per_sample))
         self.probed = False             # the vector of the steps to come is a probe (probe.py) ...
         self.probe_from = None          # ... from this vector, where it goes back unless a better one is found
@@ -157,17 +160,19 @@ class StepPlanner:
         model = self.estimator.model
         current = np.asarray(current, dtype=np.int64)
         base = current if self.probe_from is None else self.probe_from    # a probe's vector is no plan: not the base
+        reference = base if self.move_from is None else self.move_from   # the rest of a move that was cut short
         gain = self.min_gain
         if not changed.any() and not self.capped and not self.probed:    # drift: a move must also beat the noise
             gain = max(gain, -math.expm1(-GAIN_Z * float(self.estimator.uncertainty().max())))
-        self.capped, self.probed, self.probe_from = False, False, None
+        self.capped, self.probed, self.probe_from, self.move_from = False, False, None, None
         candidate = None if changed.any() else self.probes.vector(self.step, base, self.estimator.flat(), model,
                                                                    self.min_local, self.max_local)
         if candidate is not None and self.sets.banned_set(candidate, self.step):
             candidate = None                               # (a probe may not take a set measured slower either)
         self.probed, self.probe_from = candidate is not None, None if candidate is None else base.copy()
         if candidate is None:
-            candidate = self._better(base, model, float(model.predict(base).max()) * (1.0 - gain))
+            candidate = self._better(base, model, float(model.predict(reference).max()) * (1.0 - gain))
+            self.move_from = reference.copy() if self.capped else None
             back = base is not current and not self.sets.banned_set(base, self.step)
             candidate = base if candidate is None and back else candidate   # back from a probe
         if candidate is None or np.array_equal(candidate, current):
@@ -211,7 +216,7 @@ class StepPlanner:
 
     def resize(self, global_batch: int) -> None:
         """Another global batch from the next step on (set_check.SetCheck.resized; no way back from a probe)."""
-        self.global_batch, self.probe_from = int(global_batch), None
+        self.global_batch, self.probe_from, self.move_from = int(global_batch), None, None
         self.sets.resized()
 
     def scheduled(self, ahead: int, old=None, new=None, cause: str = "plan") -> None:
@@ -222,7 +227,7 @@ class StepPlanner:
         calibration) holds for as long as one built at the run's first step."""
         first = self.step + int(ahead)
         if cause not in ("plan", "probe"):        # a trial, a revert or a forced vector: no way back from a probe
-            self.probed, self.probe_from = False, None
+            self.probed, self.probe_from, self.move_from = False, None, None
         if old is not None:
             self.sets.switched(old, new, first, cause)
         self.hold_until = first + (PROBE_STEPS if self.probed else RECENT)
@@ -235,6 +240,7 @@ class StepPlanner:
                 "since_plan": self.since_plan, "since_refit": self.since_refit, "hold_until": self.hold_until,
                 "settle_until": self.settle_until, "probes": self.probes.state_dict(), "probed": self.probed,
                 "probe_from": None if self.probe_from is None else self.probe_from.copy(),
+                "move_from": None if self.move_from is None else self.move_from.copy(),
                 "participation": self.participation, "sets": self.sets.state_dict()}
 
     @classmethod
@@ -248,7 +254,8 @@ class StepPlanner:
         self.step, self.since_plan, self.since_refit, self.hold_until, self.settle_until = (
             int(state[k]) for k in ("step", "since_plan", "since_refit", "hold_until", "settle_until"))
         self.capped, self.probed = bool(state["capped"]), bool(state.get("probed", False))
-        self.probe_from = None if state.get("probe_from") is None else np.asarray(state["probe_from"], np.int64).copy()
+        self.probe_from, self.move_from = (None if state.get(k) is None else np.asarray(state[k], np.int64).copy()
+                                           for k in ("probe_from", "move_from"))
         self.probes = Probes.from_state(state.get("probes"), len(self.estimator.model.per_sample))
         self.sets = SetCheck.from_state(state.get("sets"))
         return self
