@@ -7,18 +7,12 @@ the line through the window read as a steep slope), the plan keeps the rank tiny
 steps at one batch never correct the slope, and the rank stays pinned at 1-2 samples for
 good, a few percent slower every step than the best vector.
 
-A pinned rank is idle: its steep slope predicts that the samples that would fill its
-step cost more than the dead band lets the plan move, so by its own (level-scaled)
-model its step is well short of the step. A rank small near its balance is not: its
-step is about as long as the others', its level says where it stands, and a probe only
-moved its batch (at 1:0.1 on 2 ranks, 1/3 of it for PROBE_STEPS steps a few times a run,
-for nothing). So a rank held at a small local batch (below PROBE_BELOW of an equal
-share) whose step by its model is at least PROBE_IDLE shorter than the step, and whose
-window has no spread of local batches (the estimator's flat()), for PROBE_FIRST steps
+So a rank held at a small local batch (below PROBE_BELOW of an equal share) whose
+window has no spread of local batches (the estimator's flat()) for PROBE_FIRST steps
 gets a probe for PROBE_STEPS steps (the first at a new batch is no measurement, then
-RECENT); the line through the window then has two batches to fit the slope from. The probe
-spreads the batches the cheaper way by the model's prediction: down to 1/SPREAD of the
-rank's batch, the samples given to the rank with the largest one, or up to SPREAD times
+RECENT); the line through the window then has two batches to fit the slope from. The
+probe spreads the batches the cheaper way by the model's prediction: down to 1/SPREAD of
+the rank's batch, the samples given to the rank with the largest one, or up to SPREAD times
 it (at least one sample more), the samples taken from that rank. A rank small because it
 is slow goes down: going up, every rank would wait for its slow extra samples (at 1:0.1
 rank 0's steps took 1.1-1.5x while one ran); going down, the fast rank computes a few
@@ -36,6 +30,14 @@ by its duty (45-118 steps apart at 1:0.02 on synthetic data), so once heard, a r
 counts as measuring itself for PROBE_MAX steps after its last probe; only then (its
 prober failed) does the in-step probe take over. With PROBE_FIRST there, a rank 50x
 slower got an in-step probe, 9-15x the others' step for PROBE_STEPS steps, in every gap.
+
+A small rank near its balance (by its model, its step within PROBE_IDLE of the step)
+waits PROBE_MAX steps for each probe: its level says where it stands, and probes after
+PROBE_FIRST steps held only moved its batch (at 1:0.1 on 2 ranks, by a third for
+PROBE_STEPS steps a few times a run). A pinned rank mostly idles (its steep slope prices
+the samples that would fill its step above what the dead band lets the plan move), so
+it is probed after PROBE_FIRST steps held; one whose fixed cost is most of the step
+idles less, and waits at most PROBE_MAX.
 
 A probe that changes nothing doubles the rank's wait, up to PROBE_MAX steps: the wait
 starts again at PROBE_FIRST only once the rank's batch has not been small (or 0) in any
@@ -64,7 +66,7 @@ from .estimate import RECENT, SPREAD
 PROBE_BELOW = 0.125   # a local batch below this share of an equal one (B / n) is small
 
 
-PROBE_IDLE = 0.25     # ... and whose step, by its model, is shorter than the step by at least this share
+PROBE_IDLE = 0.25     # a small rank whose step, by its model, is within this share of the step is near its balance
 
 
 PROBE_FIRST = 32      # steps a rank is held tiny and unmeasured before its first probe
@@ -130,15 +132,15 @@ class Probes:
         """The probe vector for the first rank due at `step` (None: none due or none
         possible); ranks no longer held start afresh."""
         times = model.predict(current)
-        idle = times <= (1.0 - PROBE_IDLE) * times.max()                   # (near its balance: its level says enough)
-        small = (current > 0) & (current < PROBE_BELOW * current.sum() / len(current)) & flat & idle
+        small = (current > 0) & (current < PROBE_BELOW * current.sum() / len(current)) & flat
+        near = small & (times > (1.0 - PROBE_IDLE) * times.max())           # near its balance: its level says enough
         quiet = np.where(self.own_time >= 0, PROBE_MAX, PROBE_FIRST)          # heard probing itself before: its
         measured = (current == 0) & (step - self.own_time < quiet)           # duty spaces them (no in-step probe)
         held = small | ((current == 0) & ~measured)
         self.since = np.where(held, self.since, step)
         self.wait = np.where(measured | (step - self.held_at >= PROBE_FIRST), PROBE_FIRST, self.wait)
         before = float(times.max())
-        for rank in np.flatnonzero(held & (step - self.since >= self.wait)):
+        for rank in np.flatnonzero(held & (step - self.since >= np.where(near, PROBE_MAX, self.wait))):
             vector = _probe(current, rank, min_local, max_local, model)
             if vector is None:
                 continue

@@ -171,7 +171,8 @@ class StepPlanner:
             candidate = None                               # (a probe may not take a set measured slower either)
         self.probed, self.probe_from = candidate is not None, None if candidate is None else base.copy()
         if candidate is None:
-            candidate = self._better(base, model, float(model.predict(reference).max()) * (1.0 - gain))
+            candidate = self._better(base, model, float(max(model.predict(base).max(), model.predict(reference).max()))
+                                     * (1.0 - gain))
             self.move_from = reference.copy() if self.capped else None
             back = base is not current and not self.sets.banned_set(base, self.step)
             candidate = base if candidate is None and back else candidate   # back from a probe
