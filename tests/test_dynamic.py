@@ -483,7 +483,10 @@ def test_a_probe_takes_the_cheaper_way_to_spread_a_small_ranks_batches():
     assert capped.tolist() == [495, 17]            # down would need 505 > max_local: up, not a 1-sample probe
     near = dynamic.Probes(2).vector(dynamic.PROBE_FIRST, np.array([500, 12]), np.ones(2, bool),
                                     model_of(*slow), 1, None)
-    assert near is None                            # 32 ms against 42: within PROBE_IDLE of the step
+    assert near is None                            # 32 ms against 42: within PROBE_IDLE of the step ...
+    later = dynamic.Probes(2).vector(dynamic.PROBE_MAX, np.array([500, 12]), np.ones(2, bool),
+                                     model_of(*slow), 1, None)
+    assert later.tolist() == [504, 8]              # ... so it waits PROBE_MAX
 
 
 
