@@ -10,8 +10,9 @@ one move: its measurement says little about its per-sample cost, so a large jump
 be a guess (the overshoot of a rank cut to a few samples); near its balance (not IDLE)
 it grows at most to SPREAD times the largest batch its window measured (growth_limit).
 The rest of the move follows once RECENT steps have run at the new batch, judged with
-the whole move (its gain over the vector before the move's first part: alone, the rest
-of a small rank's move is often within the dead band, and it stayed undone). After any
+the whole move (its gain over the slower of the vector now and the one before the move's
+first part: alone, the rest of a small rank's move is often within the dead band, and
+it stayed undone). After any
 move the planner waits until RECENT steps have run with the new vector; after an
 in-step probe (probe.py) it goes back to the vector before it unless the measurement
 finds a better one by the dead band.
