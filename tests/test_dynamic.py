@@ -410,13 +410,13 @@ def test_a_probe_finds_a_recovered_rank_within_its_bound():
     assert np.mean(slowed) <= 1.01 * np.mean(held)
 
 
-def test_a_rank_rightly_small_near_its_balance_is_probed_every_probe_max_steps_at_most():
+def test_a_rank_rightly_small_that_fills_the_step_is_probed_every_probe_max_steps_at_most():
     """Rank 1 at 1:0.1 with a larger fixed cost, 8 seeds: its best batch, about 30 of 512,
-    is below PROBE_BELOW of an equal share and its window is flat, but its step is within
-    PROBE_IDLE of the others' (its level says where it stands), so it waits PROBE_MAX
-    steps for each probe, and from step 100 on its batch moves for nothing else. Before,
-    its probes came PROBE_FIRST steps after it was held, then 64 and 128 steps apart,
-    down by a third of its batch (10-11 samples) for PROBE_STEPS steps each time."""
+    is below PROBE_BELOW of an equal share and its window is flat, but it fills the step
+    (its own within PROBE_IDLE of the others': its level says where it stands), so it waits
+    PROBE_MAX steps for each probe, and from step 100 on its batch moves for nothing
+    else. Before, its probes came PROBE_FIRST steps after it was held, then 64 and 128
+    steps apart, down by a third of its batch (10-11 samples) for PROBE_STEPS steps."""
     for seed in range(8):
         machine = Machine([8e-5, 8e-4], [2e-3, 1.6e-2], noise=0.03, seed=seed)
         vectors = closed_loop(machine, 1000, participation="all")
@@ -465,8 +465,8 @@ def test_a_probe_takes_the_cheaper_way_to_spread_a_small_ranks_batches():
     """Down where the rank is small because it is slow (the fast rank takes the samples),
     up where it cannot go down (1 sample, or sitting out: min_local) or where going up is
     cheaper (a rank small because of its fixed cost, beside a slow large one). Each rank
-    here idles at least PROBE_IDLE of the step by the model; one near its balance is not
-    probed at all."""
+    here idles at least PROBE_IDLE of the step by the model; one that fills the step
+    waits PROBE_MAX steps for its probe."""
     def probe(per_sample, overhead, current, min_local=1):
         flat = np.ones(len(current), bool)
         return dynamic.Probes(len(current)).vector(dynamic.PROBE_FIRST, np.array(current), flat,
@@ -481,9 +481,9 @@ def test_a_probe_takes_the_cheaper_way_to_spread_a_small_ranks_batches():
     capped = dynamic.Probes(2).vector(dynamic.PROBE_FIRST, np.array([501, 11]), np.ones(2, bool),
                                       model_of(*slow), 1, 504)
     assert capped.tolist() == [495, 17]            # down would need 505 > max_local: up, not a 1-sample probe
-    near = dynamic.Probes(2).vector(dynamic.PROBE_FIRST, np.array([500, 12]), np.ones(2, bool),
+    fills = dynamic.Probes(2).vector(dynamic.PROBE_FIRST, np.array([500, 12]), np.ones(2, bool),
                                     model_of(*slow), 1, None)
-    assert near is None                            # 32 ms against 42: within PROBE_IDLE of the step ...
+    assert fills is None                           # 32 ms against 42: within PROBE_IDLE of the step ...
     later = dynamic.Probes(2).vector(dynamic.PROBE_MAX, np.array([500, 12]), np.ones(2, bool),
                                      model_of(*slow), 1, None)
     assert later.tolist() == [504, 8]              # ... so it waits PROBE_MAX
@@ -542,6 +542,23 @@ def test_the_rest_of_a_move_cut_short_follows_though_alone_it_is_within_the_dead
         machine.rng.bit_generator.state = rng
         ends.append(run(p, vector, 30, step)[0].tolist())
     assert ends[0] == ends[1] and ends[0][1] >= 33, ends
+
+
+def test_a_probe_of_another_rank_keeps_the_rest_of_a_move_cut_short():
+    """Where the rest of a move cut short is due at the plan that starts another rank's
+    probe (3 ranks: rank 2 idle at one sample), the probe goes first and the rest waits
+    for it, judged with the whole move after it (it was dropped, and judged alone)."""
+    machine = Machine([1.6e-4, 1.6e-4, 3e-2], [2e-3, 2e-3, 0.0], noise=0.02, seed=0)
+    planner = StepPlanner(model_of(machine.per_sample, machine.overhead), B, participation="all")
+    vector = np.array([256, 255, 1])
+    for step in range(3 * dynamic.PROBE_FIRST):
+        planner.observe(vector, machine.times(step, vector))
+        planner.move_from = vector.copy()                   # (as if the rest of a move were due)
+        proposal = planner.plan(vector)
+        if proposal is not None:
+            break
+    assert proposal is not None and proposal.cause == "probe" and proposal.vector[2] == 2, proposal
+    np.testing.assert_array_equal(planner.move_from, vector)
 
 
 def test_a_move_cut_short_that_overshot_is_corrected_at_the_next_plan():

@@ -31,13 +31,13 @@ counts as measuring itself for PROBE_MAX steps after its last probe; only then (
 prober failed) does the in-step probe take over. With PROBE_FIRST there, a rank 50x
 slower got an in-step probe, 9-15x the others' step for PROBE_STEPS steps, in every gap.
 
-A small rank near its balance (by its model, its step within PROBE_IDLE of the step)
-waits PROBE_MAX steps for each probe: its level says where it stands, and probes after
-PROBE_FIRST steps held only moved its batch (at 1:0.1 on 2 ranks, by a third for
-PROBE_STEPS steps a few times a run). A pinned rank mostly idles (its steep slope prices
-the samples that would fill its step above what the dead band lets the plan move), so
-it is probed after PROBE_FIRST steps held; one whose fixed cost is most of the step
-idles less, and waits at most PROBE_MAX.
+A small rank that fills the step (by its model, its step within PROBE_IDLE of the
+longest) waits PROBE_MAX steps for each probe: its level says where it stands, and
+probes after PROBE_FIRST steps held only moved its batch (at 1:0.1 on 2 ranks, by a
+third for PROBE_STEPS steps a few times a run). A pinned rank mostly idles (its steep
+slope prices the samples that would fill its step above what the dead band lets the plan
+move), so it is probed after PROBE_FIRST steps held; one whose fixed cost is most of the
+step may fill the step, and then waits PROBE_MAX steps as any such rank does.
 
 A probe that changes nothing doubles the rank's wait, up to PROBE_MAX steps: the wait
 starts again at PROBE_FIRST only once the rank's batch has not been small (or 0) in any
@@ -66,7 +66,7 @@ from .estimate import RECENT, SPREAD
 PROBE_BELOW = 0.125   # a local batch below this share of an equal one (B / n) is small
 
 
-PROBE_IDLE = 0.25     # a small rank whose step, by its model, is within this share of the step is near its balance
+PROBE_IDLE = 0.25     # a small rank whose step, by its model, is within this share of the longest fills the step
 
 
 PROBE_FIRST = 32      # steps a rank is held tiny and unmeasured before its first probe
@@ -133,14 +133,14 @@ class Probes:
         possible); ranks no longer held start afresh."""
         times = model.predict(current)
         small = (current > 0) & (current < PROBE_BELOW * current.sum() / len(current)) & flat
-        near = small & (times > (1.0 - PROBE_IDLE) * times.max())           # near its balance: its level says enough
+        fills = small & (times > (1.0 - PROBE_IDLE) * times.max())           # its level says where it stands
         quiet = np.where(self.own_time >= 0, PROBE_MAX, PROBE_FIRST)          # heard probing itself before: its
         measured = (current == 0) & (step - self.own_time < quiet)           # duty spaces them (no in-step probe)
         held = small | ((current == 0) & ~measured)
         self.since = np.where(held, self.since, step)
         self.wait = np.where(measured | (step - self.held_at >= PROBE_FIRST), PROBE_FIRST, self.wait)
         before = float(times.max())
-        for rank in np.flatnonzero(held & (step - self.since >= np.where(near, PROBE_MAX, self.wait))):
+        for rank in np.flatnonzero(held & (step - self.since >= np.where(fills, PROBE_MAX, self.wait))):
             vector = _probe(current, rank, min_local, max_local, model)
             if vector is None:
                 continue

@@ -165,12 +165,13 @@ class StepPlanner:
         gain = self.min_gain
         if not changed.any() and not self.capped and not self.probed:    # drift: a move must also beat the noise
             gain = max(gain, -math.expm1(-GAIN_Z * float(self.estimator.uncertainty().max())))
-        self.capped, self.probed, self.probe_from, self.move_from = False, False, None, None
+        rest, self.capped, self.probed, self.probe_from, self.move_from = self.move_from, False, False, None, None
         candidate = None if changed.any() else self.probes.vector(self.step, base, self.estimator.flat(), model,
                                                                    self.min_local, self.max_local)
         if candidate is not None and self.sets.banned_set(candidate, self.step):
             candidate = None                               # (a probe may not take a set measured slower either)
         self.probed, self.probe_from = candidate is not None, None if candidate is None else base.copy()
+        self.move_from = rest if self.probed else None          # (another rank's probe: the rest waits for it)
         if candidate is None:
             candidate = self._better(base, model, float(max(model.predict(base).max(), model.predict(reference).max()))
                                      * (1.0 - gain))
