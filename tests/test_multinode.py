@@ -251,7 +251,8 @@ def test_two_nodes_train_the_model_one_rank_trains(nodes, tmp_path):
 
 def _start_long_run(nodes, tmp_path):
     """A 2 x 2 run of LONG that does not requeue itself; returns (job, result, log) once
-    its first epoch is over."""
+    its first epoch is over and its checkpoint written (the log's epoch line comes first:
+    a node cut off while the ranks gathered the checkpoint's parts left none to resume)."""
     result = tmp_path / "lost.h5"
     env = nodes.job_env(tmp_path, CONFIG="", EXTRA_ARGS=LONG, OUT=str(result), REQUEUE="0")
     p = _run(["sbatch", "--parsable", "--no-requeue", "-N", "2", "--ntasks-per-node=2", "-t", str(JOB_MINUTES),
@@ -260,7 +261,7 @@ def _start_long_run(nodes, tmp_path):
     assert job.isdigit(), p.stdout + p.stderr
     log = tmp_path / f"dbs-mpi-train-{job}.out"
     deadline = time.monotonic() + 120
-    while "epoch 1/3" not in _read(log):
+    while "epoch 1/3" not in _read(log) or not os.path.exists(f"{result}.ckpt"):
         assert time.monotonic() < deadline and "exited with status" not in _read(log), _read(log)
         time.sleep(0.2)
     return job, result, log
