@@ -395,10 +395,11 @@ def test_a_burst_of_slow_steps_never_pins_a_small_rank_below_its_best_batch(slow
 
 
 def test_a_probe_finds_a_recovered_rank_within_its_bound():
-    """Rank 1 cut to one sample by a 60 ms fixed cost for 800 steps (the slowest rank, so
-    not idle: it waits PROBE_MAX steps for each probe), then back: it has its share again
-    within PROBE_MAX + REFIT_STEADY + 2 RECENT steps (here the level's change finds it
-    first), and its probes cost the steps of the slow-down at most 1% over one sample."""
+    """Rank 1 cut to one sample by a 60 ms fixed cost for 800 steps (its probes find
+    nothing, so their wait grows to PROBE_MAX: at PROBE_FEW samples or fewer it is probed
+    though it fills the step), then back: it has its share again within PROBE_MAX +
+    REFIT_STEADY + 2 RECENT steps (here the level's change finds it first), and its probes
+    cost the steps of the slow-down at most 1% over one sample throughout."""
     machine = Machine([1e-4, 1e-4], [2e-3, 2e-3], noise=0.03, seed=2)
     machine.slow(rank=1, start=100, stop=900, extra=0.06)
     vectors = closed_loop(machine, 1400, participation="all")
@@ -487,6 +488,10 @@ def test_a_probe_takes_the_cheaper_way_to_spread_a_small_ranks_batches():
     later = dynamic.Probes(2).vector(dynamic.PROBE_MAX, np.array([500, 12]), np.ones(2, bool),
                                      model_of(*slow), 1, None)
     assert later.tolist() == [504, 8]              # ... so it waits PROBE_MAX
+    pinned = ([8e-5, 1e-3], [2e-3, 4e-2])                      # at 2 samples: 42 ms against 42.8, mostly fixed cost
+    few = dynamic.Probes(2).vector(dynamic.PROBE_FIRST, np.array([510, 2]), np.ones(2, bool),
+                                   model_of(*pinned), 1, None)
+    assert few is not None and few[1] != 2          # fills the step, but at PROBE_FEW samples or fewer: probed
 
 
 

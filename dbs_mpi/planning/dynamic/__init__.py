@@ -23,7 +23,8 @@ from .estimate import (CHANGE_Z, FIXED_MAX, MAD_SIGMA, MEDIAN_SE, NOISE_FLOOR, O
                        REFIT_STEADY, SIGMA_WEIGHT, SPREAD, TINY_SHARE, WINDOW, StepTimeEstimator,
                        least_squares_line, robust_fit)
 from .per_epoch import DBSController  # noqa: F401
-from .probe import PROBE_BELOW, PROBE_BUDGET, PROBE_FIRST, PROBE_IDLE, PROBE_MAX, PROBE_STEPS, Probes  # noqa: F401
+from .probe import (PROBE_BELOW, PROBE_BUDGET, PROBE_FEW, PROBE_FIRST, PROBE_IDLE, PROBE_MAX,  # noqa: F401
+                    PROBE_STEPS, Probes)
 from .within_epoch import (DEFAULT_INTERVAL, GAIN_Z, Proposal, Replanner, StepPlanner, Switch,  # noqa: F401
                            least_step_time_every_rank, switch_step)
 

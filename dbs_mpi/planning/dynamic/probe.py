@@ -31,13 +31,16 @@ counts as measuring itself for PROBE_MAX steps after its last probe; only then (
 prober failed) does the in-step probe take over. With PROBE_FIRST there, a rank 50x
 slower got an in-step probe, 9-15x the others' step for PROBE_STEPS steps, in every gap.
 
-A small rank that fills the step (by its model, its step within PROBE_IDLE of the
-longest) waits PROBE_MAX steps for each probe: its level says where it stands, and
-probes after PROBE_FIRST steps held only moved its batch (at 1:0.1 on 2 ranks, by a
-third for PROBE_STEPS steps a few times a run). A pinned rank mostly idles (its steep
-slope prices the samples that would fill its step above what the dead band lets the plan
-move), so it is probed after PROBE_FIRST steps held; one whose fixed cost is most of the
-step may fill the step, and then waits PROBE_MAX steps as any such rank does.
+A small rank of more than PROBE_FEW samples that fills the step (by its model, its step
+within PROBE_IDLE of the longest) waits PROBE_MAX steps for each probe: its level says
+where it stands, and probes after PROBE_FIRST steps held only moved its batch (at 1:0.1
+on 2 ranks, by a third for PROBE_STEPS steps a few times a run). A pinned rank mostly
+idles (its steep slope prices the samples that would fill its step above what the dead
+band lets the plan move), and every pinned rank seen sat at 1-2 samples, where its step
+is mostly fixed cost and may fill the step: there a probe moves one or two samples, and
+comes after PROBE_FIRST steps held. (With PROBE_MAX there, a rank slowed 8x and held at
+1-2 samples on CI's busy cores had its work back 51 steps after the slow-down ended:
+tests/test_run_clock.py allows 50.)
 
 A probe that changes nothing doubles the rank's wait, up to PROBE_MAX steps: the wait
 starts again at PROBE_FIRST only once the rank's batch has not been small (or 0) in any
@@ -67,6 +70,9 @@ PROBE_BELOW = 0.125   # a local batch below this share of an equal one (B / n) i
 
 
 PROBE_IDLE = 0.25     # a small rank whose step, by its model, is within this share of the longest fills the step
+
+
+PROBE_FEW = 4         # ... where it has more samples than this (at fewer a probe moves one or two)
 
 
 PROBE_FIRST = 32      # steps a rank is held tiny and unmeasured before its first probe
@@ -133,7 +139,7 @@ class Probes:
         possible); ranks no longer held start afresh."""
         times = model.predict(current)
         small = (current > 0) & (current < PROBE_BELOW * current.sum() / len(current)) & flat
-        fills = small & (times > (1.0 - PROBE_IDLE) * times.max())           # its level says where it stands
+        fills = small & (current > PROBE_FEW) & (times > (1.0 - PROBE_IDLE) * times.max())   # its level says enough
         quiet = np.where(self.own_time >= 0, PROBE_MAX, PROBE_FIRST)          # heard probing itself before: its
         measured = (current == 0) & (step - self.own_time < quiet)           # duty spaces them (no in-step probe)
         held = small | ((current == 0) & ~measured)
