@@ -12,10 +12,9 @@ it grows at most to SPREAD times the largest batch its window measured (growth_l
 The rest of the move follows once RECENT steps have run at the new batch, judged with
 the whole move (its gain over the slower of the vector now and the one before the move's
 first part: alone, the rest of a small rank's move is often within the dead band, and
-it stayed undone). After any
-move the planner waits until RECENT steps have run with the new vector; after an
-in-step probe (probe.py) it goes back to the vector before it unless the measurement
-finds a better one by the dead band.
+it stayed undone). After any move the planner waits until RECENT steps have run with
+the new vector; after an in-step probe (probe.py) it goes back to the vector before it
+unless the measurement finds a better one by the dead band.
 
 
 How fast: a persistent change is in the level after ceil(RECENT / 2) = 3 steps, the
@@ -165,13 +164,12 @@ class StepPlanner:
         gain = self.min_gain
         if not changed.any() and not self.capped and not self.probed:    # drift: a move must also beat the noise
             gain = max(gain, -math.expm1(-GAIN_Z * float(self.estimator.uncertainty().max())))
-        rest, self.capped, self.probed, self.probe_from, self.move_from = self.move_from, False, False, None, None
+        self.capped, self.probed, self.probe_from = False, False, None      # (move_from: kept through a probe)
         candidate = None if changed.any() else self.probes.vector(self.step, base, self.estimator.flat(), model,
                                                                    self.min_local, self.max_local)
         if candidate is not None and self.sets.banned_set(candidate, self.step):
             candidate = None                               # (a probe may not take a set measured slower either)
         self.probed, self.probe_from = candidate is not None, None if candidate is None else base.copy()
-        self.move_from = rest if self.probed else None          # (another rank's probe: the rest waits for it)
         if candidate is None:
             candidate = self._better(base, model, float(max(model.predict(base).max(), model.predict(reference).max()))
                                      * (1.0 - gain))
