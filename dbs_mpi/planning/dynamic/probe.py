@@ -39,8 +39,7 @@ idles (its steep slope prices the samples that would fill its step above what th
 band lets the plan move), and every pinned rank seen sat at 1-2 samples, where its step
 is mostly fixed cost and may fill the step: there a probe moves one or two samples, and
 comes after PROBE_FIRST steps held. (With PROBE_MAX there, a rank slowed 8x and held at
-1-2 samples on CI's busy cores had its work back 51 steps after the slow-down ended:
-tests/test_run_clock.py allows 50.)
+1-2 samples on CI's busy cores had its work back 51 steps after the slow-down ended.)
 
 A probe that changes nothing doubles the rank's wait, up to PROBE_MAX steps: the wait
 starts again at PROBE_FIRST only once the rank's batch has not been small (or 0) in any
