@@ -51,9 +51,16 @@ that the model predicts to be costly (a rank that sits out because its least sha
 longer than the others' whole step) waits longer still, until its predicted cost is at
 most PROBE_BUDGET of the steps (PROBE_STEPS x the relative extra time / the wait). A
 rank whose batch is rightly small spends PROBE_STEPS steps in 256 at most half its work
-longer; a rank that recovered has its work back within its wait (at most PROBE_MAX, or
-the budget's wait for a costly probe) + REFIT_STEADY + PROBE_STEPS + RECENT steps (the
-planner re-estimates every REFIT_STEADY steps when nothing moves).
+longer; a rank that recovered has its work back within WINDOW + its wait (at most
+PROBE_MAX, or the budget's wait for a costly probe) + REFIT_STEADY + PROBE_STEPS + RECENT
+steps (the wait starts once the spread of the move that made it small has left its
+window; the planner re-estimates every REFIT_STEADY steps when nothing moves). Where its
+steps at the small batch show the change (its level), it is back within a few steps,
+as any rank; busy cores can hide that at 1 sample, where the step is mostly fixed cost
+(CI held a rank slowed 8x at 1 sample from step 94, 6 before the slow-down's end, and
+its probe came at step 158). Probing earlier would not help as a rule: a probe that
+lands in the slow-down finds nothing and doubles the wait (on synthetic steps with 15-30%
+noise, the recovery got faster for some seeds and slower for others).
 """
 from __future__ import annotations
 
