@@ -16,7 +16,8 @@ from dbs_mpi.tools.fingerprint import describe
 from dbs_mpi.tools.machine import Machine, ModelCost
 from dbs_mpi.tools.simulator.calibration import EMULATED, _spread, compute_extra
 from dbs_mpi.tools.simulator import (Cluster, Compute, Job, Network, buckets, crossover, dbs_controller, processor_sharing,
-                                     replay, replay_job, simulate_async, simulate_sync, startup_fit, step_replanner)
+                                     recorded_start, replay, replay_job, simulate_async, simulate_sync, startup_fit,
+                                     step_replanner)
 
 VALIDATION = ROOT / "results" / "validation"
 TOLERANCE = 0.10          # the target: mean absolute error of predicted epoch times
@@ -263,7 +264,9 @@ def test_the_simulated_replanner_fed_a_run_s_step_times_makes_the_engine_s_decis
             zeros = np.zeros(rows.shape)            # (runs recorded before probes on a rank's own time: none)
             probes = f["step/probe_samples"][()] if "step/probe_samples" in f else zeros
             probe_time = np.nan_to_num(f["step/probe_time"][()]) if "step/probe_time" in f else zeros
-        replanner = step_replanner(j, startup_fit(j, startup, c.size), c.size)
+        fit = startup_fit(j, startup, c.size)
+        coupled, quiet = recorded_start(j, c, startup, fit)
+        replanner = step_replanner(j, fit if coupled is None else coupled.model, c, quiet)
         current, switches = startup["batch_sizes"], []
         first_of_epoch = {e: int(np.flatnonzero(epoch == e)[0]) for e in np.unique(epoch)}
         for s in range(len(rows)):

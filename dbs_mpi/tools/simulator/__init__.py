@@ -33,5 +33,5 @@ from .parameter_server import ServerSim, _AsyncLoop, simulate_async
 from .projecting import _crossover, _speeds_file, crossover, project, projection, speeds_from
 from .replaying import (LEGACY, _measured_note, inputs_status, job_from_config, load_factor, machine_noise,
                         measured_epochs, placement_of, read_inputs, replay, replay_job)
-from .sync import (_SyncClock, calibration_step, calibration_times, dbs_controller, first_vector, simulate_sync,
-                   simulated_calibration, startup_fit, step_replanner)
+from .sync import (_SyncClock, calibration_step, calibration_times, dbs_controller, first_vector, recorded_start,
+                   simulate_sync, simulated_calibration, startup_fit, step_replanner)

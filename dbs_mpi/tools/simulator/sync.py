@@ -57,7 +57,7 @@ def simulated_calibration(job: Job, cluster: Cluster, compute: Compute, emus) ->
 def simulated_start(job: Job, cluster: Cluster, compute: Compute, emus) -> tuple:
     """The simulated calibration as the engine runs it: its fit, and its check for coupled
     ranks (coupling.py: the fastest ranks time the large batch again, nobody else
-    computing) as coupling.Start or None."""
+    computing) as coupling.decide's (coupling.Start or None, quiet)."""
     (small, large), times = calibration_times(job, cluster, compute, emus)
     n = cluster.size
     fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1],
@@ -66,20 +66,22 @@ def simulated_start(job: Job, cluster: Cluster, compute: Compute, emus) -> tuple
     plan = participation.allocate_for(fit, job.global_batch, *bounds, job.participation)
     alone = coupling.timed_alone(fit, hosts, job.participation, _checked(job, n), plan)
     if alone is None:
-        return fit, None
+        return fit, None, False
     factor = step_factor(emus, cluster, alone.astype(np.int64))
     steps = min(job.benchmark_steps, coupling.ALONE_STEPS)
     seconds = np.median([calibration_step(compute, cluster, factor, large, alone) for _ in range(steps)], axis=0)
-    return fit, coupling.decide(fit, times[:, 1], seconds, hosts, job.participation, True, job.global_batch, *bounds)[0]
+    return (fit, *coupling.decide(fit, times[:, 1], seconds, hosts, job.participation, True, job.global_batch,
+                                  *bounds))
 
 
-def recorded_start(job: Job, cluster: Cluster, startup: dict, fit: allocation.SpeedModel | None):
-    """The engine's decision from a recorded calibration that timed ranks alone (None: it did not)."""
+def recorded_start(job: Job, cluster: Cluster, startup: dict, fit: allocation.SpeedModel | None) -> tuple:
+    """The engine's decision from a recorded calibration, coupling.decide's (coupling.Start
+    or None, quiet); (None, False) where it timed no rank alone."""
     if fit is None or len(startup.get("alone_time", ())) == 0:
-        return None
+        return None, False
     return coupling.decide(fit, np.asarray(startup["step_time"])[:, 1], startup["alone_time"], _hosts(cluster),
                            job.participation, _checked(job, cluster.size), job.global_batch, job.min_local_batch,
-                           job.max_local_batch or None)[0]
+                           job.max_local_batch or None)
 
 
 def _hosts(cluster: Cluster) -> list:
@@ -116,10 +118,11 @@ def startup_fit(job: Job, startup: dict, ranks: int) -> allocation.SpeedModel | 
 
 
 def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0.03, seed: int = 0,
-                  load: float = 1.0, vector=None, fit=None, start=None) -> Result:
+                  load: float = 1.0, vector=None, fit=None, start=(None, False)) -> Result:
     """ssgd, static or dbs, epoch by epoch and step by step. vector / fit / start: the
     start-up calibration's outcome if known (a replay; start: recorded_start), else the
-    calibration is simulated, its check for coupled ranks too. dbs
+    calibration is simulated, its check for coupled ranks too (start: coupling.Start or
+    None, and quiet: the first trial of the fastest ranks alone waits, as the engine's). dbs
     re-plans with the engine's controller: every epoch, or with the engine's Replanner at
     its step interval, the vector applying from the step after its announcement (the
     simulated ranks prefetch nothing)."""
@@ -127,11 +130,12 @@ def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0
     n = cluster.size
     compute, emus, result = Compute(job, cluster, noise, rng, load), emulators(job, n), Result()
     if fit is None:
-        fit, start = simulated_start(job, cluster, compute, emus)
-    if start is not None:
-        fit, vector = start.model, start.vector if vector is None else vector
+        fit, *start = simulated_start(job, cluster, compute, emus)
+    coupled, quiet = start
+    if coupled is not None:
+        fit, vector = coupled.model, coupled.vector if vector is None else vector
     vector = np.asarray(vector if vector is not None else first_vector(job, n, fit), dtype=np.int64)
-    replanner = step_replanner(job, fit, n)
+    replanner = step_replanner(job, fit, cluster, quiet)
     controller = dbs_controller(job, fit) if job.strategy == "dbs" and replanner is None else None
     extra = 0 if replanner is None else replanner.size
     clock = _SyncClock(compute, emus, ExchangeCost(job, cluster, network, extra), compute.update(), replanner)
@@ -160,14 +164,20 @@ def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0
     return result
 
 
-def step_replanner(job: Job, fit: allocation.SpeedModel, ranks: int) -> dynamic.Replanner | None:
-    """The engine's within-epoch Replanner (rank 0's: the one whose proposals count), or None."""
+def step_replanner(job: Job, fit: allocation.SpeedModel, cluster: Cluster,
+                   quiet: bool = False) -> dynamic.Replanner | None:
+    """The engine's within-epoch Replanner (rank 0's: the one whose proposals count), or
+    None; started as the engine starts it: the ranks' hosts (where ranks share one, the
+    planner tries sets: set_check.py), and quiet, the calibration's (coupling.decide)."""
     interval = parse_interval(job.dbs_interval)
-    if job.strategy != "dbs" or interval is None or ranks == 1:
+    if job.strategy != "dbs" or interval is None or cluster.size == 1:
         return None
-    return dynamic.Replanner(0, ranks, job.global_batch, job.min_local_batch, job.max_local_batch or None,
-                             model=fit, interval=interval, window=job.dbs_window, follow=job.dbs_follow,
-                             min_gain=job.dbs_min_gain, participation=job.participation)
+    replanner = dynamic.Replanner(0, cluster.size, job.global_batch, job.min_local_batch,
+                                  job.max_local_batch or None, interval=interval, window=job.dbs_window,
+                                  follow=job.dbs_follow, min_gain=job.dbs_min_gain, participation=job.participation,
+                                  hosts=_hosts(cluster))
+    replanner.start_from(fit, quiet)
+    return replanner
 
 
 class ExchangeCost:
@@ -214,9 +224,6 @@ class _SyncClock:
         self.compute, self.emus, self.comm, self.update, self.replanner = compute, emus, comm, update, replanner
         self.trained, self.run_steps, self.vector = 0.0, 0, None
         self.probe_end = np.zeros(len(emus))      # when every rank's own-time probe under way ends
-        if replanner is not None:                 # where ranks share a host, the planner tries sets (set_check.py)
-            cluster = compute.cluster
-            replanner.on_hosts(_hosts(cluster))
 
     def epoch(self, table: np.ndarray, job: Job) -> tuple[np.ndarray, np.ndarray]:
         pre, comm = np.zeros(table.shape), np.zeros(len(table))
