@@ -94,6 +94,39 @@ def test_affine_model_equalises_step_time():
     assert (a + c * p).max() > t.max()
 
 
+def test_a_missing_sample_goes_where_it_costs_least():
+    """Rank 2's one sample is much of its step (30 ms, beside ranks at 43): at 1.43 samples
+    it has the largest remainder, and largest remainders gave it 2 samples, a 60 ms step."""
+    c, a = np.array([0.16e-3, 0.16e-3, 30e-3]), np.array([2e-3, 2e-3, 0.0])
+    b = allocation.allocate(512, c, a)
+    assert b.tolist() == [256, 255, 1] and np.max(a + c * b) < 0.044
+    assert allocation.round_preserving_sum([255.3, 255.27, 1.43], 512).tolist() == [255, 255, 2]   # (the old rule)
+
+
+def _least_longest_step(B, c, a, lo, hi):
+    """By brute force: the shortest longest step of any integer vector of 2 or 3 ranks."""
+    best = np.inf
+    for head in np.ndindex(*[int(min(hi, B)) + 1] * (len(c) - 1)):
+        b = np.array([*head, B - sum(head)])
+        if b.min() >= lo and b.max() <= hi:
+            best = min(best, float(np.max(a + c * b)))
+    return best
+
+
+@given(B=st.integers(1, 40), c=st.lists(st.floats(1e-3, 1.0), min_size=2, max_size=3),
+       a=st.lists(st.floats(0.0, 10.0), min_size=3, max_size=3), min_local=st.integers(0, 3),
+       max_local=st.integers(0, 30))
+@settings(max_examples=200, deadline=None)
+def test_no_integer_vector_has_a_shorter_longest_step(B, c, a, min_local, max_local):
+    c, a = np.array(c), np.array(a[:len(c)])
+    hi = max_local or B
+    if B < len(c) * min_local or B > len(c) * hi or hi < min_local:
+        return
+    b = allocation.allocate(B, c, a, min_local, max_local or None)
+    assert b.sum() == B and b.min() >= min_local and b.max() <= hi
+    assert np.max(a + c * b) <= _least_longest_step(B, c, a, min_local, hi) * (1 + 1e-9), b
+
+
 def test_fit_recovers_affine_model_and_survives_noise():
     m = SpeedModel.fit([32, 32], [0.7e-3 + 32 * 0.11e-3, 4 * (0.7e-3 + 32 * 0.11e-3)],
                        [128, 128], [0.7e-3 + 128 * 0.11e-3, 4 * (0.7e-3 + 128 * 0.11e-3)])

@@ -8,7 +8,8 @@ and the allocation equalises t_i over ranks subject to sum_i b_i = B and
 min_local <= b_i <= max_local (heterogeneous gradient computing; the affine model
 and why it beats the plain rule at small local batches: docs/method.md). With a_i = 0
 this is the plain proportional rule b_i = B * v_i / sum_j v_j of the DBS paper.
-Continuous solutions are rounded with largest remainders so that sum_i b_i = B exactly.
+Continuous solutions are rounded so that sum_i b_i = B exactly and the longest step is as
+short as any integer vector's (round_by_time).
 The start-up calibration fits the model (SpeedModel.fit) to every rank's step times at
 two local batches (calibration_batches).
 """
@@ -137,7 +138,27 @@ def allocate(global_batch: int, per_sample, overhead=None, min_local: int = 1, m
     x = fill(t)
     x *= global_batch / x.sum()  # remove the bisection's last sliver before rounding
     x = np.clip(x, lo, hi)
-    return round_preserving_sum(x, global_batch, lo, hi)
+    return round_by_time(x, global_batch, a, c, lo, hi)
+
+
+def round_by_time(x, total: int, overhead, per_sample, lo, hi) -> np.ndarray:
+    """Integers near x summing to total that keep the longest step short: the floors, then
+    each missing sample to the rank that would finish it soonest (a + c (b + 1); ties:
+    the largest remainder, then the lower rank, as round_preserving_sum). Largest
+    remainders alone gave the sample to a rank at 1.4 samples whose one sample costs
+    30 ms, beside ranks at 43 ms: its step took 60 ms instead of 43."""
+    x = np.asarray(x, dtype=float)
+    base = np.clip(np.floor(x + 1e-9), np.ceil(lo), np.floor(hi)).astype(np.int64)
+    short = int(total - base.sum())
+    if short < 0 or short > len(x):          # (not the floors of a sum of `total`)
+        return round_preserving_sum(x, total, lo, hi)
+    for _ in range(short):
+        finish = np.where(base + 1 <= hi, overhead + per_sample * (base + 1), np.inf)
+        if not np.isfinite(finish).any():
+            raise AllocationError(f"cannot place {total} samples within the local batch bounds")
+        soonest = finish <= finish.min() * (1.0 + 1e-9)
+        base[int(np.argmax(np.where(soonest, x - base, -np.inf)))] += 1
+    return base
 
 
 def proportional(global_batch: int, weights, min_local: int = 1, max_local: int | None = None) -> np.ndarray:
