@@ -109,10 +109,18 @@ def least_time(fill, global_batch: int, t_lo: float, t_hi: float) -> float:
 
 
 def allocate(global_batch: int, per_sample, overhead=None, min_local: int = 1, max_local=None) -> np.ndarray:
-    """Local batches that equalise a_i + c_i * b_i (c = per_sample seconds, a = overhead seconds).
+    """Local batches that equalise a_i + c_i * b_i (c = per_sample seconds, a = overhead seconds),
+    rounded so that the longest step is as short as any integer vector's (round_by_time).
 
     Returns an int64 vector summing to global_batch, each in [min_local, max_local]
     (max_local: None or 0 for no bound, a number, or one bound per rank)."""
+    x, a, c, lo, hi = _balanced(global_batch, per_sample, overhead, min_local, max_local)
+    return round_by_time(x, global_batch, a, c, lo, hi)
+
+
+def _balanced(global_batch: int, per_sample, overhead, min_local: int, max_local) -> tuple:
+    """The continuous local batches that equalise a_i + c_i * b_i within the bounds, the
+    model in units of the fastest rank's per-sample time, and the bounds: (x, a, c, lo, hi)."""
     c = np.asarray(per_sample, dtype=float)
     n = len(c)
     check_feasible(global_batch, n, min_local, max_local)
@@ -137,8 +145,7 @@ def allocate(global_batch: int, per_sample, overhead=None, min_local: int = 1, m
     t = least_time(fill, global_batch, float(np.min(a + c * lo)), float(np.max(a + c * np.minimum(hi, global_batch))))
     x = fill(t)
     x *= global_batch / x.sum()  # remove the bisection's last sliver before rounding
-    x = np.clip(x, lo, hi)
-    return round_by_time(x, global_batch, a, c, lo, hi)
+    return np.clip(x, lo, hi), a, c, lo, hi
 
 
 def round_by_time(x, total: int, overhead, per_sample, lo, hi) -> np.ndarray:
@@ -162,13 +169,14 @@ def round_by_time(x, total: int, overhead, per_sample, lo, hi) -> np.ndarray:
 
 
 def proportional(global_batch: int, weights, min_local: int = 1, max_local: int | None = None) -> np.ndarray:
-    """b_i proportional to weights (speeds), summing to global_batch."""
+    """b_i proportional to weights (speeds), summing to global_batch (largest remainders)."""
     w = np.asarray(weights, dtype=float)
     check_feasible(global_batch, len(w), min_local, max_local)
     if not np.all(np.isfinite(w)) or np.any(w <= 0):
         raise AllocationError(f"speeds must be positive and finite; got {w.tolist()}")
     w = np.maximum(w / w.max(), 1e-15)  # relative speeds; 1/w cannot overflow
-    return allocate(global_batch, 1.0 / w, None, min_local, max_local)
+    x, _, _, lo, hi = _balanced(global_batch, 1.0 / w, None, min_local, max_local)
+    return round_preserving_sum(x, global_batch, lo, hi)     # (a split by weights: no step to shorten)
 
 
 def equal(global_batch: int, n: int, min_local: int = 1, max_local: int | None = None) -> np.ndarray:
