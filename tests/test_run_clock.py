@@ -11,6 +11,7 @@ from mpi4py import MPI
 
 import dbs_mpi
 from conftest import ROOT, mpiexec, run_cli
+from dbs_mpi.planning import dynamic
 from dbs_mpi.planning.heterogeneity import Emulator
 from dbs_mpi.training import checkpoint
 from test_checkpoint import STOP_AT_STEP
@@ -22,42 +23,46 @@ SLOWED = ["--dataset", "synthetic", "--synthetic-samples", "2560", "--test-subse
 
 
 def test_a_run_resumed_on_another_number_of_ranks_follows_a_slow_down_and_its_end(tmp_path):
-    """40 steps on 3 ranks, then resumed on 2 for 5 more epochs of 40: rank 1 is 8x slower
+    """40 steps on 3 ranks, then resumed on 2 for 3 more epochs of 40: rank 1 is 8x slower
     in the run's steps [60, 100) (8x: clear of a busy machine's noise). The vector follows
-    within the usual bound (the planner counts on its own clock: it was built at run step
-    40), the emulator counts the run's steps, not the launch's (slowed from launch step 60,
-    it would slow run steps [100, 140)), and the work comes back once the slow-down ends."""
+    within the usual bound (the planner counts on its own clock since it was built, at run
+    step 40), the emulator counts the run's steps, not the launch's (slowed from launch
+    step 60, it would slow run steps [100, 140)), and the work comes back once the
+    slow-down ends."""
     out = tmp_path / "run.h5"
     proc = run_cli(["train", *SLOWED, "--epochs", "1", "--out", str(out)], ranks=3)
     assert proc.returncode == 0, proc.stderr
-    proc = run_cli(["train", "--resume", str(out), "--epochs", "6"], ranks=2)
+    proc = run_cli(["train", "--resume", str(out), "--epochs", "4"], ranks=2)
     assert proc.returncode == 0, proc.stderr
     d = dbs_mpi.read_run(out)["data"]
     steps, vectors = d["replan/run_step"], d["replan/batch_sizes"]
     # Followed: a vector from step 60 on with rank 1's share below 70% of its last one before
     # (on CI's busy cores that one may already be uneven: [51, 13] was seen; and busy cores
     # compress the emulated 8x, so the first move may be short of it: [32, 32] to [44, 20]
-    # at step 67, the next only at 91). A planner counting from the resumed launch would
-    # follow after step 100.
+    # at step 67, the next only at 91). A planner that compared the run's step with its own
+    # count (as it once did) stopped planning: it never followed.
     before = [v[1] for s, v in zip(steps, vectors) if 40 <= s < 60][-1:] or [32]
     follow = [s for s, v in zip(steps, vectors) if s >= 60 and v[1] <= 0.7 * before[0]]
     assert follow and 60 < follow[0] <= 90, (steps.tolist(), vectors.tolist())
     # The emulator's clock: at the end of the run it stands at the run's last step on every
-    # rank (the resumed launch took 200 steps; the run, 240).
+    # rank (the resumed launch took 120 steps; the run, 160).
     state = checkpoint.load(str(out) + ".ckpt")
-    assert [rank["balancer"]["emulator"]["run_step"] for rank in state["per_rank"]] == [240, 240]
+    assert [rank["balancer"]["emulator"]["run_step"] for rank in state["per_rank"]] == [160, 160]
     # Given back: at least twice rank 1's least share while slowed (about 7 of 64), and 8
-    # samples. Not an equal share: on CI's three suites over 2 cores one rank may share its
-    # core for the rest of the run, and then its share rightly stays below half. 4 steps
-    # after the slow-down's end is the norm. No tighter bound: busy cores stretch a step's
-    # wait for a core, not its CPU time, so they compress the emulated 8x, most at 1 sample,
-    # where the step is mostly fixed cost; CI held rank 1 at 1 sample from step 94 on, its
-    # end of the slow-down lost in the noise, so only a probe could find it (probe.py: the
-    # window flat 32 steps on, the probe 32 steps later, at step 158).
+    # samples, by step 150 (4 steps after the slow-down's end is the norm). Not an equal
+    # share: on CI's three suites over 2 cores one rank may share its core for the rest of
+    # the run, and then its share rightly stays below half. Only where the slowed share
+    # stayed above PROBE_FEW: busy cores stretch a step's wait for a core, not its CPU time,
+    # so they compress the emulated 8x, most at 1-2 samples, where the step is mostly fixed
+    # cost; there the end of the slow-down can be lost in the noise, and only a probe finds
+    # it (probe.py: CI held rank 1 at 1 sample from step 94, its window flat 32 steps on,
+    # the probe 32 steps later, at step 158; a probe that finds nothing doubles the wait).
+    # The planner's recovery by probes is tested in test_dynamic.py.
     slowed = min((v[1] for s, v in zip(steps, vectors) if 60 <= s < 100), default=32)
     back = [s for s, v in zip(steps, vectors) if s > 100 and v[1] >= max(2 * slowed, 8)]
-    assert back, (slowed, steps.tolist(), vectors.tolist())
-    assert d["step/batch_sizes"][-1, 1] >= max(2 * slowed, 8), "the work is given back for good"
+    if slowed > dynamic.PROBE_FEW:
+        assert back and back[0] <= 150, (slowed, steps.tolist(), vectors.tolist())
+        assert d["step/batch_sizes"][-1, 1] >= max(2 * slowed, 8), "the work is given back for good"
 
 
 def test_a_balancer_resumed_on_another_number_of_ranks_emulates_the_run_s_steps():
