@@ -53,8 +53,9 @@ most PROBE_BUDGET of the steps (PROBE_STEPS x the relative extra time / the wait
 rank whose batch is rightly small spends PROBE_STEPS steps in 256 at most half its work
 longer; a rank that recovered has its work back within WINDOW + its wait (at most
 PROBE_MAX, or the budget's wait for a costly probe) + REFIT_STEADY + PROBE_STEPS + RECENT
-steps (the wait starts once the spread of the move that made it small has left its
-window; the planner re-estimates every REFIT_STEADY steps when nothing moves). Where its
+steps (the wait of a rank held at a small batch starts once the spread of the move that
+made it small has left its window: WINDOW; a rank that sits out has no window to wait
+for; the planner re-estimates every REFIT_STEADY steps when nothing moves). Where its
 steps at the small batch show the change (its level), it is back within a few steps,
 as any rank; busy cores can hide that at 1 sample, where the step is mostly fixed cost
 (CI held a rank slowed 8x at 1 sample from step 94, 6 before the slow-down's end, and
