@@ -1,18 +1,31 @@
 #!/usr/bin/env bash
-# The GPU checks of a GPU node in one bounded run: the CUDA tests at 1 and 2 ranks, then
-# the GPU figures (docs/performance.md, "GPU figures"), every step under its own time limit, the whole run
-# under BUDGET seconds (a step that would start with less than 20 s left is skipped).
+# The GPU checks of a GPU node in one bounded run: the GPU figures (docs/performance.md,
+# "GPU figures") and the CUDA tests at 1 and 2 ranks, every step under its own time limit,
+# the whole run under BUDGET seconds (a step that would start with less than 20 s left is
+# skipped). The checks come in groups, run in the order CHECKS names them; the default
+# puts first what the open GPU work needs most, for a lease of about 10 minutes:
+#
+#   facts     the GPU, torch, CUDA, MPI
+#   overhead  one GPU rank against a plain loop, the data on the device (5 repeats)
+#   mixed     a GPU rank beside CPU ranks against the GPU alone (scripts/gpu-mixed.py)
+#   tests     the CUDA tests at 1 rank, then at 1 and 2 MPI ranks
+#   recipe    ResNet-20's samples/s at each step of the recipe (scripts/gpu-recipe.py)
+#   more      the rest: the data on the host, torch.compile, mixed precision, the GPU rank
+#             beside CPU trainers, core binding, 4 ranks sharing the GPU, bench hetero
 #
 #   scripts/gpu-check.sh [OUTDIR]          # default results/gpu; the log: OUTDIR/gpu-check.log
+#   CHECKS="facts tests" BUDGET=300 scripts/gpu-check.sh
 #
-# Environment: PYTHON (default python3), MPIRUN (default mpirun), BUDGET (default 3600),
-# SCALE (1: the sizes below; 2 or more: larger runs for a longer allocation).
+# Environment: PYTHON (default python3), MPIRUN (default mpirun), BUDGET (default 540),
+# CHECKS (default "facts overhead mixed tests recipe more"), SCALE (1: the sizes below;
+# 2 or more: larger runs for a longer allocation).
 # Assumes a node with one GPU and 16 cores (8 ranks: 1 GPU rank and 7 CPU ranks of 2 threads).
 set -u
 out=${1:-results/gpu}
 py=${PYTHON:-python3}
 mpirun=${MPIRUN:-mpirun}
-budget=${BUDGET:-3600}
+budget=${BUDGET:-540}
+checks=${CHECKS:-facts overhead mixed tests recipe more}
 scale=${SCALE:-1}
 mkdir -p "$out"
 log=$out/gpu-check.log
@@ -52,66 +65,88 @@ print(MPI.Get_library_version().splitlines()[0])"
 export -f facts
 export py
 cpus=cuda$(printf ',cpu%.0s' 1 2 3 4 5 6 7)
-step facts 60 bash -c facts
-step cuda-tests-1-rank 480 "$py" -m pytest -q -p no:cacheprovider -s -rs -m cuda tests/test_cuda.py tests/test_optimizer.py \
-    tests/test_event_clock.py
-step cuda-tests-mpi-1-rank 90 "$mpirun" -n 1 "$py" tests/mpi_pytest.py -q -p no:cacheprovider -rs --with-mpi \
-    -m "mpi and cuda" tests/test_cuda.py
-step cuda-tests-2-ranks 150 "$mpirun" -n 2 "$py" tests/mpi_pytest.py -q -p no:cacheprovider -rs --with-mpi \
-    -m "mpi and cuda" tests/test_cuda.py
-# (c) one GPU rank against a plain PyTorch loop of the same model and batch, the data of both copied from
-# the host every step (off) and held on the device (on)
-for where in off on; do
-    step "overhead-data-$where" 90 "$py" -m dbs_mpi bench overhead --device cuda --model lenet5 --local-batch 512 \
-        --steps 100 --data-on-device "$where" --out-dir "$bench/data-$where"
-    step "overhead-resnet20-data-$where" 120 "$py" -m dbs_mpi bench overhead --device cuda --model resnet20 \
-        --dataset synthetic --synthetic-shape 3,32,32 --synthetic-samples $((12800 * scale)) --local-batch 256 \
-        --steps 50 --data-on-device "$where" --out-dir "$bench/data-$where"
-done
-# the recipe for ResNet-20 on one GPU rank, a step added at each run (samples/s: scripts/gpu-recipe.py)
 recipe=("$py" -m dbs_mpi train --device cuda --model resnet20 --dataset synthetic --synthetic-shape 3,32,32
         --synthetic-samples $((12800 * scale)) --test-subset 1000 --global-batch 256 --epochs 3 --strategy ssgd
         --progress false)
-step recipe-1-host 90 "${recipe[@]}" --data-on-device off --out "$out/recipe-1-host.h5"
-step recipe-2-device 90 "${recipe[@]}" --data-on-device on --out "$out/recipe-2-device.h5"
-step recipe-3-channels-last 90 "${recipe[@]}" --channels-last true --out "$out/recipe-3-channels-last.h5"
-step recipe-4-bf16 90 "${recipe[@]}" --channels-last true --amp bf16 --out "$out/recipe-4-bf16.h5"
-step recipe-5-compile 240 "${recipe[@]}" --channels-last true --amp bf16 --compile true \
-    --out "$out/recipe-5-compile.h5"
-step recipe-table 30 "$py" scripts/gpu-recipe.py "$out"/recipe-*.h5
-# mixed precision against float32, one short run each (throughput and test accuracy)
-for amp in none bf16 fp16; do
-    step "amp-$amp" 90 "$py" -m dbs_mpi train --device cuda --model resnet20 --epochs 3 --global-batch 256 \
-        --strategy ssgd --amp "$amp" --out "$out/amp-$amp.h5" --progress false
-done
-# the GPU rank's step beside CPU trainers (busy cores, threads, a core of its own)
-step gpu-beside-cpu 150 "$py" scripts/gpu-beside-cpu.py --steps 150
-# the mixed job with the CPU ranks kept off the GPU rank's core (the default) and not (none), alternated
-for rep in 1 2 3; do
-    for bind in none cpu; do
-        step "mixed-bind-$bind-$rep" 60 env DBS_MPI_BIND=$bind "$mpirun" -n 8 "$py" -m dbs_mpi train --devices "$cpus" \
-            --strategy dbs --subset $((30000 * scale)) --epochs 2 --progress false --out "$out/bind-$bind-$rep.h5"
+
+check_facts() {
+    step facts 60 bash -c facts
+}
+
+check_overhead() {    # one GPU rank against a plain PyTorch loop of the same model and batch, data on the device
+    step overhead-lenet5-data-on 120 "$py" -m dbs_mpi bench overhead --device cuda --model lenet5 --local-batch 512 \
+        --steps 100 --repeats 5 --data-on-device on --out-dir "$bench/data-on"
+    step overhead-resnet20-data-on 150 "$py" -m dbs_mpi bench overhead --device cuda --model resnet20 \
+        --dataset synthetic --synthetic-shape 3,32,32 --synthetic-samples $((12800 * scale)) --local-batch 256 \
+        --steps 50 --repeats 5 --data-on-device on --out-dir "$bench/data-on"
+}
+
+check_mixed() {    # 1 GPU + 7 CPU ranks (LeNet-5, ResNet-20), 1 GPU + 1 CPU rank, and the GPU slowed until mixing pays
+    step mixed 420 "$py" scripts/gpu-mixed.py --cases lenet5,resnet20,pair,pays --repeats "$scale"
+}
+
+check_tests() {
+    step cuda-tests-1-rank 480 "$py" -m pytest -q -p no:cacheprovider -s -rs -m cuda tests/test_cuda.py \
+        tests/test_optimizer.py tests/test_event_clock.py
+    step cuda-tests-mpi-1-rank 90 "$mpirun" -n 1 "$py" tests/mpi_pytest.py -q -p no:cacheprovider -rs --with-mpi \
+        -m "mpi and cuda" tests/test_cuda.py
+    step cuda-tests-2-ranks 150 "$mpirun" -n 2 "$py" tests/mpi_pytest.py -q -p no:cacheprovider -rs --with-mpi \
+        -m "mpi and cuda" tests/test_cuda.py
+}
+
+check_recipe() {    # the recipe for ResNet-20 on one GPU rank, a step added at each run
+    step recipe-1-host 90 "${recipe[@]}" --data-on-device off --out "$out/recipe-1-host.h5"
+    step recipe-2-device 90 "${recipe[@]}" --data-on-device on --out "$out/recipe-2-device.h5"
+    step recipe-3-channels-last 90 "${recipe[@]}" --channels-last true --out "$out/recipe-3-channels-last.h5"
+    step recipe-4-bf16 90 "${recipe[@]}" --channels-last true --amp bf16 --out "$out/recipe-4-bf16.h5"
+    step recipe-table 30 "$py" scripts/gpu-recipe.py "$out"/recipe-*.h5
+}
+
+check_more() {
+    step overhead-lenet5-data-off 90 "$py" -m dbs_mpi bench overhead --device cuda --model lenet5 --local-batch 512 \
+        --steps 100 --data-on-device off --out-dir "$bench/data-off"
+    step overhead-resnet20-data-off 120 "$py" -m dbs_mpi bench overhead --device cuda --model resnet20 \
+        --dataset synthetic --synthetic-shape 3,32,32 --synthetic-samples $((12800 * scale)) --local-batch 256 \
+        --steps 50 --data-on-device off --out-dir "$bench/data-off"
+    step recipe-5-compile 240 "${recipe[@]}" --channels-last true --amp bf16 --compile true \
+        --out "$out/recipe-5-compile.h5"
+    step recipe-table-compile 30 "$py" scripts/gpu-recipe.py "$out"/recipe-*.h5
+    for amp in none bf16 fp16; do    # mixed precision against float32, one short run each
+        step "amp-$amp" 90 "$py" -m dbs_mpi train --device cuda --model resnet20 --epochs 3 --global-batch 256 \
+            --strategy ssgd --amp "$amp" --out "$out/amp-$amp.h5" --progress false
     done
-done
-# (a) 1 GPU rank beside 7 CPU ranks of 2 threads: LeNet-5 on Fashion-MNIST, ResNet-20 on CIFAR-10-shaped
-# data; first the GPU rank alone on the same epoch
-alone=("$py" -m dbs_mpi bench hetero --speeds none --device cuda --strategies ssgd --out-dir "$bench")
-step alone-lenet5 60 "${alone[@]}" --subset $((30000 * scale))
-step alone-resnet20 60 "${alone[@]}" --model resnet20 --dataset synthetic --synthetic-shape 3,32,32 \
-    --synthetic-samples $((4096 * scale)) --global-batch 256
-step mixed-lenet5 150 "$mpirun" -n 8 "$py" -m dbs_mpi bench hetero --speeds none --devices "$cpus" \
-    --subset $((30000 * scale)) --out-dir "$bench"
-step mixed-resnet20 180 "$mpirun" -n 8 "$py" -m dbs_mpi bench hetero --speeds none --devices "$cpus" \
-    --model resnet20 --dataset synthetic --synthetic-shape 3,32,32 --synthetic-samples $((4096 * scale)) \
-    --global-batch 256 --out-dir "$bench"
-# (b) 4 ranks sharing the GPU with different shares: ResNet-20, host-staged (and CUDA-aware where MPI is)
-for exchange in host cuda-aware; do
-    if [ "$exchange" = cuda-aware ] && ! cuda_aware; then
-        echo "== shared-gpu-cuda-aware: not run, this MPI is not CUDA-aware" | tee -a "$log"
-        continue
+    # the GPU rank's step beside CPU trainers (busy cores, threads, a core of its own)
+    step gpu-beside-cpu 150 "$py" scripts/gpu-beside-cpu.py --steps 150
+    # the mixed job with the CPU ranks kept off the GPU rank's core (the default) and not (none), alternated
+    for rep in 1 2 3; do
+        for bind in none cpu; do
+            step "mixed-bind-$bind-$rep" 60 env DBS_MPI_BIND=$bind "$mpirun" -n 8 "$py" -m dbs_mpi train \
+                --devices "$cpus" --strategy dbs --subset $((30000 * scale)) --epochs 2 --progress false \
+                --out "$out/bind-$bind-$rep.h5"
+        done
+    done
+    # 1 GPU rank beside 7 CPU ranks of 2 threads, every strategy, one epoch (the older table)
+    step mixed-bench-lenet5 150 "$mpirun" -n 8 "$py" -m dbs_mpi bench hetero --speeds none --devices "$cpus" \
+        --subset $((30000 * scale)) --out-dir "$bench"
+    # 4 ranks sharing the GPU with different shares: ResNet-20, host-staged (and CUDA-aware where MPI is)
+    for exchange in host cuda-aware; do
+        if [ "$exchange" = cuda-aware ] && ! cuda_aware; then
+            echo "== shared-gpu-cuda-aware: not run, this MPI is not CUDA-aware" | tee -a "$log"
+            continue
+        fi
+        step "shared-gpu-$exchange" 150 "$mpirun" -n 4 "$py" -m dbs_mpi bench hetero --device cuda \
+            --speeds 1,0.5,0.5,0.25 --model resnet20 --dataset synthetic --synthetic-shape 3,32,32 \
+            --synthetic-samples $((8192 * scale)) --global-batch 256 --exchange "$exchange" --out-dir "$bench"
+    done
+}
+
+for check in $checks; do
+    if ! declare -F "check_$check" > /dev/null; then
+        echo "gpu-check: unknown check '$check' (facts overhead mixed tests recipe more)" >&2
+        exit 2
     fi
-    step "shared-gpu-$exchange" 150 "$mpirun" -n 4 "$py" -m dbs_mpi bench hetero --device cuda \
-        --speeds 1,0.5,0.5,0.25 --model resnet20 --dataset synthetic --synthetic-shape 3,32,32 \
-        --synthetic-samples $((8192 * scale)) --global-batch 256 --exchange "$exchange" --out-dir "$bench"
+done
+for check in $checks; do
+    "check_$check"
 done
 echo "== done after $((SECONDS - start)) s" | tee -a "$log"
