@@ -19,7 +19,9 @@
 # Environment: PYTHON (default python3), MPIRUN (default mpirun), BUDGET (default 540),
 # CHECKS (default "facts overhead mixed tests recipe more"), SCALE (1: the sizes below;
 # 2 or more: larger runs for a longer allocation).
-# Assumes a node with one GPU and 16 cores (8 ranks: 1 GPU rank and 7 CPU ranks of 2 threads).
+# Assumes a node with one GPU and 16 cores (8 ranks: 1 GPU rank and 7 CPU ranks of 2 threads),
+# and Fashion-MNIST in data/fashion-mnist (30 MB: `make data` unpacks it; copy it along to a
+# node without a network).
 set -u
 out=${1:-results/gpu}
 py=${PYTHON:-python3}
