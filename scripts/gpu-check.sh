@@ -14,21 +14,29 @@
 #             beside CPU trainers, core binding, 4 ranks sharing the GPU, bench hetero
 #
 #   scripts/gpu-check.sh [OUTDIR]          # default results/gpu; the log: OUTDIR/gpu-check.log
-#   CHECKS="facts tests" BUDGET=300 scripts/gpu-check.sh
+#   CHECKS="facts tests" BUDGET=300 scripts/gpu-check.sh "$OUT/gpu"
 #
-# Environment: PYTHON (default python3), MPIRUN (default mpirun), BUDGET (default 540),
-# CHECKS (default "facts overhead mixed tests recipe more"), SCALE (1: the sizes below;
-# 2 or more: larger runs for a longer allocation).
+# OUTDIR must hold no result files yet. Environment: PYTHON (default python3), MPIRUN
+# (default mpirun; words, e.g. "mpirun --allow-run-as-root": it must start the MPI that
+# mpi4py loads, which the facts check), BUDGET (default 540), CHECKS (default "facts
+# overhead mixed tests recipe more"), SCALE (1: the sizes below; 2 or more: larger runs
+# and more repeats for a longer allocation).
 # Assumes a node with one GPU and 16 cores (8 ranks: 1 GPU rank and 7 CPU ranks of 2 threads),
 # and Fashion-MNIST in data/fashion-mnist (30 MB: `make data` unpacks it; copy it along to a
 # node without a network).
 set -u
 out=${1:-results/gpu}
 py=${PYTHON:-python3}
-mpirun=${MPIRUN:-mpirun}
+read -ra mpirun <<< "${MPIRUN:-mpirun}"      # (words: MPIRUN="mpirun --allow-run-as-root" as root under Open MPI)
+export MPIRUN="${mpirun[*]}"                  # (scripts/gpu-mixed.py launches its jobs with it)
 budget=${BUDGET:-540}
 checks=${CHECKS:-facts overhead mixed tests recipe more}
+checks=${checks//,/ }
 scale=${SCALE:-1}
+if compgen -G "$out/*.h5" > /dev/null || compgen -G "$out/mixed/*.h5" > /dev/null; then
+    echo "gpu-check: $out has result files already (a run's --out is never overwritten): give a new OUTDIR" >&2
+    exit 2
+fi
 mkdir -p "$out"
 log=$out/gpu-check.log
 bench=$out/bench
@@ -51,7 +59,8 @@ step() {    # step NAME LIMIT COMMAND...: COMMAND's output into the log, bounded
 }
 
 cuda_aware() {
-    "$py" -c "from dbs_mpi.mpi import devices; raise SystemExit(0 if devices.mpi_cuda_aware() else 1)" 2>/dev/null
+    timeout 60 "$py" -c "from dbs_mpi.mpi import devices; raise SystemExit(0 if devices.mpi_cuda_aware() else 1)" \
+        2>/dev/null
 }
 
 facts() {
@@ -64,15 +73,25 @@ print(MPI.Get_library_version().splitlines()[0])"
     "$py" -m dbs_mpi info --device cuda
 }
 
-export -f facts
+mpi_launch() {    # (its output, not its exit: some mpirun wrappers exit 0 when they start nothing)
+    local said
+    said=$($MPIRUN -n 2 "$py" -c "from mpi4py import MPI; c = MPI.COMM_WORLD
+print('rank', c.Get_rank(), 'of', c.Get_size())" 2>&1)
+    echo "$said"
+    [[ $(grep -c "of 2$" <<< "$said") == 2 ]] || { echo "mpirun ($MPIRUN) did not start one job of 2 ranks of" \
+        "the MPI that mpi4py loads: set MPIRUN"; return 1; }
+}
+
+export -f facts mpi_launch
 export py
 cpus=cuda$(printf ',cpu%.0s' 1 2 3 4 5 6 7)
 recipe=("$py" -m dbs_mpi train --device cuda --model resnet20 --dataset synthetic --synthetic-shape 3,32,32
         --synthetic-samples $((12800 * scale)) --test-subset 1000 --global-batch 256 --epochs 3 --strategy ssgd
         --progress false)
 
-check_facts() {
+check_facts() {    # and that mpirun starts one job of 2 ranks of the MPI that mpi4py loads (else 2 jobs of 1)
     step facts 60 bash -c facts
+    step mpi-launch 60 bash -c mpi_launch
 }
 
 check_overhead() {    # one GPU rank against a plain PyTorch loop of the same model and batch, data on the device
@@ -84,16 +103,17 @@ check_overhead() {    # one GPU rank against a plain PyTorch loop of the same mo
 }
 
 check_mixed() {    # 1 GPU + 7 CPU ranks (LeNet-5, ResNet-20), 1 GPU + 1 CPU rank, and the GPU slowed until mixing pays
-    step mixed 420 "$py" scripts/gpu-mixed.py --cases lenet5,resnet20,pair,pays --repeats "$scale"
+    step mixed 420 "$py" scripts/gpu-mixed.py --cases lenet5,resnet20,pair,pays --repeats "$scale" \
+        --out-dir "$out/mixed"
 }
 
-check_tests() {
+check_tests() {    # the MPI ones first: the only GPU checks of a mixed job's exchange
+    step cuda-tests-mpi-1-rank 90 "${mpirun[@]}" -n 1 "$py" tests/mpi_pytest.py -q -p no:cacheprovider -rs \
+        --with-mpi -m "mpi and cuda" tests/test_cuda.py
+    step cuda-tests-2-ranks 150 "${mpirun[@]}" -n 2 "$py" tests/mpi_pytest.py -q -p no:cacheprovider -rs \
+        --with-mpi -m "mpi and cuda" tests/test_cuda.py
     step cuda-tests-1-rank 480 "$py" -m pytest -q -p no:cacheprovider -s -rs -m cuda tests/test_cuda.py \
         tests/test_optimizer.py tests/test_event_clock.py
-    step cuda-tests-mpi-1-rank 90 "$mpirun" -n 1 "$py" tests/mpi_pytest.py -q -p no:cacheprovider -rs --with-mpi \
-        -m "mpi and cuda" tests/test_cuda.py
-    step cuda-tests-2-ranks 150 "$mpirun" -n 2 "$py" tests/mpi_pytest.py -q -p no:cacheprovider -rs --with-mpi \
-        -m "mpi and cuda" tests/test_cuda.py
 }
 
 check_recipe() {    # the recipe for ResNet-20 on one GPU rank, a step added at each run
@@ -122,13 +142,13 @@ check_more() {
     # the mixed job with the CPU ranks kept off the GPU rank's core (the default) and not (none), alternated
     for rep in 1 2 3; do
         for bind in none cpu; do
-            step "mixed-bind-$bind-$rep" 60 env DBS_MPI_BIND=$bind "$mpirun" -n 8 "$py" -m dbs_mpi train \
+            step "mixed-bind-$bind-$rep" 60 env DBS_MPI_BIND=$bind "${mpirun[@]}" -n 8 "$py" -m dbs_mpi train \
                 --devices "$cpus" --strategy dbs --subset $((30000 * scale)) --epochs 2 --progress false \
                 --out "$out/bind-$bind-$rep.h5"
         done
     done
     # 1 GPU rank beside 7 CPU ranks of 2 threads, every strategy, one epoch (the older table)
-    step mixed-bench-lenet5 150 "$mpirun" -n 8 "$py" -m dbs_mpi bench hetero --speeds none --devices "$cpus" \
+    step mixed-bench-lenet5 150 "${mpirun[@]}" -n 8 "$py" -m dbs_mpi bench hetero --speeds none --devices "$cpus" \
         --subset $((30000 * scale)) --out-dir "$bench"
     # 4 ranks sharing the GPU with different shares: ResNet-20, host-staged (and CUDA-aware where MPI is)
     for exchange in host cuda-aware; do
@@ -136,7 +156,7 @@ check_more() {
             echo "== shared-gpu-cuda-aware: not run, this MPI is not CUDA-aware" | tee -a "$log"
             continue
         fi
-        step "shared-gpu-$exchange" 150 "$mpirun" -n 4 "$py" -m dbs_mpi bench hetero --device cuda \
+        step "shared-gpu-$exchange" 150 "${mpirun[@]}" -n 4 "$py" -m dbs_mpi bench hetero --device cuda \
             --speeds 1,0.5,0.5,0.25 --model resnet20 --dataset synthetic --synthetic-shape 3,32,32 \
             --synthetic-samples $((8192 * scale)) --global-batch 256 --exchange "$exchange" --out-dir "$bench"
     done
