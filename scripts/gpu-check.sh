@@ -94,12 +94,18 @@ check_facts() {    # and that mpirun starts one job of 2 ranks of the MPI that m
     step mpi-launch 60 bash -c mpi_launch
 }
 
-check_overhead() {    # one GPU rank against a plain PyTorch loop of the same model and batch, data on the device
-    step overhead-lenet5-data-on 120 "$py" -m dbs_mpi bench overhead --device cuda --model lenet5 --local-batch 512 \
-        --steps 100 --repeats 5 --data-on-device on --out-dir "$bench/data-on"
-    step overhead-resnet20-data-on 150 "$py" -m dbs_mpi bench overhead --device cuda --model resnet20 \
-        --dataset synthetic --synthetic-shape 3,32,32 --synthetic-samples $((12800 * scale)) --local-batch 256 \
-        --steps 50 --repeats 5 --data-on-device on --out-dir "$bench/data-on"
+overhead() {    # overhead WHERE REPEATS LIMIT LIMIT: one GPU rank against a plain PyTorch loop of the same model
+    local where=$1 repeats=$2  # and batch, the data of both held on the device (on) or copied from the host (off)
+    step "overhead-lenet5-data-$where" "$3" "$py" -m dbs_mpi bench overhead --device cuda \
+        --model lenet5 --local-batch 512 --steps 100 --repeats "$repeats" --data-on-device "$where" \
+        --out-dir "$bench/data-$where"
+    step "overhead-resnet20-data-$where" "$4" "$py" -m dbs_mpi bench overhead --device cuda \
+        --model resnet20 --dataset synthetic --synthetic-shape 3,32,32 --synthetic-samples $((12800 * scale)) \
+        --local-batch 256 --steps 50 --repeats "$repeats" --data-on-device "$where" --out-dir "$bench/data-$where"
+}
+
+check_overhead() {    # the data on the device, 5 repeats (the median)
+    overhead on 5 120 150
 }
 
 check_mixed() {    # 1 GPU + 7 CPU ranks (LeNet-5, ResNet-20), 1 GPU + 1 CPU rank, and the GPU slowed until mixing pays
@@ -125,11 +131,7 @@ check_recipe() {    # the recipe for ResNet-20 on one GPU rank, a step added at 
 }
 
 check_more() {
-    step overhead-lenet5-data-off 90 "$py" -m dbs_mpi bench overhead --device cuda --model lenet5 --local-batch 512 \
-        --steps 100 --data-on-device off --out-dir "$bench/data-off"
-    step overhead-resnet20-data-off 120 "$py" -m dbs_mpi bench overhead --device cuda --model resnet20 \
-        --dataset synthetic --synthetic-shape 3,32,32 --synthetic-samples $((12800 * scale)) --local-batch 256 \
-        --steps 50 --data-on-device off --out-dir "$bench/data-off"
+    overhead off 0 90 120       # (0: the case's default repeats)
     step recipe-5-compile 240 "${recipe[@]}" --channels-last true --amp bf16 --compile true \
         --out "$out/recipe-5-compile.h5"
     step recipe-table-compile 30 "$py" scripts/gpu-recipe.py "$out"/recipe-*.h5

@@ -399,8 +399,8 @@ def test_a_probe_finds_a_recovered_rank_within_its_bound():
     nothing, so their wait grows to PROBE_MAX: at PROBE_FEW samples or fewer it is probed
     though it fills the step), then back: it has its share again within PROBE_MAX +
     REFIT_STEADY + 2 RECENT steps (probe.py's bound has WINDOW and 1 more: here the
-    level's change finds it first), and its probes
-    cost the steps of the slow-down at most 1% over one sample throughout."""
+    level's change finds it first), and its probes cost the steps of the slow-down at
+    most 1% over one sample throughout."""
     machine = Machine([1e-4, 1e-4], [2e-3, 2e-3], noise=0.03, seed=2)
     machine.slow(rank=1, start=100, stop=900, extra=0.06)
     vectors = closed_loop(machine, 1400, participation="all")
