@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from dbs_mpi.planning import calibration
+from dbs_mpi.planning import allocation, calibration
 from dbs_mpi.training import balancer, profiling
 
 
@@ -59,6 +59,15 @@ def test_a_slow_rank_is_read_off_its_own_line_through_its_tiny_and_second_batche
     for noisy in (0.019, 0.020 + 0.9e-4 * 24):           # no cost per sample, or less than the fastest's
         done = calibration.completed(tiny, [fastest, [noisy, np.nan], [np.nan, np.nan]], 128, 512)
         assert done[1].tolist() == pytest.approx([0.020 + 20 * 1e-4 * 126, 0.020 + 20 * 1e-4 * 510])
+
+
+def test_a_slow_rank_of_a_calibration_at_one_batch_keeps_its_tiny_time():
+    """max_local_batch 1: both calibration batches are 1 sample, so the fastest rank's
+    times give no cost per sample (none: 0), and a slow rank's times are its tiny time,
+    not NaN (a division by the batches' difference, 0)."""
+    assert allocation.calibration_batches(64, 2, max_local=1) == (1, 1)
+    done = calibration.completed([0.001, 0.02], [[0.0012, 0.0013], [np.nan, np.nan]], 1, 1)
+    np.testing.assert_allclose(done, [[0.0012, 0.0013], [0.02, 0.02]])
 
 
 class FakeClock:

@@ -86,7 +86,8 @@ def completed(tiny, times, small: int, large: int) -> np.ndarray:
     tiny, times = np.asarray(tiny, float), np.array(times, float)
     late, second = slow(tiny), second_batch(tiny, small)
     fastest = int(np.argmin(tiny))
-    per_sample = max((times[fastest, 1] - times[fastest, 0]) / (large - small), 0.0)
+    spread = times[fastest, 1] - times[fastest, 0]       # (one batch, as at max_local_batch 1: none)
+    per_sample = max(spread / (large - small), 0.0) if large > small else 0.0
     with np.errstate(invalid="ignore", divide="ignore"):
         own = (times[:, 0] - tiny) / (second - tiny_batch(small))
     slope = np.where((second > 0) & (own > per_sample), own, ratios(tiny) * per_sample)     # (NaN > x: False)
