@@ -139,11 +139,12 @@ class Machine:
         return t * self.rng.lognormal(0.0, self.noise, len(t)) if self.noise else t
 
 
-def closed_loop(machine, steps, start=None, global_batch=B, **kw):
+def closed_loop(machine, steps, start=None, global_batch=B, model=None, **kw):
     """Every step's vector, as the balancer runs the planner: a proposal made after step s
-    is announced with step s + 1 and applies from step s + 2."""
+    is announced with step s + 1 and applies from step s + 2. The planner starts from the
+    machine's true model, or from `model`."""
     truth = model_of(machine.per_sample, machine.overhead)
-    planner = StepPlanner(truth, global_batch, **kw)
+    planner = StepPlanner(truth if model is None else model, global_batch, **kw)
     vector = truth.allocate(global_batch) if start is None else np.asarray(start)
     pending, announced = None, None
     vectors = []
@@ -392,6 +393,49 @@ def test_a_burst_of_slow_steps_never_pins_a_small_rank_below_its_best_batch(slow
         after = closed_loop(machine, 1000, global_batch=128, participation="all")[400:]
         assert np.mean([truth.predict(v).max() for v in after]) <= 1.01 * best, seed
         assert np.median(after[:, 1]) >= least, (seed, np.median(after[:, 1]))
+
+
+@pytest.mark.parametrize("participation", ["auto", "all"])
+def test_a_rank_cut_far_below_all_it_measured_at_a_new_speed_sits_out_rather_than_keep_a_few_samples(
+        participation, monkeypatch):
+    """Rank 1 slowed 50x from step 100, its fixed cost with it (2 ms to 100 ms), while its
+    model had none (a proportional reading: the new level scales 0). The model's vector
+    gives it about 9 samples at a predicted 49 ms; they take 145 ms, 2.8x the step. Under
+    "auto" it sits out from the first move instead (cut_unmeasured), at least until an
+    in-step probe of a rank that sits out; under "all" it cannot, and
+    keeps its few samples. With the rule off (CUT infinite), "auto" keeps them too."""
+    def first_move(cut):
+        monkeypatch.setattr(dynamic.within_epoch, "CUT", cut)
+        machine = Machine([1e-4, 1e-4], [2e-3, 2e-3], noise=0.02, seed=1)
+        machine.slow(rank=1, start=100, stop=400, factor=50)
+        vectors = closed_loop(machine, 200, model=model_of([1.08e-4, 1.08e-4], [0.0, 0.0]),
+                              participation=participation)
+        moved = 100 + first_step(vectors, 100, lambda v: v[1] < 200)
+        assert moved <= 100 + RECENT, moved
+        return vectors[moved:moved + 4 * RECENT]        # (a probe of a rank that sits out comes later)
+    if participation == "all":
+        assert (first_move(dynamic.CUT)[:, 1] >= 1).all()
+        return
+    assert (first_move(dynamic.CUT)[:, 1] == 0).all()
+    assert 4 <= first_move(math.inf)[0, 1] <= 16
+
+
+def test_an_own_time_probe_is_large_where_due_cut_to_what_the_last_small_one_says_fits():
+    """training/prober.py's sizes (dynamic.own_probe_size): small unless a large one is
+    due; large where the last small one, read in proportion, says it takes at most
+    LARGE_WITHIN steps; else cut to the largest power of two that does (a rank back at
+    speed after a 50x slow-down: 2 samples took 4.1 ms, steps 47 ms, so 64, not 2 again),
+    and the small size where that cut is below LARGE_LEAST small ones (a rank still slow)."""
+    size = dynamic.own_probe_size
+    assert size(2, 128, False, 1e-3, 0.047) == 2                  # not due
+    assert size(2, 128, True, None, 0.047) == 2                   # no small probe yet
+    assert size(2, 128, True, 1.4e-3, 0.047) == 128               # 4 x 47 ms / 1.4 ms x 2 = 268 samples fit
+    assert size(2, 128, True, 4.1e-3, 0.047) == 64                # 91 fit
+    assert size(2, 128, True, 0.1, 0.047) == 2                    # 3.8 fit: still slow
+    assert size(2, 128, True, 0.025, 0.047) == 2                  # 15 fit: 8, below 8 small ones
+    assert size(2, 128, True, 0.02, 0.047) == 16                  # 18.8 fit: 16, 8 small ones
+    assert size(2, 12, True, 4.1e-3, 0.047) == 12                 # all the rank kept fits
+    assert size(4, 128, True, 0.025, 0.047) == 4                  # 30 fit: 16, below 8 small ones of 4
 
 
 def test_a_probe_finds_a_recovered_rank_within_its_bound():

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_cli
-from dbs_mpi.planning import sharding
+from dbs_mpi.planning import dynamic, sharding
 from dbs_mpi.tools.fingerprint import describe
 from dbs_mpi.tools.machine import Machine, ModelCost
 from dbs_mpi.tools.simulator.calibration import EMULATED, _spread, compute_extra
+from dbs_mpi.tools.simulator.sync import OwnProbeSizes
 from dbs_mpi.tools.simulator import (Cluster, Compute, Job, Network, buckets, crossover, dbs_controller, processor_sharing,
                                      recorded_start, replay, replay_job, simulate_async, simulate_sync, startup_fit,
                                      step_replanner)
@@ -156,6 +157,22 @@ def test_a_coupled_fastest_rank_starts_alone_as_in_the_engine():
     assert run([0, 0]).batch_sizes[0] == [128, 0]
     assert 0 < run([0, 1]).batch_sizes[0][1] < 64
     assert 0 < run([0, 0], "all").batch_sizes[0][1]
+
+
+def test_the_simulated_probers_size_their_probes_as_the_engines():
+    """OwnProbeSizes runs training/prober.py's rule: small probes; after one twice as fast
+    as the one before, one large probe cut to what the small one says fits (64 of 128
+    here), then small ones again; a large one every LARGE_EVERY-th where it fits."""
+    sizes, j, due = OwnProbeSizes(2), job("dbs", global_batch=512), np.array([False, True])
+    for _ in range(40):
+        sizes.stepped(0.047)
+    seen = []
+    for seconds in (0.1, 0.004, 0.01, 0.004, 0.004):
+        size = sizes.next(due, j, 512)
+        sizes.measured(due, size, np.array([0.0, seconds]))
+        seen.append(int(size[1]))
+    assert seen == [2, 2, 64, 2, 2]
+    assert sorted(int(sizes.next(due, j, 512)[1]) for _ in range(dynamic.LARGE_EVERY)) == [2] * 7 + [64]
 
 
 def test_dbs_converges_to_the_speed_ratio():

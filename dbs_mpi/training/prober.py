@@ -17,9 +17,10 @@ How often: while it sits out, a rank starts a probe at a step boundary when none
 and its probes have used at most PROBE_DUTY of the time since it began sitting out (CPU
 time of the thread on a CPU rank: what the cores shared with other ranks lose; wall
 time on a GPU), one at a time. Most probes are at `small` samples (the level, cheap);
-at most every LARGE_EVERY-th at `large` (the slope, so that a rank taken back gets its
-whole share at once), where the last small one says that it takes at most LARGE_WITHIN
-steps. The first pass at a size is a warm-up and is not timed.
+at most every LARGE_EVERY-th, and the one after a small probe twice as fast as the one
+before, at `large` (the slope, so that a rank taken back gets its whole share at once),
+cut to what the last small one says it takes (dynamic.own_probe_size). The
+first pass at a size is a warm-up and is not timed.
 
 Where it does not run (the planner then probes in the step, as before): a transport
 other than MPI on host memory or SyncBatchNorm (participants.py keeps every rank in the
@@ -43,14 +44,11 @@ import weakref
 import torch
 
 from ..mpi.devices import synchronize
+from ..planning.dynamic.probe import LARGE_EVERY, own_probe_size
 from .batches import first_samples
 from .sync_batchnorm import make_local
 
 PROBE_DUTY = 0.1      # the share of its time a rank that sits out spends probing (CPU time on a CPU rank)
-
-
-LARGE_EVERY = 8       # at most every LARGE_EVERY-th probe is at the large size, the others at the small one ...
-LARGE_WITHIN = 4      # ... where the last small one says it takes at most this many steps' time
 
 
 _LIVE = weakref.WeakSet()     # the probers of this process: their threads end before the interpreter does
@@ -136,18 +134,13 @@ class Prober:
             self.thread.start()
 
     def _next_size(self) -> int:
-        """The small size, or the large one where none of the last LARGE_EVERY probes was (or
-        the last small one ran twice as fast as the one before: a rank that sped up) and the
-        last small one says it would take at most LARGE_WITHIN steps (a slow rank's large
-        probe would hold back the small ones that tell when it became fast)."""
+        """The next probe's samples (dynamic.own_probe_size)."""
         self.since_large += 1
-        cheap = self.last_small is not None and \
-            self.last_small * self.large / self.small <= LARGE_WITHIN * self.step_time
-        due = self.since_large >= LARGE_EVERY or self.sped_up      # (the slope of a rank that sped up, at once)
-        if self.samples >= 1.5 * self.small and due and cheap:
+        size = own_probe_size(min(self.small, self.samples), min(self.large, self.samples),
+                              self.since_large >= LARGE_EVERY or self.sped_up, self.last_small, self.step_time)
+        if size > min(self.small, self.samples):
             self.since_large = 0
-            return min(self.large, self.samples)
-        return min(self.small, self.samples)
+        return size
 
     def _finished(self) -> None:
         if self.thread is not None and not self.thread.is_alive():
@@ -204,6 +197,8 @@ class Prober:
             if size == min(self.small, samples):     # a small probe twice as fast as the last: the slope next
                 self.sped_up = self.last_small is not None and self.result[1] < 0.5 * self.last_small
                 self.last_small = self.result[1]
+            else:                                    # (once: then small ones again, and large every LARGE_EVERY)
+                self.sped_up = False
         except Exception as error:      # noqa: BLE001 (reported by take(): probing stops, the planner probes in steps)
             self.failed = error
 

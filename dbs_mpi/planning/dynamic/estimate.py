@@ -206,9 +206,8 @@ class StepTimeEstimator:
         """Cheap, every step: has some rank's level (the median ratio of its last RECENT
         steps) moved by the bound from its model? That is: more than half of those steps
         beyond it on the same side. (update() then tells a change from a shape.)"""
-        half = self.recent / 2
         for sides in self._recent_sides:
-            if len(sides) == self.recent and (sides.count(1) > half or sides.count(-1) > half):
+            if len(sides) == self.recent and max(sides.count(1), sides.count(-1)) > self.recent / 2:
                 return True
         return False
 
@@ -260,13 +259,14 @@ class StepTimeEstimator:
     def flat(self) -> np.ndarray:
         """Per rank, whether the steps in its window lack local batches SPREAD apart (or it
         has none): its per-sample cost is not being measured, only its level."""
-        _, b, t = self._ordered()
-        return ~(self.largest() >= SPREAD * np.where(np.isfinite(t), b, np.inf).min(axis=0))
+        low, high = self.measured_range()
+        return ~(high >= SPREAD * low)
 
-    def largest(self) -> np.ndarray:
-        """Per rank, the largest local batch among the steps in its window (0: none)."""
+    def measured_range(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per rank, the smallest and the largest local batch among its window's steps (inf and 0: none)."""
         _, b, t = self._ordered()
-        return np.where(np.isfinite(t), b, 0.0).max(axis=0, initial=0.0)
+        kept = np.isfinite(t)
+        return np.where(kept, b, np.inf).min(axis=0, initial=np.inf), np.where(kept, b, 0.0).max(axis=0, initial=0.0)
 
     def uncertainty(self) -> np.ndarray:
         """Per rank, the standard error of the model's level (log) from the window's noise."""

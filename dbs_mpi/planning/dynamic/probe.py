@@ -97,6 +97,34 @@ PROBE_STEPS = RECENT + 1   # steps a probe runs: its first is not a measurement 
 RETURN = 2.0          # two own-time probes in a row this many times faster than the model: the rank sped up
 
 
+LARGE_EVERY = 8       # an own-time probe (training/prober.py) is large at most every LARGE_EVERY-th ...
+LARGE_WITHIN = 4      # ... cut to the largest power of two the last small one says takes at most this many steps,
+LARGE_LEAST = 8       # ... where that is at least LARGE_LEAST small ones (else the small size again)
+
+
+def own_probe_size(small: int, large: int, due: bool, last_small: float | None, step_time: float) -> int:
+    """The samples of a rank's next own-time probe (training/prober.py; the simulator runs
+    the same rule): `small` (the level, cheap), or where a large one is `due` (none of the
+    last LARGE_EVERY was, or the last small one ran twice as fast as the one before: a rank
+    that sped up, whose slope the planner wants at once) `large` (the slope, so that a rank
+    taken back gets its whole share at once; `large` no more than the samples the rank
+    kept), cut to the largest power of two that the last small one (`last_small` seconds;
+    `step_time`: the steps' mean interval) says takes at most LARGE_WITHIN steps: a slow
+    rank's large probe would hold back the small ones that tell when it became fast. That
+    reading is in proportion to the samples, so it over-states a large probe: a small one
+    is mostly fixed cost (2 samples of LeNet-5 took 1.8-4.1 ms here, 128 took 13-18 ms).
+    Where the whole large size had to fit, a rank back at speed after a 50x slow-down
+    probed at 2 samples again in about half the runs, came back at 22-128 samples rather
+    than its 256, and had its share 11-18 steps after the slow-down, not 5. A cut below
+    LARGE_LEAST small ones, or below SPREAD times the small one, measures no slope: the
+    small size again."""
+    fits = 0.0 if last_small is None else LARGE_WITHIN * step_time / max(last_small, 1e-9) * small
+    size = large if fits >= large else 2 ** int(math.log2(max(fits, 1.0)))
+    if due and size >= SPREAD * small and (size == large or size >= LARGE_LEAST * small):
+        return int(size)
+    return int(small)
+
+
 class Probes:
     """Since when each rank has been held (or was last probed), on the planner's clock,
     and how long its wait for the next probe is."""

@@ -35,7 +35,7 @@ import numpy as np
 from ..allocation import SpeedModel
 from ..participation import allocate_for, least_step_time_sitting_out
 from .estimate import RECENT, REFIT, REFIT_STEADY, SPREAD, TINY_SHARE, WINDOW, StepTimeEstimator
-from .probe import PROBE_STEPS, Probes
+from .probe import PROBE_BELOW, PROBE_STEPS, Probes
 from .set_check import SetCheck
 
 
@@ -46,6 +46,9 @@ GAIN_Z = 3.0          # a new vector must gain at least this many standard error
 
 
 IDLE = 2.0            # a rank whose step is below 1/IDLE of the slowest other's is idle most of the step
+
+
+CUT = 4.0             # a rank cut to a small batch under 1/CUT of all it measured at a new speed sits out (cut_unmeasured)
 
 
 def least_step_time_every_rank(model: SpeedModel, global_batch: int) -> float:
@@ -110,16 +113,14 @@ class StepPlanner:
                  min_gain: float = 0.03, participation: str = "auto", hosts=None):
         self.estimator = StepTimeEstimator(model, window, RECENT, follow)
         self.global_batch, self.min_local, self.max_local = int(global_batch), int(min_local), max_local
-        self.participation = participation
-        self.interval, self.min_gain = int(interval), float(min_gain)
+        self.interval, self.min_gain, self.participation = int(interval), float(min_gain), participation
         self.step = 0                   # steps observed
         self.capped = False             # the last move stopped short at a tiny batch's growth limit ...
         self.move_from = None           # ... from this vector: its rest is judged with the whole move
         self.probes = Probes(len(self.estimator.model.per_sample))
         self.probed = False             # the vector of the steps to come is a probe (probe.py) ...
         self.probe_from = None          # ... from this vector, where it goes back unless a better one is found
-        self.since_plan = 0             # steps observed since the last planning
-        self.since_refit = 0            # steps observed since the window was last re-estimated
+        self.since_plan = self.since_refit = 0      # steps observed since the last planning, the last re-estimate
         self.hold_until = 2 * RECENT    # no planning before this step (the first steps; a move under way)
         self.settle_until = window      # re-estimate every REFIT steps before this step, then every REFIT_STEADY
         self.sets = SetCheck(hosts)     # the set of ranks taking part, checked by measurement
@@ -156,8 +157,7 @@ class StepPlanner:
         if self.since_refit < refit and not self.estimator.moved() and not self.capped and not self.probed:
             return None
         self.since_refit = 0
-        changed = self.estimator.update()
-        model = self.estimator.model
+        changed, model = self.estimator.update(), self.estimator.model    # (in this order: the model re-estimated)
         current = np.asarray(current, dtype=np.int64)
         base = current if self.probe_from is None else self.probe_from    # a probe's vector is no plan: not the base
         reference = base if self.move_from is None else self.move_from   # the rest of a move that was cut short
@@ -172,7 +172,7 @@ class StepPlanner:
         self.probed, self.probe_from = candidate is not None, None if candidate is None else base.copy()
         if candidate is None:
             candidate = self._better(base, model, float(max(model.predict(base).max(), model.predict(reference).max()))
-                                     * (1.0 - gain))
+                                     * (1.0 - gain), changed)
             self.move_from = reference.copy() if self.capped else None
             back = base is not current and not self.sets.banned_set(base, self.step)
             candidate = base if candidate is None and back else candidate   # back from a probe
@@ -182,27 +182,31 @@ class StepPlanner:
         return Proposal(candidate, model.per_sample.copy(), model.overhead.copy(), float(model.predict(current).max()),
                         float(model.predict(candidate).max()), changed, "probe" if self.probed else "plan")
 
-    def _better(self, current: np.ndarray, model: SpeedModel, target: float) -> np.ndarray | None:
-        """The model's vector if its predicted step time is at most `target` (None if not,
-        or if no vector can be: the continuous optimum is the bound); where growth_limit
-        holds a rank back, the part of that move it allows, if it is no slower than now."""
+    def _better(self, current: np.ndarray, model: SpeedModel, target: float, changed) -> np.ndarray | None:
+        """The model's vector if its predicted step time is at most `target` (None if not, or if no
+        vector can be: the continuous optimum is the bound), less the ranks cut_unmeasured() sends
+        out; where growth_limit holds a rank back, the part of that move it allows, if no slower than now."""
         if least_step_time(model, self.global_batch, self.participation) >= target:
             return None                                    # no vector can pass the dead band
         whole = self._allocate(model, current, self.max_local)
+        within = None if whole is None or self.participation != "auto" else \
+            cut_unmeasured(whole, changed, self.estimator, self.global_batch)
+        whole = whole if within is None else self._allocate(model, current, self.max_local, within)
         if whole is None or float(model.predict(whole).max()) > target or np.array_equal(whole, current):
             return None
         limit = growth_limit(current, self.estimator, self.global_batch, self.max_local)
-        candidate = whole if limit is self.max_local else self._allocate(model, current, limit)
+        candidate = whole if limit is self.max_local else self._allocate(model, current, limit, within)
         if candidate is None or np.array_equal(candidate, current) or \
                 float(model.predict(candidate).max()) > float(model.predict(current).max()):
             return None
         self.capped = not np.array_equal(candidate, whole)    # the rest of the move goes on after RECENT steps
         return candidate
 
-    def _allocate(self, model: SpeedModel, current: np.ndarray, limit) -> np.ndarray | None:
-        """The model's vector within `limit`; a set banned lately is re-balanced within the current one instead."""
-        candidate = allocate_for(model, self.global_batch, self.min_local, limit, self.participation)
-        if not self.sets.banned_set(candidate, self.step):
+    def _allocate(self, model: SpeedModel, current: np.ndarray, limit, within=None) -> np.ndarray | None:
+        """The model's vector within `limit` (within: of that set of ranks); a set banned
+        lately is re-balanced within the current one instead."""
+        candidate = allocate_for(model, self.global_batch, self.min_local, limit, self.participation, within)
+        if candidate is None or not self.sets.banned_set(candidate, self.step):
             return candidate
         return None if self.sets.banned_set(current, self.step) else \
             allocate_for(model, self.global_batch, self.min_local, limit, within=current > 0)
@@ -273,6 +277,7 @@ def growth_limit(current: np.ndarray, estimator: StepTimeEstimator, global_batch
     The move itself spreads the window's batches as a probe does, and the rest follows
     on a measured slope."""
     model, flat = estimator.model, estimator.flat()
+    largest = estimator.measured_range()[1]
     per_sample = model.per_sample * current
     share = per_sample / np.maximum(model.overhead + per_sample, 1e-300)
     if (current == 0).any():             # a rank out whose own-time probes spread: its slope is measured
@@ -281,11 +286,32 @@ def growth_limit(current: np.ndarray, estimator: StepTimeEstimator, global_batch
     second, top = np.sort(step)[-2:] if len(step) > 1 else (0.0, float(step[0]))
     others = np.where(step >= top, second, top)               # the slowest other rank's step, per rank
     guess = (current > 0) & (IDLE * step >= others)
-    measured = np.maximum(np.ceil(SPREAD * np.maximum(estimator.largest(), current)), current + 1) - current
+    measured = np.maximum(np.ceil(SPREAD * np.maximum(largest, current)), current + 1) - current
     lift = np.where(guess, measured, np.maximum(current, math.ceil(global_batch / (2 * len(current)))))
     bound = np.inf if not max_local else float(max_local)
     limit = np.minimum(np.where(share < TINY_SHARE, current + lift, np.inf), bound)
     return limit if limit.sum() >= global_batch else max_local
+
+
+def cut_unmeasured(vector: np.ndarray, changed, estimator: StepTimeEstimator, global_batch: int):
+    """The ranks taking part in `vector` less those it cuts, right after their speed
+    changed, to a small batch (below PROBE_BELOW of an equal share) under 1/CUT of every
+    batch their window measured at the new speed, where that window does not spread (None:
+    no such rank). Such a batch is priced on a fixed cost that nothing measured (the old
+    model's, scaled by the new level): with a share f of the measured step fixed, a cut by
+    k takes f k + 1 - f times what a model without it says, and every rank waits for the
+    few samples (a rank slowed 50x, priced at 0-36 ms of fixed cost where it had about
+    100, kept 2-10 samples for 6-12 steps at 2-4x the others' step). Such a rank sits out
+    instead: its own-time probes (probe.py) measure it at a small batch, and the plan takes
+    it back where that pays. Its samples are below 1/8 of an equal share, so sitting out
+    costs the others little; the error it avoids costs them the whole step."""
+    vector = np.asarray(vector)
+    if not np.any(changed):
+        return None
+    low, high = estimator.measured_range()
+    small = (vector > 0) & (vector < PROBE_BELOW * global_batch / len(vector))
+    out = np.asarray(changed, bool) & small & (high < SPREAD * low) & (CUT * vector < low)
+    return (vector > 0) & ~out if out.any() else None
 
 
 def with_probes(row, seconds, probe_batches, probe_seconds):

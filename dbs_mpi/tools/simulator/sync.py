@@ -215,6 +215,39 @@ class ExchangeCost:
         return self.cache[k] + seconds
 
 
+class OwnProbeSizes:
+    """Every rank's prober state in the simulator: the size of its next own-time probe by
+    dynamic.own_probe_size, as training/prober.py chooses it (the steps' mean interval,
+    the last small probe's seconds, whether it ran twice as fast as the one before)."""
+
+    def __init__(self, ranks: int):
+        self.since_large = np.full(ranks, dynamic.LARGE_EVERY)
+        self.last_small = [None] * ranks
+        self.sped_up = np.zeros(ranks, bool)
+        self.step_time, self.small = 0.0, 2
+
+    def stepped(self, seconds: float) -> None:
+        self.step_time = 0.8 * self.step_time + 0.2 * seconds
+
+    def next(self, due: np.ndarray, job: Job, global_batch: int) -> np.ndarray:
+        small = self.small = max(job.min_local_batch, 2)
+        large = max(math.ceil(1.5 * small), global_batch // (2 * len(due)))
+        large = min(large, job.max_local_batch) if job.max_local_batch else large
+        sizes = np.full(len(due), small)
+        for rank in np.flatnonzero(due):
+            self.since_large[rank] += 1
+            sizes[rank] = dynamic.own_probe_size(small, large, self.since_large[rank] >= dynamic.LARGE_EVERY or
+                                                 self.sped_up[rank], self.last_small[rank], self.step_time)
+            self.since_large[rank] = 0 if sizes[rank] > small else self.since_large[rank]
+        return sizes
+
+    def measured(self, due: np.ndarray, sizes: np.ndarray, seconds: np.ndarray) -> None:
+        for rank in np.flatnonzero(due):
+            last, small = self.last_small[rank], sizes[rank] == self.small     # (a small probe: the level)
+            self.sped_up[rank] = small and last is not None and seconds[rank] < 0.5 * last
+            self.last_small[rank] = float(seconds[rank]) if small else last
+
+
 class _SyncClock:
     """The steps of an epoch in simulated time: every rank's pre-collective seconds, the
     emulator's per-step windows, and (dbs within the epoch) the Replanner fed with what
@@ -224,6 +257,7 @@ class _SyncClock:
         self.compute, self.emus, self.comm, self.update, self.replanner = compute, emus, comm, update, replanner
         self.trained, self.run_steps, self.vector = 0.0, 0, None
         self.probe_end = np.zeros(len(emus))      # when every rank's own-time probe under way ends
+        self.sizes = OwnProbeSizes(len(emus))     # ... and at how many samples the next one runs
 
     def epoch(self, table: np.ndarray, job: Job) -> tuple[np.ndarray, np.ndarray]:
         pre, comm = np.zeros(table.shape), np.zeros(len(table))
@@ -231,6 +265,7 @@ class _SyncClock:
             factor = step_factor(self.emus, self.compute.cluster, table[s])
             pre[s] = self.compute.pre(table[s], factor, np.array([e.step_sleep for e in self.emus]))
             comm[s] = self.comm(table[s], last=s == len(table) - 1)
+            self.sizes.stepped(float(pre[s].max() + comm[s] + self.update))
             self.trained += float(pre[s].max() + comm[s] + self.update)
             self.run_steps += 1
             for e in self.emus:
@@ -241,15 +276,18 @@ class _SyncClock:
 
     def _probes(self, row: np.ndarray, factor, job: Job) -> tuple[np.ndarray, np.ndarray]:
         """The probes ranks that sit out run on their own time (training/prober.py): a rank
-        reports one at max(min_local, 2) samples at the first step after the last one ended
-        (its own compute at that batch, stretched as the engine's); nobody waits for it."""
-        out, small = row == 0, max(job.min_local_batch, 2)
+        reports one at the first step after the last one ended, at the samples its prober
+        would choose (OwnProbeSizes: its own compute at that batch, stretched as the
+        engine's); nobody waits for it."""
+        out = row == 0
         samples, seconds = np.zeros(len(row)), np.zeros(len(row))
         if not out.any():
             return samples, seconds
-        times = self.compute.pre(np.where(out, small, 0), factor, np.array([e.step_sleep for e in self.emus]))
         due = out & (self.probe_end <= self.trained)
-        samples[due], seconds[due] = small, times[due]
+        sizes = self.sizes.next(due, job, int(row.sum()))
+        times = self.compute.pre(np.where(due, sizes, 0), factor, np.array([e.step_sleep for e in self.emus]))
+        samples[due], seconds[due] = sizes[due], times[due]
+        self.sizes.measured(due, sizes, times)
         self.probe_end = np.where(due, self.trained + times, self.probe_end)
         return samples, seconds
 
