@@ -403,13 +403,14 @@ def test_a_rank_cut_far_below_all_it_measured_at_a_new_speed_sits_out_rather_tha
     gives it about 9 samples at a predicted 49 ms; they take 145 ms, 2.8x the step. Under
     "auto" it sits out from the first move instead (cut_unmeasured), at least until an
     in-step probe of a rank that sits out; under "all" it cannot, and
-    keeps its few samples. With the rule off (CUT infinite), "auto" keeps them too."""
-    def first_move(cut):
+    keeps its few samples. With the rule off (CUT infinite), "auto" keeps them too, and so
+    it does where the others cannot take them (max_local), at once, not a refit later."""
+    def first_move(cut, max_local=None):
         monkeypatch.setattr(dynamic.within_epoch, "CUT", cut)
         machine = Machine([1e-4, 1e-4], [2e-3, 2e-3], noise=0.02, seed=1)
         machine.slow(rank=1, start=100, stop=400, factor=50)
         vectors = closed_loop(machine, 200, model=model_of([1.08e-4, 1.08e-4], [0.0, 0.0]),
-                              participation=participation)
+                              participation=participation, max_local=max_local)
         moved = 100 + first_step(vectors, 100, lambda v: v[1] < 200)
         assert moved <= 100 + RECENT, moved
         return vectors[moved:moved + 4 * RECENT]        # (a probe of a rank that sits out comes later)
@@ -418,6 +419,7 @@ def test_a_rank_cut_far_below_all_it_measured_at_a_new_speed_sits_out_rather_tha
         return
     assert (first_move(dynamic.CUT)[:, 1] == 0).all()
     assert 4 <= first_move(math.inf)[0, 1] <= 16
+    assert first_move(dynamic.CUT, max_local=500)[0, 1] >= 12     # rank 0 cannot take them all: it keeps them
 
 
 def test_an_own_time_probe_is_large_where_due_cut_to_what_the_last_small_one_says_fits():

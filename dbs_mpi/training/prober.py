@@ -120,8 +120,9 @@ class Prober:
             self.since = None
             return
         now = time.perf_counter()
-        if self.since is None:
+        if self.since is None:               # a new spell out: its speed may differ from the last one's
             self.since, self.used, self.last_step = now, 0.0, now
+            self.last_small, self.sped_up = None, False
         self.step_time, self.last_step = 0.8 * self.step_time + 0.2 * (now - self.last_step), now
         self._finished()
         if self.thread is not None or self.failed is not None or self.used > PROBE_DUTY * (now - self.since):

@@ -105,7 +105,7 @@ LARGE_LEAST = 8       # ... where that is at least LARGE_LEAST small ones (else 
 def own_probe_size(small: int, large: int, due: bool, last_small: float | None, step_time: float) -> int:
     """The samples of a rank's next own-time probe (training/prober.py; the simulator runs
     the same rule): `small` (the level, cheap), or where a large one is `due` (none of the
-    last LARGE_EVERY was, or the last small one ran twice as fast as the one before: a rank
+    last LARGE_EVERY - 1 was, or the last small one ran twice as fast as the one before: a rank
     that sped up, whose slope the planner wants at once) `large` (the slope, so that a rank
     taken back gets its whole share at once; `large` no more than the samples the rank
     kept), cut to the largest power of two that the last small one (`last_small` seconds;

@@ -12,8 +12,10 @@ it grows at most to SPREAD times the largest batch its window measured (growth_l
 The rest of the move follows once RECENT steps have run at the new batch, judged with
 the whole move (its gain over the slower of the vector now and the one before the move's
 first part: alone, the rest of a small rank's move is often within the dead band, and
-it stayed undone). After any move the planner waits until RECENT steps have run with
-the new vector; after an in-step probe (probe.py) it goes back to the vector before it
+it stayed undone). A rank whose speed just changed and that the new vector would cut far
+below what it measured, to a few samples priced on a fixed cost nothing measured, sits
+out instead (cut_unmeasured). After any move the planner waits until RECENT steps
+have run with the new vector; after an in-step probe (probe.py) it goes back to the vector before it
 unless the measurement finds a better one by the dead band.
 
 
@@ -188,25 +190,25 @@ class StepPlanner:
         out; where growth_limit holds a rank back, the part of that move it allows, if no slower than now."""
         if least_step_time(model, self.global_batch, self.participation) >= target:
             return None                                    # no vector can pass the dead band
-        whole = self._allocate(model, current, self.max_local)
-        within = None if whole is None or self.participation != "auto" else \
-            cut_unmeasured(whole, changed, self.estimator, self.global_batch)
-        whole = whole if within is None else self._allocate(model, current, self.max_local, within)
+        whole = self._allocate(model, current, self.max_local, changed)
         if whole is None or float(model.predict(whole).max()) > target or np.array_equal(whole, current):
             return None
         limit = growth_limit(current, self.estimator, self.global_batch, self.max_local)
-        candidate = whole if limit is self.max_local else self._allocate(model, current, limit, within)
+        candidate = whole if limit is self.max_local else self._allocate(model, current, limit, changed)
         if candidate is None or np.array_equal(candidate, current) or \
                 float(model.predict(candidate).max()) > float(model.predict(current).max()):
             return None
         self.capped = not np.array_equal(candidate, whole)    # the rest of the move goes on after RECENT steps
         return candidate
 
-    def _allocate(self, model: SpeedModel, current: np.ndarray, limit, within=None) -> np.ndarray | None:
-        """The model's vector within `limit` (within: of that set of ranks); a set banned
-        lately is re-balanced within the current one instead."""
-        candidate = allocate_for(model, self.global_batch, self.min_local, limit, self.participation, within)
-        if candidate is None or not self.sets.banned_set(candidate, self.step):
+    def _allocate(self, model: SpeedModel, current: np.ndarray, limit, changed) -> np.ndarray | None:
+        """The model's vector within `limit`, less the ranks cut_unmeasured() sends out where
+        the others can take their samples within it; a set banned lately is re-balanced
+        within the current one instead."""
+        candidate = allocate_for(model, self.global_batch, self.min_local, limit, self.participation)
+        if self.participation == "auto":
+            candidate = cut_unmeasured(candidate, changed, self.estimator, model, self.min_local, limit)
+        if not self.sets.banned_set(candidate, self.step):
             return candidate
         return None if self.sets.banned_set(current, self.step) else \
             allocate_for(model, self.global_batch, self.min_local, limit, within=current > 0)
@@ -293,25 +295,28 @@ def growth_limit(current: np.ndarray, estimator: StepTimeEstimator, global_batch
     return limit if limit.sum() >= global_batch else max_local
 
 
-def cut_unmeasured(vector: np.ndarray, changed, estimator: StepTimeEstimator, global_batch: int):
-    """The ranks taking part in `vector` less those it cuts, right after their speed
-    changed, to a small batch (below PROBE_BELOW of an equal share) under 1/CUT of every
-    batch their window measured at the new speed, where that window does not spread (None:
-    no such rank). Such a batch is priced on a fixed cost that nothing measured (the old
-    model's, scaled by the new level): with a share f of the measured step fixed, a cut by
-    k takes f k + 1 - f times what a model without it says, and every rank waits for the
-    few samples (a rank slowed 50x, priced at 0-36 ms of fixed cost where it had about
-    100, kept 2-10 samples for 6-12 steps at 2-4x the others' step). Such a rank sits out
-    instead: its own-time probes (probe.py) measure it at a small batch, and the plan takes
-    it back where that pays. Its samples are below 1/8 of an equal share, so sitting out
-    costs the others little; the error it avoids costs them the whole step."""
+def cut_unmeasured(vector: np.ndarray, changed, estimator: StepTimeEstimator, model: SpeedModel, min_local: int,
+                   max_local) -> np.ndarray:
+    """`vector` less the ranks it cuts, right after their speed changed, to a small batch
+    (below PROBE_BELOW of an equal share) under 1/CUT of every batch their window measured
+    at the new speed, where that window does not spread: the others take their samples
+    (re-allocated by `model`), where they can within max_local (else `vector` as it is).
+    Such a batch is priced on a fixed cost that nothing measured (the old model's, scaled
+    by the new level): with a share f of the measured step fixed, a cut by k takes f k +
+    1 - f times what a model without it says, and every rank waits for the few samples (a
+    rank slowed 50x, priced at 0-36 ms of fixed cost where it had about 100, kept 2-10
+    samples for 6-12 steps at 2-4x the others' step). Such a rank sits out instead: its
+    own-time probes (probe.py) measure it at a small batch, and the plan takes it back
+    where that pays. Its samples are below 1/8 of an equal share, so sitting out costs the
+    others little; the error it avoids costs them the whole step."""
     vector = np.asarray(vector)
     if not np.any(changed):
-        return None
+        return vector
     low, high = estimator.measured_range()
-    small = (vector > 0) & (vector < PROBE_BELOW * global_batch / len(vector))
+    small = (vector > 0) & (vector < PROBE_BELOW * vector.sum() / len(vector))
     out = np.asarray(changed, bool) & small & (high < SPREAD * low) & (CUT * vector < low)
-    return (vector > 0) & ~out if out.any() else None
+    cut = allocate_for(model, int(vector.sum()), min_local, max_local, within=(vector > 0) & ~out) if out.any() else None
+    return vector if cut is None else cut
 
 
 def with_probes(row, seconds, probe_batches, probe_seconds):

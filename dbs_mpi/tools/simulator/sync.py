@@ -217,22 +217,30 @@ class ExchangeCost:
 
 class OwnProbeSizes:
     """Every rank's prober state in the simulator: the size of its next own-time probe by
-    dynamic.own_probe_size, as training/prober.py chooses it (the steps' mean interval,
-    the last small probe's seconds, whether it ran twice as fast as the one before)."""
+    dynamic.own_probe_size, the rule training/prober.py follows (the last small probe's
+    seconds, whether it ran twice as fast as the one before, both forgotten when a rank
+    begins to sit out; the steps' mean interval, where the prober counts only the steps
+    it sat out). The prober's duty spacing is not simulated: a probe follows the last."""
 
     def __init__(self, ranks: int):
         self.since_large = np.full(ranks, dynamic.LARGE_EVERY)
         self.last_small = [None] * ranks
-        self.sped_up = np.zeros(ranks, bool)
+        self.sped_up, self.out = np.zeros(ranks, bool), np.zeros(ranks, bool)
         self.step_time, self.small = 0.0, 2
 
     def stepped(self, seconds: float) -> None:
         self.step_time = 0.8 * self.step_time + 0.2 * seconds
 
+    def sat_out(self, out: np.ndarray) -> None:
+        """The ranks that sit out in this step: those that did not in the last start afresh."""
+        for rank in np.flatnonzero(out & ~self.out):
+            self.last_small[rank], self.sped_up[rank] = None, False
+        self.out = np.array(out, bool)
+
     def next(self, due: np.ndarray, job: Job, global_batch: int) -> np.ndarray:
-        small = self.small = max(job.min_local_batch, 2)
-        large = max(math.ceil(1.5 * small), global_batch // (2 * len(due)))
+        large = max(math.ceil(1.5 * max(job.min_local_batch, 2)), global_batch // (2 * len(due)))
         large = min(large, job.max_local_batch) if job.max_local_batch else large
+        small = self.small = min(max(job.min_local_batch, 2), large)      # (the prober keeps at most `large`)
         sizes = np.full(len(due), small)
         for rank in np.flatnonzero(due):
             self.since_large[rank] += 1
@@ -281,6 +289,7 @@ class _SyncClock:
         engine's); nobody waits for it."""
         out = row == 0
         samples, seconds = np.zeros(len(row)), np.zeros(len(row))
+        self.sizes.sat_out(out)
         if not out.any():
             return samples, seconds
         due = out & (self.probe_end <= self.trained)

@@ -1,0 +1,51 @@
+"""training/prober.py without MPI: the sizes a rank that sits out probes itself at, and
+what a probe's result does to the next one (the MPI tests run it in whole jobs)."""
+from types import SimpleNamespace
+
+import torch
+
+from dbs_mpi.planning import dynamic
+from dbs_mpi.training.prober import Prober
+
+
+def prober(samples: int = 128) -> Prober:
+    """A prober of a tiny model for rank 1 of 2 at B = 512 (small 2, large 128); its own
+    time is not stretched."""
+    balancer = SimpleNamespace(world_size=2, rank=1, min_local=1, global_batch=512, max_local=None,
+                               stretch=lambda wall, cpu: 0.0)
+    p = Prober(torch.nn.Linear(4, 2), balancer, "cpu", timeout=10.0)
+    p.inputs, p.samples = ((torch.randn(samples, 4),), {}), samples
+    return p
+
+
+def test_a_rank_that_sped_up_probes_its_slope_once_at_the_size_its_small_probe_says_fits():
+    """After a small probe twice as fast as the one before, the next is large, cut to what
+    the small one says takes at most LARGE_WITHIN steps (dynamic.own_probe_size); after it,
+    small ones again, and a large one every LARGE_EVERY-th."""
+    p = prober()
+    p.last_small, p.step_time = 1.0, 0.047
+    p._probe(p.inputs, p.samples, 2)               # far faster than 1 s: it sped up
+    assert p.sped_up and p.last_small < 0.5
+    p.last_small = 4.1e-3                           # (2 samples of LeNet-5 on this VM)
+    assert p._next_size() == 64 and p.since_large == 0
+    p._probe(p.inputs, p.samples, 64)
+    assert not p.sped_up and p.last_small == 4.1e-3 and p.result[0] == 64
+    assert [p._next_size() for _ in range(dynamic.LARGE_EVERY)] == [2] * (dynamic.LARGE_EVERY - 1) + [64]
+    p.samples = 12                                  # the rank kept fewer samples than `large`: all of them
+    p.since_large = dynamic.LARGE_EVERY
+    assert p._next_size() == 12
+    p.stop()
+
+
+def test_a_new_spell_out_forgets_the_last_ones_small_probe():
+    """A rank taken back and out again may run at another speed: its first probe then is
+    small, whatever the last spell measured."""
+    p = prober()
+    p.failed = RuntimeError("no thread in this test")      # (between_steps starts none)
+    p.warned = True
+    p.last_small, p.sped_up, p.since_large = 4e-3, True, dynamic.LARGE_EVERY
+    p.between_steps(5)                              # taken back
+    p.between_steps(0)                              # out again
+    assert p.last_small is None and not p.sped_up
+    p.step_time = 0.047
+    assert p._next_size() == 2
