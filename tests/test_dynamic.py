@@ -422,6 +422,16 @@ def test_a_rank_cut_far_below_all_it_measured_at_a_new_speed_sits_out_rather_tha
     assert first_move(dynamic.CUT, max_local=500)[0, 1] >= 12     # rank 0 cannot take them all: it keeps them
 
 
+def test_a_rank_out_may_grow_to_min_local_whatever_its_growth_limit():
+    """growth_limit bounds a rank that sits out, with a flat window, to B/2n; where min_local
+    is larger (16 of B = 64 on 4 ranks: 8), its bound is min_local, so the bounds stay
+    feasible (before, allocating within them raised AllocationError inside plan())."""
+    machine = Machine([1e-4, 1e-4, 1e-4, 5e-3], [2e-3, 2e-3, 2e-3, 0.1], noise=0.02, seed=0)
+    machine.slow(rank=0, start=60, stop=200, factor=2)
+    vectors = closed_loop(machine, 200, start=[22, 21, 21, 0], global_batch=64, min_local=16)
+    assert all(v.sum() == 64 and all(b == 0 or b >= 16 for b in v) for v in vectors)
+
+
 def test_an_own_time_probe_is_large_where_due_cut_to_what_the_last_small_one_says_fits():
     """training/prober.py's sizes (dynamic.own_probe_size): small unless a large one is
     due; large where the last small one, read in proportion, says it takes at most

@@ -37,15 +37,20 @@ def test_a_rank_that_sped_up_probes_its_slope_once_at_the_size_its_small_probe_s
     p.stop()
 
 
-def test_a_new_spell_out_forgets_the_last_ones_small_probe():
+def test_a_rank_taken_back_forgets_its_last_small_probe_and_an_epochs_end_does_not():
     """A rank taken back and out again may run at another speed: its first probe then is
-    small, whatever the last spell measured."""
+    small, whatever the last spell measured. Within a spell, and across the end of an
+    epoch (no step planned: None), the last small probe is kept, so that a slow-down
+    ending with the epoch is found by the probes on either side of it."""
     p = prober()
     p.failed = RuntimeError("no thread in this test")      # (between_steps starts none)
     p.warned = True
-    p.last_small, p.sped_up, p.since_large = 4e-3, True, dynamic.LARGE_EVERY
+    p.last_small, p.sped_up = 4e-3, True
+    for local in (0, None, 0):                     # out, the epoch's end, out in the next epoch
+        p.between_steps(local)
+        assert p.last_small == 4e-3 and p.sped_up, local
     p.between_steps(5)                              # taken back
     p.between_steps(0)                              # out again
     assert p.last_small is None and not p.sped_up
-    p.step_time = 0.047
+    p.step_time, p.since_large = 0.047, dynamic.LARGE_EVERY
     assert p._next_size() == 2

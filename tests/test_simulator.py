@@ -162,17 +162,24 @@ def test_a_coupled_fastest_rank_starts_alone_as_in_the_engine():
 def test_the_simulated_probers_size_their_probes_as_the_engines():
     """OwnProbeSizes runs training/prober.py's rule: small probes; after one twice as fast
     as the one before, one large probe cut to what the small one says fits (64 of 128
-    here), then small ones again; a large one every LARGE_EVERY-th where it fits."""
+    here), then small ones again; a large one every LARGE_EVERY-th where it fits; a rank
+    taken back and out again starts afresh."""
     sizes, j, due = OwnProbeSizes(2), job("dbs", global_batch=512), np.array([False, True])
     for _ in range(40):
         sizes.stepped(0.047)
     seen = []
     for seconds in (0.1, 0.004, 0.01, 0.004, 0.004):
+        sizes.sat_out(due)                              # (as _SyncClock._probes, every step)
         size = sizes.next(due, j, 512)
         sizes.measured(due, size, np.array([0.0, seconds]))
         seen.append(int(size[1]))
     assert seen == [2, 2, 64, 2, 2]
     assert sorted(int(sizes.next(due, j, 512)[1]) for _ in range(dynamic.LARGE_EVERY)) == [2] * 7 + [64]
+    sizes.sat_out(due)                                  # still out: its last small probe is kept
+    assert sizes.last_small[1] == 0.004
+    sizes.sat_out(np.array([False, False]))            # taken back, then out again: afresh
+    sizes.sat_out(due)
+    assert sizes.last_small[1] is None and not sizes.sped_up[1]
 
 
 def test_dbs_converges_to_the_speed_ratio():

@@ -351,7 +351,7 @@ def _plan_next(steps, balancer, prober, participants) -> None:
     """After a step, the next one's plan (a rank that sat out catches up before it); a rank
     that sits out in it probes itself beside it (prober.py; where it stays in the exchange
     after all, it never does)."""
-    local = steps.current().local if balancer.step_pending else 1
+    local = steps.current().local if balancer.step_pending else None      # (None: the epoch's end)
     if prober is not None:
         prober.between_steps(local if participants.enabled else 1)
 

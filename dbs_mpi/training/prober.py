@@ -111,18 +111,23 @@ class Prober:
         keep = min(samples, self.large)
         self.inputs, self.samples = (_slice(args, samples, keep), _slice(kwargs, samples, keep)), keep
 
-    def between_steps(self, local: int) -> None:
+    def between_steps(self, local: int | None) -> None:
         """The next step's local batch is `local`: start a probe if it sits out and one is due
         (the last one's result may still wait for take()); a rank taken back first ends the
-        probe under way (its core is the step's again)."""
-        if local > 0:
+        probe under way (its core is the step's again) and forgets its last small probe (its
+        next spell out may run at another speed). None: the epoch ended and no step is
+        planned; the probe under way ends, and the duty starts again with the next epoch, but
+        the last small probe is kept (a slow-down that ends with the epoch is found by the
+        probes on either side of it)."""
+        if local is None or local > 0:
             self.stop()
             self.since = None
+            if local:
+                self.last_small, self.sped_up = None, False
             return
         now = time.perf_counter()
-        if self.since is None:               # a new spell out: its speed may differ from the last one's
+        if self.since is None:
             self.since, self.used, self.last_step = now, 0.0, now
-            self.last_small, self.sped_up = None, False
         self.step_time, self.last_step = 0.8 * self.step_time + 0.2 * (now - self.last_step), now
         self._finished()
         if self.thread is not None or self.failed is not None or self.used > PROBE_DUTY * (now - self.since):

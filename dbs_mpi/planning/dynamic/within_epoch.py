@@ -50,7 +50,7 @@ GAIN_Z = 3.0          # a new vector must gain at least this many standard error
 IDLE = 2.0            # a rank whose step is below 1/IDLE of the slowest other's is idle most of the step
 
 
-CUT = 4.0             # a rank cut to a small batch under 1/CUT of all it measured at a new speed sits out (cut_unmeasured)
+CUT = 4.0             # cut to a small batch under 1/CUT of all it measured at a new speed: out (cut_unmeasured)
 
 
 def least_step_time_every_rank(model: SpeedModel, global_batch: int) -> float:
@@ -193,7 +193,7 @@ class StepPlanner:
         whole = self._allocate(model, current, self.max_local, changed)
         if whole is None or float(model.predict(whole).max()) > target or np.array_equal(whole, current):
             return None
-        limit = growth_limit(current, self.estimator, self.global_batch, self.max_local)
+        limit = growth_limit(current, self.estimator, self.global_batch, self.max_local, self.min_local)
         candidate = whole if limit is self.max_local else self._allocate(model, current, limit, changed)
         if candidate is None or np.array_equal(candidate, current) or \
                 float(model.predict(candidate).max()) > float(model.predict(current).max()):
@@ -268,9 +268,11 @@ class StepPlanner:
         return self
 
 
-def growth_limit(current: np.ndarray, estimator: StepTimeEstimator, global_batch: int, max_local):
+def growth_limit(current: np.ndarray, estimator: StepTimeEstimator, global_batch: int, max_local, min_local: int = 1):
     """Per-rank upper bounds of a move: a rank at a tiny batch (mostly fixed cost) at most
-    doubles (or grows by B/2n, if that is more); the others are bounded by max_local only.
+    doubles (or grows by B/2n, if that is more; never below min_local, so that a rank out
+    may take part: above B/2n the bounds were infeasible and the planner raised); the
+    others are bounded by max_local only.
     Where such a rank's step takes at least 1/IDLE of the slowest other rank's (near its
     balance, not idle most of the step), it grows at most to SPREAD times the largest
     batch its window measured (at least one sample more): beyond that its slope is a
@@ -291,7 +293,7 @@ def growth_limit(current: np.ndarray, estimator: StepTimeEstimator, global_batch
     measured = np.maximum(np.ceil(SPREAD * np.maximum(largest, current)), current + 1) - current
     lift = np.where(guess, measured, np.maximum(current, math.ceil(global_batch / (2 * len(current)))))
     bound = np.inf if not max_local else float(max_local)
-    limit = np.minimum(np.where(share < TINY_SHARE, current + lift, np.inf), bound)
+    limit = np.minimum(np.maximum(np.where(share < TINY_SHARE, current + lift, np.inf), min_local), bound)
     return limit if limit.sum() >= global_batch else max_local
 
 
@@ -315,7 +317,8 @@ def cut_unmeasured(vector: np.ndarray, changed, estimator: StepTimeEstimator, mo
     low, high = estimator.measured_range()
     small = (vector > 0) & (vector < PROBE_BELOW * vector.sum() / len(vector))
     out = np.asarray(changed, bool) & small & (high < SPREAD * low) & (CUT * vector < low)
-    cut = allocate_for(model, int(vector.sum()), min_local, max_local, within=(vector > 0) & ~out) if out.any() else None
+    cut = None if not out.any() else allocate_for(model, int(vector.sum()), min_local, max_local,
+                                                  within=(vector > 0) & ~out)
     return vector if cut is None else cut
 
 
