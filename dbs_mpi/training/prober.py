@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import atexit
 import copy
-import math
 import threading
 import time
 import warnings
@@ -44,7 +43,7 @@ import weakref
 import torch
 
 from ..mpi.devices import synchronize
-from ..planning.dynamic.probe import LARGE_EVERY, own_probe_size
+from ..planning.dynamic.probe import LARGE_EVERY, after_own_probe, own_probe_bounds, own_probe_size
 from .batches import first_samples
 from .sync_batchnorm import make_local
 
@@ -86,11 +85,8 @@ class Prober:
 
     def __init__(self, model, balancer, device, timeout: float):
         self.model, self.balancer, self.device, self.timeout = model, balancer, torch.device(device), timeout
-        world = balancer.world_size
-        self.small = max(balancer.min_local, 2)
-        self.large = max(math.ceil(1.5 * self.small), balancer.global_batch // (2 * world))
-        if balancer.max_local:
-            self.large = min(self.large, balancer.max_local)
+        self.small, self.large = own_probe_bounds(balancer.min_local, balancer.global_batch, balancer.world_size,
+                                                  balancer.max_local)
         self.inputs, self.samples = None, 0     # (args, kwargs) of up to `large` samples this rank computed
         self.copy = None                        # the model the probes run on (made at the first probe)
         self.thread: threading.Thread | None = None
@@ -200,11 +196,8 @@ class Prober:
             self.balancer.stretch(wall, cpu)        # the emulated speed (coupled: others compute)
             self.used += used + (wall if self.device.type == "cuda" else cpu)
             self.result = (size, time.perf_counter() - start)
-            if size == min(self.small, samples):     # a small probe twice as fast as the last: the slope next
-                self.sped_up = self.last_small is not None and self.result[1] < 0.5 * self.last_small
-                self.last_small = self.result[1]
-            else:                                    # (once: then small ones again, and large every LARGE_EVERY)
-                self.sped_up = False
+            self.last_small, self.sped_up = after_own_probe(size, min(self.small, samples), self.result[1],
+                                                            self.last_small, self.sped_up)
         except Exception as error:      # noqa: BLE001 (reported by take(): probing stops, the planner probes in steps)
             self.failed = error
 

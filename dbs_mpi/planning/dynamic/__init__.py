@@ -24,7 +24,8 @@ from .estimate import (CHANGE_Z, FIXED_MAX, MAD_SIGMA, MEDIAN_SE, NOISE_FLOOR, O
                        least_squares_line, robust_fit)
 from .per_epoch import DBSController  # noqa: F401
 from .probe import (LARGE_EVERY, LARGE_LEAST, LARGE_WITHIN, PROBE_BELOW, PROBE_BUDGET, PROBE_FEW,  # noqa: F401
-                    PROBE_FIRST, PROBE_IDLE, PROBE_MAX, PROBE_STEPS, Probes, own_probe_size)
+                    PROBE_FIRST, PROBE_IDLE, PROBE_MAX, PROBE_STEPS, Probes, after_own_probe, own_probe_bounds,
+                    own_probe_size)
 from .within_epoch import (CUT, DEFAULT_INTERVAL, GAIN_Z, Proposal, Replanner, StepPlanner, Switch,  # noqa: F401
                            cut_unmeasured, least_step_time_every_rank, switch_step)
 

@@ -102,6 +102,24 @@ LARGE_WITHIN = 4      # ... cut to the largest power of two the last small one s
 LARGE_LEAST = 8       # ... where that is at least LARGE_LEAST small ones (else the small size again)
 
 
+def own_probe_bounds(min_local: int, global_batch: int, ranks: int, max_local) -> tuple[int, int]:
+    """The two sizes of a rank's own-time probes: max(min_local, 2) samples (the level) and
+    B / 2n (the slope; at least SPREAD small ones), within max_local."""
+    small = max(int(min_local), 2)
+    large = max(math.ceil(SPREAD * small), int(global_batch) // (2 * int(ranks)))
+    return small, min(large, int(max_local)) if max_local else large
+
+
+def after_own_probe(size: int, small: int, seconds: float, last_small: float | None,
+                    sped_up: bool) -> tuple[float | None, bool]:
+    """(last_small, sped_up) after an own-time probe of `size` samples took `seconds`: a
+    small one is the level, and the rank sped up where it ran twice as fast as the last
+    small one; a large one answers a speed-up's call for the slope (own_probe_size)."""
+    if size == small:
+        return seconds, last_small is not None and seconds < 0.5 * last_small
+    return last_small, False
+
+
 def own_probe_size(small: int, large: int, due: bool, last_small: float | None, step_time: float) -> int:
     """The samples of a rank's next own-time probe (training/prober.py; the simulator runs
     the same rule): `small` (the level, cheap), or where a large one is `due` (none of the

@@ -2,21 +2,22 @@
 pays, announced with a step's exchange and applied from a step nobody has handed out.
 
 The planner proposes a new vector when a re-allocation from the updated models lowers
-the predicted step time max_i t_i(b_i) by at least `min_gain`, and, where no rank's speed
-changed, by GAIN_Z standard errors of the estimate too (a dead band: noise never walks
-the vector). A rank whose step time at its current local batch is mostly fixed cost
-(per-sample share below TINY_SHARE) may at most double its batch (or grow by B/2n) in
-one move: its measurement says little about its per-sample cost, so a large jump would
-be a guess (the overshoot of a rank cut to a few samples); near its balance (not IDLE)
-it grows at most to SPREAD times the largest batch its window measured (growth_limit).
-The rest of the move follows once RECENT steps have run at the new batch, judged with
-the whole move (its gain over the slower of the vector now and the one before the move's
-first part: alone, the rest of a small rank's move is often within the dead band, and
-it stayed undone). A rank whose speed just changed and that the new vector would cut far
-below what it measured, to a few samples priced on a fixed cost nothing measured, sits
-out instead (cut_unmeasured). After any move the planner waits until RECENT steps
-have run with the new vector; after an in-step probe (probe.py) it goes back to the vector before it
-unless the measurement finds a better one by the dead band.
+the predicted step time max_i t_i(b_i) by at least `min_gain`, and, where no rank's
+speed changed, by GAIN_Z standard errors of the estimate too (a dead band: noise never
+walks the vector). A rank whose step time at its current local batch is mostly fixed
+cost (per-sample share below TINY_SHARE) may at most double its batch (or grow by B/2n)
+in one move: its measurement says little about its per-sample cost, so a large jump
+would be a guess (the overshoot of a rank cut to a few samples); near its balance (not
+IDLE) it grows at most to SPREAD times the largest batch its window measured
+(growth_limit). The rest of the move follows once RECENT steps have run at the new
+batch, judged with the whole move (its gain over the slower of the vector now and the
+one before the move's first part: alone, the rest of a small rank's move is often within
+the dead band, and it stayed undone). A rank whose speed just changed and that the new
+vector would cut far below what it measured, to a few samples priced on a fixed cost
+nothing measured, sits out instead (cut_unmeasured). After any move the planner waits
+until RECENT steps have run with the new vector; after an in-step probe (probe.py) it
+goes back to the vector before it unless the measurement finds a better one by the dead
+band.
 
 
 How fast: a persistent change is in the level after ceil(RECENT / 2) = 3 steps, the

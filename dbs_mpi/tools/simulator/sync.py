@@ -238,9 +238,8 @@ class OwnProbeSizes:
         self.out = np.array(out, bool)
 
     def next(self, due: np.ndarray, job: Job, global_batch: int) -> np.ndarray:
-        large = max(math.ceil(1.5 * max(job.min_local_batch, 2)), global_batch // (2 * len(due)))
-        large = min(large, job.max_local_batch) if job.max_local_batch else large
-        small = self.small = min(max(job.min_local_batch, 2), large)      # (the prober keeps at most `large`)
+        small, large = dynamic.own_probe_bounds(job.min_local_batch, global_batch, len(due), job.max_local_batch)
+        small = self.small = min(small, large)          # (the prober keeps at most `large` samples)
         sizes = np.full(len(due), small)
         for rank in np.flatnonzero(due):
             self.since_large[rank] += 1
@@ -251,9 +250,8 @@ class OwnProbeSizes:
 
     def measured(self, due: np.ndarray, sizes: np.ndarray, seconds: np.ndarray) -> None:
         for rank in np.flatnonzero(due):
-            last, small = self.last_small[rank], sizes[rank] == self.small     # (a small probe: the level)
-            self.sped_up[rank] = small and last is not None and seconds[rank] < 0.5 * last
-            self.last_small[rank] = float(seconds[rank]) if small else last
+            self.last_small[rank], self.sped_up[rank] = dynamic.after_own_probe(
+                sizes[rank], self.small, float(seconds[rank]), self.last_small[rank], self.sped_up[rank])
 
 
 class _SyncClock:
@@ -273,8 +271,9 @@ class _SyncClock:
             factor = step_factor(self.emus, self.compute.cluster, table[s])
             pre[s] = self.compute.pre(table[s], factor, np.array([e.step_sleep for e in self.emus]))
             comm[s] = self.comm(table[s], last=s == len(table) - 1)
-            self.sizes.stepped(float(pre[s].max() + comm[s] + self.update))
-            self.trained += float(pre[s].max() + comm[s] + self.update)
+            seconds = float(pre[s].max() + comm[s] + self.update)
+            self.sizes.stepped(seconds)
+            self.trained += seconds
             self.run_steps += 1
             for e in self.emus:
                 e.step_done(self.trained)
