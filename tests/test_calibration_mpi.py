@@ -70,6 +70,24 @@ def test_a_slow_rank_of_a_calibration_at_one_batch_keeps_its_tiny_time():
     np.testing.assert_allclose(done, [[0.0012, 0.0013], [0.02, 0.02]])
 
 
+def test_a_rank_slower_at_the_small_batch_times_a_smaller_large_one_read_off_its_line():
+    """Ratios 1, 2, 4 and 20 at the small batch (128), large 512: the 2x rank times 128 +
+    384 / 2 samples, the 4x 128 + 96, the 20x (beyond SLOW_START) 128 + 48; a slow rank
+    (NaN: it timed no small batch) none. Their times at 512 are read off the line through
+    their two, a line that falls (noise) flat at the small batch's time; a rank that timed
+    the large batch keeps its time. One batch (max_local 1) or no rank timed: as asked."""
+    small_times = [0.01, 0.02, 0.04, 0.2, np.nan]
+    assert calibration.large_batches(small_times, 128, 512).tolist() == [512, 320, 224, 176, 0]
+    assert calibration.large_batches([0.01, 0.05], 1, 1).tolist() == [1, 1]
+    assert calibration.large_batches([np.nan, np.nan], 128, 512).tolist() == [0, 0]
+    times = [[0.01, 0.04], [0.02, 0.05], [0.04, 0.03], [np.nan, np.nan]]
+    done = calibration.read_off(times, 128, 512, [512, 320, 224, 0])
+    assert done[0].tolist() == [0.01, 0.04]
+    assert done[1].tolist() == pytest.approx([0.02, 0.02 + 0.03 * 384 / 192])
+    assert done[2].tolist() == [0.04, 0.04]
+    assert np.isnan(done[3]).all()
+
+
 class FakeClock:
     """time.perf_counter and process_time of a process whose steps take what they say."""
     def __init__(self):
@@ -185,3 +203,22 @@ def test_a_much_slower_rank_times_its_own_second_batch_and_is_read_off_its_line(
     expected = 0.030 + 0.001 * np.array([64, 256])
     assert (np.abs(times[1:] / expected - 1) < 0.25).all(), times
     assert tiny.shape == (comm.Get_size(),) and calibration.slow(tiny)[1:].all() and not calibration.slow(tiny)[0]
+
+
+@pytest.mark.mpi
+def test_a_rank_slower_at_the_small_batch_times_fewer_samples_at_the_large_one(comm):
+    """Rank 0's step sleeps 1 ms + 0.1 ms a sample, every other rank's 1 ms + 0.4 ms
+    (about 3.6x at the small batch of 64, 1.5x at the tiny one: timed, not slow): they
+    time the large batch at 64 + 192 / r_s samples, not 256, and their time at 256 is
+    read off their line (1 ms + 0.4 ms x 256); rank 0 times 64 and 256 as before."""
+    calls = []
+    rank = comm.Get_rank()
+    step = sleeper(0.001, 0.0001 if rank == 0 else 0.0004, calls)
+    fit, times, tiny = balancer.calibrate(comm, step, 64, 256, steps=5, warmup=2, timeout=60.0)
+    timed = sorted(set(calls) - {calibration.TINY})
+    if rank == 0:
+        assert timed == [64, 256], calls
+    else:
+        assert len(timed) == 2 and timed[0] == 64 and 64 + 192 / 5 < timed[1] < 64 + 192 / 2.5, calls
+        assert abs(times[rank, 1] / (0.001 + 0.0004 * 256) - 1) < 0.2, times
+    assert abs(times[0, 1] / (0.001 + 0.0001 * 256) - 1) < 0.2, times

@@ -16,7 +16,8 @@ samples, and its ratio r to the fastest rank's time there decides:
            per sample no larger than the fastest rank's (noise), its cost per sample is
            the fastest rank's times r. It then sits out or takes a few samples, and the
            steps measure it from then on
-  timed    the rest: both batches (a slower one fewer steps: balancer.calibration_steps)
+  timed    the rest: both batches (a slower one fewer steps: balancer.calibration_steps),
+           the large one scaled down where it is slower at the small one (below)
 
 Why a slow rank's own slope. Its tiny ratio overstates its cost per sample wherever the
 fastest rank's tiny step is cheaper than its line says (a line fitted at 128 and 512
@@ -31,15 +32,25 @@ least 5 steps of each batch, the large one 4x the small. Where the fastest ranks
 calibration is shorter than that (a step of theirs mostly fixed cost), they wait for the
 rest, as they wait for the slow rank's tiny steps.
 
-A rank 2-8x slower still times both batches, though its steps of the large one may
-outlast the fastest rank's whole calibration (at 1:0.25, 0.9 s against 0.5 s): it then
-computes while the fastest ranks time theirs, as it will while they train, so a rank
-slowed by the others of its host is timed so (coupling.py compares that with its time
-alone); and a tiny batch says little of a GPU's cost per sample, which a line through it
-would extrapolate. The times read off are recorded like measured ones (startup/step_time;
-startup/tiny_time tells which), so a launch that reuses a recorded calibration fits the
-same model. The simulator (tools/simulator/sync.py) fills in its simulated calibration by
-the same rule. Pure code, no MPI: every rank decides alike from the gathered tiny times.
+A rank 2-8x slower still times both batches: it then computes while the fastest ranks
+time theirs, as it will while they train, so a rank slowed by the others of its host is
+timed so (coupling.py compares that with its time alone); and a tiny batch says little
+of a GPU's cost per sample, which a line through it would extrapolate. But its large
+batch is its own (large_batches): the small batch's times are all-gathered, and a rank
+r_s times slower than the fastest there times small + (large - small) / r_s samples
+(r_s within 1 and SLOW_START), so that its steps there take about as long as the
+fastest's at the large batch. Its time at the large batch is read off the line through
+its two (read_off). Before, its steps of the large batch outlasted the fastest rank's
+whole calibration: at 1:0.25 with the fast rank coupled (`--couple 0:2`; LeNet-5, B =
+512), the slow rank's 4 steps of 512 samples took 0.83-0.91 s against the fast rank's
+0.52-0.77 s at 512; now it times about 320 samples in 0.59-0.69 s. The ratio at the
+small batch, not the tiny one, decides: a GPU can be slower than a CPU at 2 samples (its
+kernels' launches) and faster at the small batch, and then times the whole large one.
+
+The times read off are recorded like measured ones (startup/step_time; startup/tiny_time
+tells the slow ranks), so a launch that reuses a recorded calibration fits the same
+model. The simulator (tools/simulator/sync.py) fills in its simulated calibration by the
+same rule. Pure code, no MPI: every rank decides alike from the gathered times.
 """
 from __future__ import annotations
 
@@ -93,4 +104,28 @@ def completed(tiny, times, small: int, large: int) -> np.ndarray:
     slope = np.where((second > 0) & (own > per_sample), own, ratios(tiny) * per_sample)     # (NaN > x: False)
     beyond = np.array([small, large], float) - tiny_batch(small)
     times[late] = tiny[late, None] + np.outer(slope[late], beyond)
+    return times
+
+
+def large_batches(small_times, small: int, large: int) -> np.ndarray:
+    """Per rank, the large batch it times (see the module docstring): small + (large -
+    small) / r_s, r_s its time at the small batch over the fastest's, within 1 and
+    SLOW_START; 0 for a rank that did not time the small one (NaN: a slow rank)."""
+    t = np.asarray(small_times, float)
+    timed = np.isfinite(t)
+    if large <= small or not timed.any():
+        return np.where(timed, large, 0).astype(int)
+    ratio = np.clip(np.where(timed, t, 0.0) / max(float(np.min(t[timed])), 1e-9), 1.0, SLOW_START)
+    beyond = np.maximum(1, np.round((large - small) / ratio))
+    return np.where(timed, small + beyond, 0).astype(int)
+
+
+def read_off(times, small: int, large: int, batches) -> np.ndarray:
+    """The (ranks x 2) times with those at the large batch of the ranks that timed a
+    smaller one (`batches`: large_batches) read off the line through their two times (a
+    line that falls, noise: flat at the small batch's time)."""
+    times, batches = np.array(times, float), np.asarray(batches)
+    short = (batches > small) & (batches < large)
+    rise = np.maximum(times[short, 1] - times[short, 0], 0.0) / (batches[short] - small)
+    times[short, 1] = times[short, 0] + rise * (large - small)
     return times

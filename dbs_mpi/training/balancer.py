@@ -78,8 +78,9 @@ def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int
     at the tiny batch (which tells the times read off: calibration.slow). First every rank
     times a few steps of 2 samples; a rank much slower than the fastest there times one
     batch of its own instead (planning/calibration.py: its times are read off the line
-    through those two), and a slower rank times fewer steps (calibration_steps), so that
-    no rank waits long for it."""
+    through those two), and a slower rank times fewer steps (calibration_steps), and,
+    where it is slower at the small batch, fewer samples in the large one
+    (calibration.large_batches, read_off), so that no rank waits long for it."""
     # The timed steps draw (dropout) from random streams of their own: training's draws are
     # then the same whether a launch calibrated or reused a calibration (use_calibration).
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
@@ -87,13 +88,17 @@ def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int
     with torch.random.fork_rng(devices=cuda):
         tiny = time_step(step, calibration.tiny_batch(small), calibration.TINY_STEPS, 1, stretch)
         tiny = allgather_array(comm, [tiny], timeout)[:, 0]
-        if calibration.slow(tiny)[rank]:         # its own second batch, or nothing more
+        slow = calibration.slow(tiny)[rank]
+        timed, untimed = calibration_steps(calibration.ratios(tiny)[rank], steps, warmup)
+        first = np.nan if slow else time_step(step, small, timed, untimed, stretch, STEADY)
+        larges = calibration.large_batches(allgather_array(comm, [first], timeout)[:, 0], small, large)
+        if slow:         # its own second batch, or nothing more, while the others time their large one
             second = int(calibration.second_batch(tiny, small)[rank])
             mine = [time_step(step, second, calibration.TINY_STEPS, 1, stretch) if second else np.nan, np.nan]
         else:
-            timed, untimed = calibration_steps(calibration.ratios(tiny)[rank], steps, warmup)
-            mine = [time_step(step, b, timed, untimed, stretch, STEADY) for b in (small, large)]
-    times = calibration.completed(tiny, allgather_array(comm, mine, timeout), small, large)
+            mine = [first, time_step(step, int(larges[rank]), timed, untimed, stretch, STEADY)]
+    times = calibration.read_off(allgather_array(comm, mine, timeout), small, large, larges)
+    times = calibration.completed(tiny, times, small, large)
     n = comm.Get_size()
     fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1], affine=affine)
     return fit, times, tiny

@@ -33,7 +33,8 @@ def calibration_step(compute: Compute, cluster: Cluster, factor: np.ndarray, loc
 def calibration_times(job: Job, cluster: Cluster, compute: Compute, emus) -> tuple[tuple, np.ndarray]:
     """The start-up calibration as the engine runs it (balancer.calibrate): the medians of
     benchmark_steps steps at two local batches, those of a rank much slower at the tiny
-    batch read off its tiny and its own second batch (planning/calibration.py). Returns
+    batch read off its tiny and its own second batch, a slower rank's large one its own
+    and read off (planning/calibration.py). Returns
     ((small, large), (ranks x 2) seconds)."""
     small, large = allocation.calibration_batches(job.global_batch, cluster.size, job.min_local_batch,
                                                   job.max_local_batch or None)
@@ -42,10 +43,13 @@ def calibration_times(job: Job, cluster: Cluster, compute: Compute, emus) -> tup
     def timed(b, steps: int) -> np.ndarray:
         return np.median([calibration_step(compute, cluster, factor, b) for _ in range(steps)], axis=0)
     tiny = timed(calibration.tiny_batch(small), calibration.TINY_STEPS)
-    times = np.stack([timed(b, job.benchmark_steps) for b in (small, large)], axis=1)
+    first = np.where(calibration.slow(tiny), np.nan, timed(small, job.benchmark_steps))
+    larges = calibration.large_batches(first, small, large)     # a slower rank's own large batch
+    times = np.stack([first, timed(larges, job.benchmark_steps)], axis=1)
     second = calibration.second_batch(tiny, small)      # a slow rank's own batch
     if second.any():
         times[second > 0, 0] = timed(second, calibration.TINY_STEPS)[second > 0]
+    times = calibration.read_off(times, small, large, larges)
     return (small, large), calibration.completed(tiny, times, small, large)
 
 
