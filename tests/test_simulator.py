@@ -380,6 +380,25 @@ def test_a_replays_load_factor_reads_only_the_cells_its_ranks_timed():
     assert rank_0 >= timed
 
 
+def test_a_replays_load_factor_leaves_out_a_slower_ranks_time_read_off_at_the_large_batch():
+    """A rank 4x slower at the small batch timed a smaller large batch and had its time at
+    the large one read off its line (calibration.large_batches, read_off): that cell is
+    not a measurement, and a tenth of it does not lower the load factor.
+    calibration.timed says which cells were timed."""
+    from dbs_mpi.planning import calibration
+    from dbs_mpi.tools.simulator.replaying import load_factor
+    done = calibration.timed([1e-3, 2e-3, 1e-2], [[0.01, 0.04], [0.04, 0.1], [0.2, 0.5]], 128, 512)
+    assert done.tolist() == [[True, True], [True, False], [False, False]]
+    assert calibration.timed([], [[0.01, 0.04], [0.04, 0.1]], 128, 512).tolist() == [[True, True], [True, False]]
+    j, c, _, _, startup = replay_job(VALIDATION / "ssgd-2r.h5", Machine.load())
+    times = startup["step_time"].copy()
+    times[1] = times[0] * 4                                   # rank 1: 4x slower at both batches
+    slower = {**startup, "step_time": times}
+    low = times.copy()
+    low[1, 1] *= 0.1
+    assert load_factor(j, c, {**slower, "step_time": low}) == pytest.approx(load_factor(j, c, slower))
+
+
 def test_a_run_resumed_on_another_number_of_ranks_is_not_replayed(tmp_path):
     """Its startup/* are the first launch's, its hosts the last one's: one clear error."""
     path = tmp_path / "resumed.h5"

@@ -38,8 +38,9 @@ timed so (coupling.py compares that with its time alone); and a tiny batch says 
 of a GPU's cost per sample, which a line through it would extrapolate. But its large
 batch is its own (large_batches): the small batch's times are all-gathered, and a rank
 r_s times slower than the fastest there times small + (large - small) / r_s samples
-(r_s within 1 and SLOW_START), so that its steps there take about as long as the
-fastest's at the large batch. Its time at the large batch is read off the line through
+(r_s within 1 and SLOW_START): its samples beyond the small batch then take about as
+long as the fastest's, and its fewer steps (at r_s = 4, 4 of 1.75x the fastest's step
+against 5-7) about as long as the fastest's timing there. Its time at the large batch is read off the line through
 its two (read_off). Before, its steps of the large batch outlasted the fastest rank's
 whole calibration: at 1:0.25 with the fast rank coupled (`--couple 0:2`; LeNet-5, B =
 512), the slow rank's 4 steps of 512 samples took 0.83-0.91 s against the fast rank's
@@ -129,3 +130,15 @@ def read_off(times, small: int, large: int, batches) -> np.ndarray:
     rise = np.maximum(times[short, 1] - times[short, 0], 0.0) / (batches[short] - small)
     times[short, 1] = times[short, 0] + rise * (large - small)
     return times
+
+
+def timed(tiny, times, small: int, large: int) -> np.ndarray:
+    """(ranks x 2) bool: which of a calibration's recorded times (`times`, at `small` and
+    `large`) were timed, not read off: none of a slow rank's (by `tiny`; a calibration
+    recorded without it: none slow), and not a slower rank's at the large batch (its
+    large_batches, found again from its time at the small one)."""
+    times = np.asarray(times, float)
+    late = slow(tiny) if len(tiny) == len(times) else np.zeros(len(times), bool)
+    batches = large_batches(np.where(late, np.nan, times[:, 0]), int(small), int(large))
+    short = (batches > small) & (batches < large)
+    return np.stack([~late, ~late & ~short], axis=1)

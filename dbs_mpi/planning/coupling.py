@@ -12,7 +12,8 @@ finds it before the first step:
              share a host with slower ranks, and ranks may sit out
   timed      those ranks time the calibration's large batch once more, alone (the
              others wait, computing nothing): t_i(alone); with every rank computing
-             the calibration measured t_i(together)
+             the calibration measured t_i(together) (read off its line where the
+             rank was slower than the fastest at the small batch: calibration.py)
   coupling   k_i = t_i(together) / t_i(alone); seen where the median over the fastest
              ranks is at least COUPLED
   start      then the fastest ranks alone, their models scaled by 1 / k_i (the speed

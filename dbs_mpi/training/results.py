@@ -98,7 +98,9 @@ SCHEMA_DATASETS = {
     "startup/local_batch": ("(2,) int", "samples", "the two local batches of the start-up calibration"),
     "startup/step_time": ("(R, 2)", "s", "median seconds per step of every rank at those local batches (a "
                            "rank 8x slower than the fastest at 2 samples: read off the line through its "
-                           "times there and at a batch of its own)"),
+                           "times there and at a batch of its own; a rank slower at the small batch: its "
+                           "time at the large one read off the line through its time there and at a "
+                           "smaller one; planning/calibration.py)"),
     "startup/tiny_time": ("(R,)", "s", "median seconds per step of every rank at the tiny batch (2 samples); a "
                           "rank 8x slower than the fastest there has its step_time read off, not timed"),
     "startup/alone_time": ("(R,)", "s", "median seconds of the fastest ranks at the larger batch with no other rank "

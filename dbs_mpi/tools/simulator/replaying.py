@@ -101,18 +101,19 @@ def placement_of(inputs: dict, machine: Machine) -> tuple[np.ndarray, list]:
 def load_factor(job: Job, cluster: Cluster, startup: dict) -> float:
     """How much slower (above 1) or faster (below) than the machine constants the run's own
     calibration was: the smallest ratio over ranks and local batches of measured to
-    simulated step times (noise only ever adds time), over the ranks that timed them (a
-    rank much slower at the tiny batch has its times read off: calibration.slow; a file
-    without `tiny_time`, every rank). Background load makes it larger; a machine whose
-    speed moves on its own, as VMs' does, makes it either."""
+    simulated step times (noise only ever adds time), over the times that were timed, not
+    read off (calibration.timed: a rank much slower at the tiny batch has both read off, a
+    rank slower at the small batch its time at the large one; a file without `tiny_time`,
+    only the latter). Background load makes it larger; a machine whose speed moves on its
+    own, as VMs' does, makes it either."""
     if "step_time" not in startup:
         return 1.0
     factor = step_factor(emulators(job, cluster.size), cluster)     # the calibration: every rank computes
     compute = Compute(job, cluster, 0.0, None)
     simulated = np.stack([calibration_step(compute, cluster, factor, b) for b in startup["local_batch"]], axis=1)
-    tiny, times = startup.get("tiny_time", ()), np.asarray(startup["step_time"])
-    timed = ~calibration.slow(tiny) if len(tiny) == len(times) else np.ones(len(times), bool)
-    load = float(np.min(times[timed] / simulated[timed]))
+    times = np.asarray(startup["step_time"])
+    timed = calibration.timed(startup.get("tiny_time", ()), times, *startup["local_batch"][:2])
+    load = float(np.min(times[timed] / simulated[timed], initial=np.inf))
     return load if np.isfinite(load) and load > 0 else 1.0       # (a calibration without a time: none)
 
 
