@@ -381,22 +381,29 @@ def test_a_replays_load_factor_reads_only_the_cells_its_ranks_timed():
 
 
 def test_a_replays_load_factor_leaves_out_a_slower_ranks_time_read_off_at_the_large_batch():
-    """A rank 4x slower at the small batch timed a smaller large batch and had its time at
-    the large one read off its line (calibration.large_batches, read_off): that cell is
-    not a measurement, and a tenth of it does not lower the load factor.
-    calibration.timed says which cells were timed."""
+    """A rank 4x slower at the small batch timed a smaller large batch (startup/timed_large)
+    and had its time at the large one read off its line (calibration.large_batches,
+    read_off): that cell is not a measurement, and a tenth of it does not lower the load
+    factor. calibration.timed says which cells were timed; a calibration recorded without
+    timed_large (before the rule) timed the large batch on every rank that was not slow."""
     from dbs_mpi.planning import calibration
     from dbs_mpi.tools.simulator.replaying import load_factor
-    done = calibration.timed([1e-3, 2e-3, 1e-2], [[0.01, 0.04], [0.04, 0.1], [0.2, 0.5]], 128, 512)
+    tiny, times = [1e-3, 2e-3, 1e-2], [[0.01, 0.04], [0.04, 0.1], [0.2, 0.5]]
+    assert calibration.timed_large(tiny, times, 128, 512).tolist() == [512, 224, 0]
+    done = calibration.timed(tiny, times, 128, 512, calibration.timed_large(tiny, times, 128, 512))
     assert done.tolist() == [[True, True], [True, False], [False, False]]
-    assert calibration.timed([], [[0.01, 0.04], [0.04, 0.1]], 128, 512).tolist() == [[True, True], [True, False]]
+    assert calibration.timed(tiny, times, 128, 512).tolist() == [[True, True], [True, True], [False, False]]
+    assert calibration.timed([], times[:2], 128, 512, [512, 224]).tolist() == [[True, True], [True, False]]
     j, c, _, _, startup = replay_job(VALIDATION / "ssgd-2r.h5", Machine.load())
+    assert "timed_large" not in startup
     times = startup["step_time"].copy()
     times[1] = times[0] * 4                                   # rank 1: 4x slower at both batches
-    slower = {**startup, "step_time": times}
+    small, large = (int(b) for b in startup["local_batch"])
+    slower = {**startup, "step_time": times, "timed_large": np.array([large, small + (large - small) // 4])}
     low = times.copy()
     low[1, 1] *= 0.1
     assert load_factor(j, c, {**slower, "step_time": low}) == pytest.approx(load_factor(j, c, slower))
+    assert load_factor(j, c, {**startup, "step_time": low}) < load_factor(j, c, {**startup, "step_time": times})
 
 
 def test_a_run_resumed_on_another_number_of_ranks_is_not_replayed(tmp_path):

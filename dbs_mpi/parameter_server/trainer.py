@@ -43,7 +43,7 @@ from ..mpi.collectives import allgather_array, barrier
 from ..mpi.supervisor import SUPERVISOR
 from ..mpi.waits import wait
 from ..options import UserError
-from ..planning import allocation, dynamic
+from ..planning import allocation, calibration, dynamic
 from ..planning.heterogeneity import Emulator
 from ..training import checkpoint
 from ..training.balancer import calibrate
@@ -78,7 +78,8 @@ def initial_vector(run, emulator):
     step = model_step(run.model, run.loss_fn, *first_samples(run.train_set, large))
     fit, times, tiny = calibrate(comm, step, small, large, steps=cfg.benchmark_steps, warmup=cfg.benchmark_warmup,
                                  stretch=emulator.stretch, affine=cfg.dbs_model == "affine", timeout=cfg.comm_timeout)
-    timings = {"local_batch": np.array([small, large], dtype=np.int64), "step_time": times, "tiny_time": tiny}
+    timings = {"local_batch": np.array([small, large], dtype=np.int64), "step_time": times, "tiny_time": tiny,
+               "timed_large": calibration.timed_large(tiny, times, small, large)}
     speed_model = allocation.SpeedModel(fit.per_sample[1:].copy(), fit.overhead[1:].copy())
     controller = dynamic.DBSController(
         model=speed_model, global_batch=cfg.global_batch, min_local=cfg.min_local_batch, max_local=max_local,

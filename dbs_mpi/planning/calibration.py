@@ -32,26 +32,28 @@ least 5 steps of each batch, the large one 4x the small. Where the fastest ranks
 calibration is shorter than that (a step of theirs mostly fixed cost), they wait for the
 rest, as they wait for the slow rank's tiny steps.
 
-A rank 2-8x slower still times both batches: it then computes while the fastest ranks
-time theirs, as it will while they train, so a rank slowed by the others of its host is
-timed so (coupling.py compares that with its time alone); and a tiny batch says little
-of a GPU's cost per sample, which a line through it would extrapolate. But its large
-batch is its own (large_batches): the small batch's times are all-gathered, and a rank
-r_s times slower than the fastest there times small + (large - small) / r_s samples
-(r_s within 1 and SLOW_START): its samples beyond the small batch then take about as
-long as the fastest's, and its fewer steps (at r_s = 4, 4 of 1.75x the fastest's step
-against 5-7) about as long as the fastest's timing there. Its time at the large batch is read off the line through
-its two (read_off). Before, its steps of the large batch outlasted the fastest rank's
-whole calibration: at 1:0.25 with the fast rank coupled (`--couple 0:2`; LeNet-5, B =
-512), the slow rank's 4 steps of 512 samples took 0.83-0.91 s against the fast rank's
-0.52-0.77 s at 512; now it times about 320 samples in 0.59-0.69 s. The ratio at the
-small batch, not the tiny one, decides: a GPU can be slower than a CPU at 2 samples (its
-kernels' launches) and faster at the small batch, and then times the whole large one.
+A rank 2-8x slower at the tiny batch still times both batches: it then computes while
+the fastest ranks time theirs, as it will while they train, so a rank slowed by the
+others of its host is timed so (coupling.py compares that with its time alone); and a
+tiny batch says little of a GPU's cost per sample, which a line through it would
+extrapolate. But the larger batch of every rank that times both is its own
+(large_batches): the small batch's times are all-gathered, and a rank r_s times slower
+than the fastest there (any r_s above 1, up to SLOW_START) times small + (large - small)
+/ r_s samples: its samples beyond the small batch then take about as long as the
+fastest's, and its fewer steps (at r_s = 4, 4 of 1.75x the fastest's step against 5-7)
+about as long as the fastest's timing there. Its time at the large batch is read off
+the line through its two (read_off). Before, its steps of the large batch outlasted the
+fastest rank's whole calibration: at 1:0.25 with the fast rank coupled (`--couple 0:2`;
+LeNet-5, B = 512), the slow rank's 4 steps of 512 samples took 0.83-0.91 s against the
+fast rank's 0.52-0.77 s at 512; now it times about 320 samples in 0.59-0.69 s. The
+ratio at the small batch, not the tiny one, decides: a GPU can be slower than a CPU at
+2 samples (its kernels' launches) and faster at the small batch, and then times the
+whole large one.
 
 The times read off are recorded like measured ones (startup/step_time; startup/tiny_time
-tells the slow ranks), so a launch that reuses a recorded calibration fits the same
-model. The simulator (tools/simulator/sync.py) fills in its simulated calibration by the
-same rule. Pure code, no MPI: every rank decides alike from the gathered times.
+tells the slow ranks, startup/timed_large the larger batch each rank timed), so a launch
+that reuses a recorded calibration fits the same model. The simulator
+(tools/simulator/sync.py) fills in its simulated calibration by the same rule. Pure code, no MPI: every rank decides alike from the gathered times.
 """
 from __future__ import annotations
 
@@ -132,13 +134,22 @@ def read_off(times, small: int, large: int, batches) -> np.ndarray:
     return times
 
 
-def timed(tiny, times, small: int, large: int) -> np.ndarray:
+
+def timed_large(tiny, times, small: int, large: int) -> np.ndarray:
+    """Per rank, the larger batch the calibration timed (large_batches, found again from
+    the times at the small batch that it all-gathered: a slow rank's, by `tiny`, none: 0),
+    recorded as startup/timed_large."""
+    times = np.asarray(times, float)
+    return large_batches(np.where(slow(tiny), np.nan, times[:, 0]), int(small), int(large))
+
+
+def timed(tiny, times, small: int, large: int, batches=None) -> np.ndarray:
     """(ranks x 2) bool: which of a calibration's recorded times (`times`, at `small` and
-    `large`) were timed, not read off: none of a slow rank's (by `tiny`; a calibration
-    recorded without it: none slow), and not a slower rank's at the large batch (its
-    large_batches, found again from its time at the small one)."""
+    `large`) were timed, not read off: none of a slow rank's (by `tiny`; recorded without
+    it: none slow), and not a rank's at the large batch where it timed a smaller one
+    (`batches`: startup/timed_large; a calibration recorded without it timed `large`)."""
     times = np.asarray(times, float)
     late = slow(tiny) if len(tiny) == len(times) else np.zeros(len(times), bool)
-    batches = large_batches(np.where(late, np.nan, times[:, 0]), int(small), int(large))
-    short = (batches > small) & (batches < large)
+    batches = np.full(len(times), int(large)) if batches is None or len(batches) != len(times) else batches
+    short = (np.asarray(batches) > small) & (np.asarray(batches) < large)
     return np.stack([~late, ~late & ~short], axis=1)

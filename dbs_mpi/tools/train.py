@@ -129,7 +129,7 @@ def setup(comm, cfg: Config) -> Run:
 
 def recorded_calibration(path: str) -> dict:
     """The start-up calibration a result file recorded (startup/local_batch, step_time and,
-    where recorded, alone_time and tiny_time)."""
+    where recorded, alone_time, tiny_time and timed_large)."""
     if not Path(path).is_file():
         raise UserError(f"calibration_from: no result file {path}")
     try:
@@ -140,7 +140,7 @@ def recorded_calibration(path: str) -> dict:
         raise UserError(f"calibration_from: {path} recorded no start-up calibration (ssgd, or a resumed run's "
                         f"file: use the file of the launch that calibrated)")
     return {"local_batch": data["startup/local_batch"], "step_time": data["startup/step_time"],
-            **{name: data[f"startup/{name}"] for name in ("alone_time", "tiny_time")
+            **{name: data[f"startup/{name}"] for name in ("alone_time", "tiny_time", "timed_large")
                if len(data.get(f"startup/{name}", ()))}}
 
 

@@ -424,7 +424,8 @@ class Calibration:
         small, large = self.calibration_batches(largest)
         fit, times, tiny = calibrate(self.comm, step, small, large, steps=steps, warmup=warmup,
                                      stretch=self.stretch, affine=self.affine, timeout=self.timeout)
-        return self._plan_from(fit, small, large, times, self._time_alone(step, fit, large, steps, warmup), tiny)
+        return self._plan_from(fit, small, large, times, self._time_alone(step, fit, large, steps, warmup), tiny,
+                               calibration.timed_large(tiny, times, small, large))
 
     def _time_alone(self, step, fit, large: int, steps: int, warmup: int) -> np.ndarray | None:
         """Collective where it is needed (coupling.timed_alone; every rank decides alike from
@@ -464,12 +465,14 @@ class Calibration:
         n = self.world_size
         fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1],
                                         affine=self.affine)
-        return self._plan_from(fit, small, large, times, alone, startup.get("tiny_time"))
+        return self._plan_from(fit, small, large, times, alone, startup.get("tiny_time"), startup.get("timed_large"))
 
-    def _plan_from(self, fit, small: int, large: int, times: np.ndarray, alone=None, tiny=None) -> np.ndarray:
+    def _plan_from(self, fit, small: int, large: int, times: np.ndarray, alone=None, tiny=None,
+                   timed_large=None) -> np.ndarray:
         """The calibration's plan: the speed model, (static, dbs) the vector, the controllers;
         (dbs) with the fastest ranks alone where their times alone showed coupling (coupling.py).
-        tiny: every rank's time at the tiny batch, recorded with the rest (None: not known)."""
+        tiny: every rank's time at the tiny batch, recorded with the rest, and timed_large the
+        larger batch each rank timed (calibration.timed_large; None: not known)."""
         start, quiet = coupling.decide(fit, times[:, 1], alone, self.hosts, self.participation, self._checked(),
                                        self.global_batch, self.min_local, self.max_local)
         model = fit if start is None else start.model
@@ -487,6 +490,8 @@ class Calibration:
             self.startup["alone_time"] = np.asarray(alone, dtype=np.float64)
         if tiny is not None and len(tiny) == self.world_size:
             self.startup["tiny_time"] = np.asarray(tiny, dtype=np.float64)
+        if timed_large is not None and len(timed_large) == self.world_size:
+            self.startup["timed_large"] = np.asarray(timed_large, dtype=np.int64)
         return self.batch_sizes
 
     def _checked(self) -> bool:
@@ -548,7 +553,7 @@ class BatchPolicy(Calibration, Resizing):
         self.speed_model: allocation.SpeedModel | None = None
         self.controller: dynamic.DBSController | None = None
         self.startup: dict | None = None      # the calibration: local_batch (2,), step_time (R, 2), batch_sizes,
-                                              # where known tiny_time (R,) and alone_time (R,)
+                                              # where known tiny_time, alone_time, timed_large (R,)
         self.sample_inputs = None             # the calibration's inputs (what a rank that sits out probes with)
         self._heard = False                   # within-epoch dbs: step times arrived in the open epoch
         self._warned = False                  # ... and the warning that none did was given

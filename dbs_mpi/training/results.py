@@ -91,7 +91,7 @@ SCHEMA_ATTRIBUTES = {
 }
 
 # What a run records of its start-up calibration (startup/*, below), in this order.
-STARTUP = ("local_batch", "step_time", "tiny_time", "batch_sizes", "alone_time")
+STARTUP = ("local_batch", "step_time", "tiny_time", "batch_sizes", "alone_time", "timed_large")
 
 # Datasets: name -> (shape, unit, meaning). Float64 unless the shape says int.
 SCHEMA_DATASETS = {
@@ -107,6 +107,8 @@ SCHEMA_DATASETS = {
                            "computing (NaN: not timed; empty: no rank was; planning/coupling.py)"),
     "startup/batch_sizes": ("(R,) int", "samples", "the vector chosen from it (asynchronous: 0 for the server, "
                                                    "rank 0)"),
+    "startup/timed_large": ("(R,) int", "samples", "the larger batch each rank timed (0: none, a slow rank; below "
+                            "local_batch[1]: its step_time there read off; planning/calibration.py)"),
     "epoch/train_loss": ("(E,)", "loss", "mean training loss over the epoch's samples"),
     "epoch/test_loss": ("(E,)", "loss", "mean loss over the test set"),
     "epoch/test_accuracy": ("(E,)", "fraction", "share of the test set classified right, in [0, 1]"),

@@ -79,7 +79,7 @@ def read_inputs(path) -> dict:
     with h5py.File(path, "r") as f:
         attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
         startup = {k: f[f"startup/{k}"][()] for k in ("local_batch", "step_time", "tiny_time", "batch_sizes",
-                                                        "alone_time")
+                                                        "alone_time", "timed_large")
                    if f"startup/{k}" in f and len(f[f"startup/{k}"])}      # (empty: killed before its calibration)
         sizes = tuple(int(b) for b in f["epoch/global_batch"][()]) if "epoch/global_batch" in f else ()
     return {"config": json.loads(attrs["config"]), "hostnames": list(attrs["hostnames"]),
@@ -102,17 +102,18 @@ def load_factor(job: Job, cluster: Cluster, startup: dict) -> float:
     """How much slower (above 1) or faster (below) than the machine constants the run's own
     calibration was: the smallest ratio over ranks and local batches of measured to
     simulated step times (noise only ever adds time), over the times that were timed, not
-    read off (calibration.timed: a rank much slower at the tiny batch has both read off, a
-    rank slower at the small batch its time at the large one; a file without `tiny_time`,
-    only the latter). Background load makes it larger; a machine whose speed moves on its
-    own, as VMs' does, makes it either."""
+    read off (calibration.timed: a rank much slower at the tiny batch, by `tiny_time`, has
+    both read off, a rank that timed a smaller large batch, by `timed_large`, its time at
+    the large one; a file without them, none). Background load makes it larger; a machine
+    whose speed moves on its own, as VMs' does, makes it either."""
     if "step_time" not in startup:
         return 1.0
     factor = step_factor(emulators(job, cluster.size), cluster)     # the calibration: every rank computes
     compute = Compute(job, cluster, 0.0, None)
     simulated = np.stack([calibration_step(compute, cluster, factor, b) for b in startup["local_batch"]], axis=1)
     times = np.asarray(startup["step_time"])
-    timed = calibration.timed(startup.get("tiny_time", ()), times, *startup["local_batch"][:2])
+    timed = calibration.timed(startup.get("tiny_time", ()), times, *startup["local_batch"][:2],
+                              startup.get("timed_large"))
     load = float(np.min(times[timed] / simulated[timed], initial=np.inf))
     return load if np.isfinite(load) and load > 0 else 1.0       # (a calibration without a time: none)
 
