@@ -193,7 +193,10 @@ def test_a_much_slower_rank_times_its_own_second_batch_and_is_read_off_its_line(
     sample (15x at the tiny batch, 100x a sample): those time their tiny batch and one of
     their own (round(4 x 64 / r) samples, 1 untimed step and 3 timed), never the two
     batches, and their times there are their own line's (30 ms + 1 ms b; the tiny ratio
-    times the fastest's cost per sample would read 0.15 ms a sample)."""
+    times the fastest's cost per sample would read 0.15 ms a sample: 68 ms at 256, under
+    the lower bound). A busy machine only adds time: a sleep that wakes 35 ms late in a
+    second batch of 16 samples (CI, 4 ranks on 2 cores beside other suites) read its line
+    3x too steep, so the bound above is loose."""
     calls = []
     rank = comm.Get_rank()
     step = sleeper(0.002, 0.00001, calls) if rank == 0 else sleeper(0.030, 0.001, calls)
@@ -205,25 +208,27 @@ def test_a_much_slower_rank_times_its_own_second_batch_and_is_read_off_its_line(
     else:
         assert 64 in calls and 256 in calls
     expected = 0.030 + 0.001 * np.array([64, 256])
-    assert (np.abs(times[1:] / expected - 1) < 0.25).all(), times
+    assert ((times[1:] > 0.75 * expected) & (times[1:] < 5 * expected)).all(), times
     assert tiny.shape == (comm.Get_size(),) and calibration.slow(tiny)[1:].all() and not calibration.slow(tiny)[0]
 
 
 @pytest.mark.mpi
-def test_a_rank_slower_at_the_small_batch_times_fewer_samples_at_the_large_one(comm):
-    """Rank 0's step sleeps 1 ms + 0.2 ms a sample, every other rank's 1 ms + 0.8 ms
-    (about 3.8x at the small batch of 64, 1.5x at the tiny one: timed, not slow): they
-    time the large batch at 64 + 192 / r_s samples, not 256 (r_s between 2 and 6 even on
-    a busy machine), and their time at 256 is read off their line (1 ms + 0.8 ms x 256);
-    rank 0 times 64 and 256 as before."""
+def test_a_rank_slower_at_the_small_batch_times_fewer_samples_at_the_large_one(comm, monkeypatch):
+    """On a clock that reads what the steps say (FakeClock: a busy machine cannot move it),
+    rank 0's step takes 1 ms + 0.2 ms a sample, every other rank's 1 ms + 0.8 ms (3.78x
+    at the small batch of 64, 1.86x at the tiny one: timed, not slow): they time the
+    large batch at 64 + round(192 / 3.78) = 115 samples, not 256, and their time at 256 is
+    read off their line (1 ms + 0.8 ms x 256); rank 0 times 64 and 256 as before."""
+    clock = FakeClock()
+    monkeypatch.setattr(profiling, "time", clock)
     calls = []
     rank = comm.Get_rank()
-    step = sleeper(0.001, 0.0002 if rank == 0 else 0.0008, calls)
+    per_sample = 0.0002 if rank == 0 else 0.0008
+
+    def step(b):
+        calls.append(b)
+        clock.now += 0.001 + per_sample * b
     fit, times, tiny = balancer.calibrate(comm, step, 64, 256, steps=5, warmup=2, timeout=60.0)
-    timed = sorted(set(calls) - {calibration.TINY})
-    if rank == 0:
-        assert timed == [64, 256], calls
-    else:
-        assert len(timed) == 2 and timed[0] == 64 and 64 + 192 / 6 < timed[1] < 64 + 192 / 2, calls
-        assert abs(times[rank, 1] / (0.001 + 0.0008 * 256) - 1) < 0.25, times
-    assert abs(times[0, 1] / (0.001 + 0.0002 * 256) - 1) < 0.25, times
+    assert sorted(set(calls) - {calibration.TINY}) == ([64, 256] if rank == 0 or comm.Get_size() == 1 else [64, 115])
+    assert times[0].tolist() == pytest.approx([0.001 + 0.0002 * 64, 0.001 + 0.0002 * 256])
+    np.testing.assert_allclose(times[1:], np.tile([0.001 + 0.0008 * 64, 0.001 + 0.0008 * 256], (len(times) - 1, 1)))
