@@ -53,7 +53,8 @@ whole large one.
 The times read off are recorded like measured ones (startup/step_time; startup/tiny_time
 tells the slow ranks, startup/timed_large the larger batch each rank timed), so a launch
 that reuses a recorded calibration fits the same model. The simulator
-(tools/simulator/sync.py) fills in its simulated calibration by the same rule. Pure code, no MPI: every rank decides alike from the gathered times.
+(tools/simulator/sync.py) fills in its simulated calibration by the same rule. Pure
+code, no MPI: every rank decides alike from the gathered times.
 """
 from __future__ import annotations
 
@@ -127,12 +128,11 @@ def read_off(times, small: int, large: int, batches) -> np.ndarray:
     """The (ranks x 2) times with those at the large batch of the ranks that timed a
     smaller one (`batches`: large_batches) read off the line through their two times (a
     line that falls, noise: flat at the small batch's time)."""
-    times, batches = np.array(times, float), np.asarray(batches)
-    short = (batches > small) & (batches < large)
-    rise = np.maximum(times[short, 1] - times[short, 0], 0.0) / (batches[short] - small)
+    times = np.array(times, float)
+    short = _shorter(batches, small, large)
+    rise = np.maximum(times[short, 1] - times[short, 0], 0.0) / (np.asarray(batches)[short] - small)
     times[short, 1] = times[short, 0] + rise * (large - small)
     return times
-
 
 
 def timed_large(tiny, times, small: int, large: int) -> np.ndarray:
@@ -151,5 +151,10 @@ def timed(tiny, times, small: int, large: int, batches=None) -> np.ndarray:
     times = np.asarray(times, float)
     late = slow(tiny) if len(tiny) == len(times) else np.zeros(len(times), bool)
     batches = np.full(len(times), int(large)) if batches is None or len(batches) != len(times) else batches
-    short = (np.asarray(batches) > small) & (np.asarray(batches) < large)
-    return np.stack([~late, ~late & ~short], axis=1)
+    return np.stack([~late, ~late & ~_shorter(batches, small, large)], axis=1)
+
+
+def _shorter(batches, small: int, large: int) -> np.ndarray:
+    """The ranks whose larger batch (large_batches) was below `large`: their time there read off."""
+    batches = np.asarray(batches)
+    return (batches > small) & (batches < large)
