@@ -74,22 +74,78 @@ def test_coupling_that_does_not_pay_keeps_every_rank():
     assert coupling.coupled_start(fit, together, np.array([together[0] / 2.0, np.nan]), B).vector.tolist() == [B, 0]
 
 
-def test_a_coupled_start_leaves_the_pair_to_the_set_check():
-    """The coupled host of test_set_check, started as the calibration would: rank 0 alone,
-    at its speed alone. The per-rank model soon takes rank 1 back; the check measures the
-    pair slower with coupling seen, reverts it and bans it for TRIAL_BAN: over 300 steps
-    the pair runs one check's steps (a start from the coupled fit ran TRIAL_FIRST steps
-    coupled before its first trial: 1.08x rank 0 alone over the 300)."""
-    rng = np.random.default_rng(2)
-    seconds_of = coupled_times(rng)
-    replanner = dynamic.Replanner(0, 2, B, model=SpeedModel(np.array([1e-4, 4e-4]), np.array([1e-3, 1e-3])),
-                                  hosts=["node", "node"])
+def coupled_start_of(fit_per_sample=(2e-4, 4e-4), speed_up=2.0):
+    """The Start the calibration makes of a 1:0.25 pair whose rank 0 it timed `speed_up`
+    times faster alone (fit: the coupled speeds it measured beside each other)."""
+    fit = SpeedModel(np.array(fit_per_sample), np.array([1e-3, 1e-3]))
+    together = fit.predict(np.array([B, B]))
+    return coupling.coupled_start(fit, together, np.array([together[0] / speed_up, np.nan]), B)
+
+
+def started(start):
+    replanner = dynamic.Replanner(0, 2, B, model=start.model, hosts=["node", "node"])
+    replanner.start_from(start.model, False, start)
+    return replanner
+
+
+def test_a_coupled_start_confirmed_by_its_steps_alone_keeps_the_pair_out_for_the_trial_ban():
+    """The coupled host of test_set_check, started as the calibration starts it: rank 0
+    alone, at its speed alone. Its first RECENT steps alone run 2x faster per sample than
+    the calibration's fit said it computes beside rank 1 (coupling confirmed): the pair is
+    banned for TRIAL_BAN steps, so no step runs at the coupled speed before the ban ends
+    (before, the per-rank model took rank 1 back at its first plan and the check ran 4
+    steps at 1.9x); then the pair's one check, reverted. Rank 1's own-time probes ride
+    along throughout."""
+    start = coupled_start_of()
+    assert start.vector.tolist() == [B, 0] and start.every.tolist()[1] > 0
+    assert start.together[0] == pytest.approx((1e-3 + 2e-4 * B) / B) and np.isnan(start.together[1])
+    seconds_of = coupled_times(np.random.default_rng(2))
     probes = own_time_probes(lambda rank, size, step: 1e-3 + 4e-4 * size)
+    replanner = started(start)
+    assert replanner.planner.sets.banned_set([B - 64, 64], 0)          # until its steps alone decide
     rows, switches = run(replanner, 300, seconds_of, [B, 0], probe_every=1, probe_of=probes)
+    assert (rows[:set_check.TRIAL_BAN, 1] == 0).all(), switches
     assert [cause for _, _, cause in switches] == ["plan", "revert"], switches
     assert 0 < (rows[:, 1] > 0).sum() <= set_check.RECENT + 2, switches
     step_time = [max(t for t in seconds_of(s, row) if t) for s, row in enumerate(rows)]
-    assert np.mean(step_time) <= 1.03 * (1e-3 + 1e-4 * B), switches
+    assert np.mean(step_time) <= 1.01 * (1e-3 + 1e-4 * B), switches
+
+
+def test_a_coupled_start_its_steps_alone_do_not_confirm_takes_the_pair_back_at_once():
+    """A timing alone that a busy machine fooled: the calibration saw rank 0 2x faster
+    alone, but it computes as fast beside rank 1 (1:0.25, no coupling). Its first steps
+    alone show no coupling, the ban is lifted, and the per-rank model (now at the speed
+    measured) takes rank 1 back within 3 RECENT steps; the check keeps the pair, which is
+    faster, for the rest of the run (no trial of rank 0 alone either: its steps alone showed
+    what a trial would, as after a start that saw no coupling)."""
+    rng = np.random.default_rng(3)
+
+    def seconds_of(step, row):
+        return [(1e-3 + c * b) * rng.lognormal(0, 0.03) if b else 0.0 for c, b in zip((1e-4, 4e-4), row)]
+    start = coupled_start_of(fit_per_sample=(1e-4, 4e-4))
+    rows, switches = run(started(start), 200, seconds_of, [B, 0])
+    back = next(s for s in range(len(rows)) if rows[s, 1] > 0)
+    assert back <= 3 * set_check.RECENT, switches
+    assert (rows[back + set_check.RECENT:, 1] > 0).all(), switches
+    assert "revert" not in [cause for _, _, cause in switches], switches
+
+
+def test_a_coupled_start_s_ban_survives_a_checkpoint_before_its_steps_decide_it():
+    """The planner's state (a checkpoint) after 2 steps alone holds the pending start; a
+    planner restored from it confirms the coupling as the one that ran on."""
+    start = coupled_start_of()
+    seconds_of = coupled_times(np.random.default_rng(5))
+    replanner = started(start)
+    run(replanner, 2, seconds_of, [B, 0])
+    state = replanner.planner.sets.state_dict()
+    assert state["start"] is not None
+    again = set_check.SetCheck.from_state(state, ["node", "node"])
+    for step in range(2, 2 + set_check.RECENT):
+        for sets in (replanner.planner.sets, again):
+            sets.observe([B, 0], seconds_of(step, [B, 0]), True, step)
+    assert replanner.planner.sets.start is None and again.start is None
+    assert again.banned == replanner.planner.sets.banned
+    assert again.banned[(0, 1)] >= set_check.TRIAL_BAN
 
 
 def test_a_recorded_timing_alone_counts_only_where_this_job_would_have_timed_it():

@@ -22,12 +22,16 @@ finds it before the first step:
 
 Only dbs re-planning within the epoch starts so, since its set check
 (dynamic/set_check.py) then decides by measurement (the per-epoch rule would take every
-rank back after the first epoch, unchecked): its per-rank model, seeing the fastest
-ranks' speed alone, soon takes the larger set back, measures it, and reverts and bans
-it where it is slower. So a timing fooled by noise (a busy machine) costs a few steps
-alone, and real coupling costs one check (RECENT + 2 steps at the coupled speed,
-EARLY + 2 where far apart) where it cost TRIAL_FIRST steps. static plans once and has
-no check: it keeps the calibration's plan.
+rank back after the first epoch, unchecked). The first RECENT steps alone decide
+(set_check.StartBan): where the fastest ranks compute COUPLED times faster per sample
+there than the calibration's fit says they do beside the others, the larger set stays
+out for TRIAL_BAN steps, as when a trial of them alone wins; where not, their per-rank
+model, now at the speed they measure, takes the larger set back and the check measures
+it. So a timing fooled by noise (a busy machine) costs a few steps alone, and real
+coupling costs no step at the coupled speed before the ban ends (before, the model
+took the pair back at its first plan and the check ran EARLY + 2 steps at that speed;
+a start from the coupled fit ran TRIAL_FIRST). static plans once and has no check: it
+keeps the calibration's plan.
 
 What it costs: ALONE_STEPS + 1 more steps of the large batch on the fastest ranks, only
 on a shared host with ranks of other speeds that the calibration's plan keeps. Pure
@@ -54,6 +58,8 @@ class Start:
     vector: np.ndarray          # (R,) int: only the fastest ranks take part
     model: SpeedModel           # the fit, the fastest ranks' models at their speed alone
     coupling: np.ndarray        # (R,) t(together) / t(alone) (NaN: not timed alone)
+    every: np.ndarray           # (R,) int: the calibration's plan, the larger set it beat
+    together: np.ndarray        # (R,) seconds per sample at `vector` under the fit beside the others (NaN: out)
 
 
 def timed_alone(model: SpeedModel, hosts, participation: str = "auto", checked: bool = True,
@@ -97,7 +103,9 @@ def coupled_start(fit: SpeedModel, together, alone, global_batch: int, min_local
         return None
     if float(model.predict(fastest).max()) >= (1.0 - LEAVE_GAIN) * float(fit.predict(every).max()):
         return None
-    return Start(fastest, model, coupling)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        together = np.where(fastest > 0, fit.predict(fastest) / fastest, np.nan)
+    return Start(fastest, model, coupling, np.asarray(every), together)
 
 
 def decide(fit: SpeedModel, together, alone, hosts, participation: str, checked: bool, global_batch: int,

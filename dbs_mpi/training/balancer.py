@@ -483,7 +483,7 @@ class Calibration:
         if self.policy == "dbs":
             self.controller = self._controller(model)
         if self.replanner is not None:
-            self.replanner.start_from(model, quiet)
+            self.replanner.start_from(model, quiet, start)
         self.startup = {"local_batch": np.array([small, large], dtype=np.int64), "step_time": times,
                         "batch_sizes": self.batch_sizes.copy()}
         if alone is not None:

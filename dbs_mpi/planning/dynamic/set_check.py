@@ -75,6 +75,7 @@ TRIAL_FIRST = 64      # steps before the first trial of the fastest ranks alone 
                       # case 1.03 for 1.10 in its second epoch, but puts a trial into short runs everywhere)
 TRIAL_MAX = 4096      # the longest wait between two trials
 QUIET_FIRST = 512     # the first trial where the start-up timed the fastest ranks alone and saw no coupling
+START_WAIT = 4 * RECENT   # a coupled start's ban of the larger set waits this long for its steps alone (StartBan)
 SETTLE = 3 * RECENT   # steps after a change of the set before a trial may start
 FASTEST = 1.5         # ranks whose per-sample cost is within this factor of the fastest rank's are "the fastest"
 COUPLED = 1.25        # the fast ranks computed this much faster alone: coupling seen (trials go on)
@@ -96,6 +97,24 @@ def apart(before, after) -> bool:
     return min(after) > (1 + EARLY_MARGIN) * max(before) or (1 + EARLY_MARGIN) * max(after) < min(before)
 
 
+def shares_host(hosts, vector) -> bool:
+    """Whether two ranks taking part in `vector` share a host (hosts None: unknown, no)."""
+    if hosts is None:
+        return False
+    theirs = [hosts[r] for r in members(vector) if r < len(hosts)]
+    return len(theirs) != len(set(theirs))
+
+
+def slower_beyond_noise(before, after) -> bool:
+    """Whether the step times `after` are slower than `before` by the margin: MARGIN, and
+    CHECK_Z standard errors of the difference of their medians (from their spread)."""
+    logs_b, logs_a = np.log(before), np.log(after)
+    spread = np.concatenate([logs_b - np.median(logs_b), logs_a - np.median(logs_a)])
+    sigma = MAD_SIGMA * float(np.median(np.abs(spread)))
+    se = MEDIAN_SE * sigma / math.sqrt(RECENT)
+    return float(np.median(logs_a) - np.median(logs_b)) > max(math.log1p(MARGIN), CHECK_Z * math.sqrt(2) * se)
+
+
 class SetCheck:
     """The measured step time of the sets the planner ran, the check after a set change,
     the bans, and the trials of the fastest ranks alone (see the module docstring)."""
@@ -109,6 +128,7 @@ class SetCheck:
         self.next_trial, self.trial_wait = TRIAL_FIRST, TRIAL_FIRST
         self.changed_at = -math.inf    # the planner step from which the last change of the set applied
         self.verdicts: list = []   # (step, set, "reverted" | "kept", before s, after s): for the records
+        self.start: StartBan | None = None    # a coupled start's ban of the larger set, until its steps decide it
 
     # --- measurement ---------------------------------------------------------------
     def observe(self, row, seconds, full: bool, step: int) -> None:
@@ -117,6 +137,8 @@ class SetCheck:
         if full and part.any():
             per_sample = np.where(part, np.asarray(seconds, float) / np.maximum(np.asarray(row, float), 1), np.nan)
             self.times.append((members(row), float(np.max(np.asarray(seconds)[part])), per_sample, int(step)))
+        if self.start is not None and self.start.settled(self, int(step)):
+            self.start = None
 
     def switched(self, old, new, step: int, cause: str = "plan") -> None:
         """A new vector applies from planner step `step`: a new set is checked (UNCHECKED:
@@ -131,6 +153,12 @@ class SetCheck:
         before = [t for s, t, _, _ in self.times if s == members(old)][-RECENT:]
         self.pending = {"old": np.asarray(old).copy(), "new": members(new), "before": before, "trial": trial,
                         "at": int(step), "per_rank": self._per_rank(members(old))}
+
+    def start_alone(self, vector, larger, together) -> None:
+        """The start-up began with the fastest ranks alone (`vector`), the calibration's plan
+        (`larger`) slower where they compute `together`'s seconds per sample: StartBan."""
+        self.start = StartBan(members(vector), members(larger), together)
+        self.banned[self.start.larger] = START_WAIT
 
     def resized(self) -> None:
         """The global batch changed: step times before it do not compare with those after."""
@@ -165,7 +193,7 @@ class SetCheck:
         # by the margin (where the two sets measure alike, at the crossover, it would otherwise move
         # the ranks back and forth)
         slower = min(after) > max(p["before"]) if early else \
-            not self._slower(after, p["before"]) if p["trial"] else self._slower(p["before"], after)
+            not slower_beyond_noise(after, p["before"]) if p["trial"] else slower_beyond_noise(p["before"], after)
         if p["trial"]:
             self._after_trial(p, slower, step, len(after))
         elif slower:                      # a change that lost (a trial that lost is just undone)
@@ -177,7 +205,7 @@ class SetCheck:
     def trial(self, step: int, current, per_sample) -> np.ndarray | None:
         """The set of the fastest ranks alone, where a trial is due (None: not)."""
         if self.pending is not None or step < max(self.next_trial, self.changed_at + SETTLE) or \
-                not self._shares_host(current):
+                not shares_host(self.hosts, current):
             return None
         c = np.asarray(per_sample, float)
         fastest = c <= FASTEST * c[np.asarray(current) > 0].min()
@@ -188,13 +216,6 @@ class SetCheck:
         return part
 
     # --- the rest --------------------------------------------------------------------
-    def _slower(self, before, after) -> bool:
-        logs_b, logs_a = np.log(before), np.log(after)
-        spread = np.concatenate([logs_b - np.median(logs_b), logs_a - np.median(logs_a)])
-        sigma = MAD_SIGMA * float(np.median(np.abs(spread)))
-        se = MEDIAN_SE * sigma / math.sqrt(RECENT)
-        return float(np.median(logs_a) - np.median(logs_b)) > max(math.log1p(MARGIN), CHECK_Z * math.sqrt(2) * se)
-
     def _after_trial(self, p: dict, slower: bool, step: int, rows: int = RECENT) -> None:
         """A trial that won bans the larger set where the fast ranks computed faster alone
         (coupling: else the per-rank model saw the same and decides as before); one that
@@ -238,12 +259,6 @@ class SetCheck:
         self.pending = None
         return None
 
-    def _shares_host(self, current) -> bool:
-        if self.hosts is None:
-            return False
-        hosts = [self.hosts[r] for r in members(current) if r < len(self.hosts)]
-        return len(hosts) != len(set(hosts))
-
     def state_dict(self) -> dict:
         p = self.pending
         return {"banned": [[list(k), v] for k, v in self.banned.items()],
@@ -252,7 +267,8 @@ class SetCheck:
                 "changed_at": float(self.changed_at),
                 "times": [[list(s), t, secs.copy(), at] for s, t, secs, at in self.times],
                 "pending": None if p is None else {**p, "new": list(p["new"]), "before": list(p["before"])},
-                "verdicts": [[v[0], list(v[1]), v[2], v[3], v[4]] for v in self.verdicts]}
+                "verdicts": [[v[0], list(v[1]), v[2], v[3], v[4]] for v in self.verdicts],
+                "start": None if self.start is None else self.start.state_dict()}
 
     @classmethod
     def from_state(cls, state: dict | None, hosts=None) -> "SetCheck":
@@ -267,4 +283,41 @@ class SetCheck:
             p = state["pending"]
             self.pending = None if p is None else {**p, "new": tuple(p["new"]), "old": np.asarray(p["old"])}
             self.verdicts = [(v[0], tuple(v[1]), v[2], v[3], v[4]) for v in state["verdicts"]]
+            self.start = StartBan(*state["start"]) if state.get("start") else None    # (checkpoints before it: none)
         return self
+
+
+class StartBan:
+    """A coupled start (planning/coupling.py: the calibration timed the fastest ranks
+    COUPLED times faster alone than beside the others, and the plan starts with them alone).
+    The larger set it beat (the calibration's plan) is banned until RECENT full steps of
+    the ranks alone have run: where those show them COUPLED times faster per sample than
+    the calibration's fit says they compute beside the others (`together`, per rank; NaN:
+    not timed alone), it is banned for TRIAL_BAN steps, as when a trial wins; where not (a
+    timing a busy machine fooled), the ban is lifted and the planner takes the larger set
+    back, checked as any change, and the first trial waits as after a quiet start
+    (SetCheck.quiet_start). (Without it the per-rank model, which sees the fastest
+    ranks' speed alone, took the larger set back at its first plan, and the check ran
+    EARLY + 2 steps at the coupled speed: 0.2 s of a 3-epoch LeNet-5 run at 1:0.25.)"""
+
+    def __init__(self, alone, larger, together):
+        self.alone, self.larger, self.together = tuple(alone), tuple(larger), np.asarray(together, float)
+
+    def settled(self, sets: SetCheck, step: int) -> bool:
+        """Whether the start is decided at planner step `step`: the ban made TRIAL_BAN long
+        or lifted, or no RECENT steps alone within START_WAIT (the ban then ends there)."""
+        measured = sets._per_rank(self.alone)
+        if measured is None:
+            return step >= START_WAIT
+        ranks = [r for r in self.alone if np.isfinite(self.together[r])]
+        ratio = np.median(self.together[ranks] / np.maximum(measured[ranks], 1e-12)) if ranks else 0.0
+        if ratio >= COUPLED:
+            sets._ban(self.larger, step, TRIAL_BAN)
+            return True
+        if sets.banned.get(self.larger) == START_WAIT:
+            del sets.banned[self.larger]
+        sets.quiet_start()                  # (no coupling measured: a trial would measure the same)
+        return True
+
+    def state_dict(self) -> list:
+        return [list(self.alone), list(self.larger), self.together.tolist()]

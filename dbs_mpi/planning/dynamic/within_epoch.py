@@ -389,12 +389,15 @@ class Replanner:
         if self.planner is not None:
             self.planner.sets.hosts = self.hosts
 
-    def start_from(self, model: SpeedModel, quiet: bool = False) -> None:
+    def start_from(self, model: SpeedModel, quiet: bool = False, coupled=None) -> None:
         """Begin from a calibrated model (else the first step's measurement is the start);
-        quiet: the calibration saw no coupling (SetCheck.quiet_start)."""
+        quiet: the calibration saw no coupling (SetCheck.quiet_start); coupled: it did, and
+        the start is the fastest ranks alone (coupling.Start: SetCheck.start_alone)."""
         self.planner = self._planner(model)
         if quiet:
             self.planner.sets.quiet_start()
+        if coupled is not None:
+            self.planner.sets.start_alone(coupled.vector, coupled.every, coupled.together)
 
     @property
     def size(self) -> int:

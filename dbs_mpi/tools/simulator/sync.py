@@ -139,7 +139,7 @@ def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0
     if coupled is not None:
         fit, vector = coupled.model, coupled.vector if vector is None else vector
     vector = np.asarray(vector if vector is not None else first_vector(job, n, fit), dtype=np.int64)
-    replanner = step_replanner(job, fit, cluster, quiet)
+    replanner = step_replanner(job, fit, cluster, quiet, coupled)
     controller = dbs_controller(job, fit) if job.strategy == "dbs" and replanner is None else None
     extra = 0 if replanner is None else replanner.size
     clock = _SyncClock(compute, emus, ExchangeCost(job, cluster, network, extra), compute.update(), replanner)
@@ -169,10 +169,11 @@ def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0
 
 
 def step_replanner(job: Job, fit: allocation.SpeedModel, cluster: Cluster,
-                   quiet: bool = False) -> dynamic.Replanner | None:
+                   quiet: bool = False, coupled=None) -> dynamic.Replanner | None:
     """The engine's within-epoch Replanner (rank 0's: the one whose proposals count), or
     None; started as the engine starts it: the ranks' hosts (where ranks share one, the
-    planner tries sets: set_check.py), and quiet, the calibration's (coupling.decide)."""
+    planner tries sets: set_check.py), and quiet and coupled, the calibration's
+    (coupling.decide: its Start or None)."""
     interval = parse_interval(job.dbs_interval)
     if job.strategy != "dbs" or interval is None or cluster.size == 1:
         return None
@@ -180,7 +181,7 @@ def step_replanner(job: Job, fit: allocation.SpeedModel, cluster: Cluster,
                                   job.max_local_batch or None, interval=interval, window=job.dbs_window,
                                   follow=job.dbs_follow, min_gain=job.dbs_min_gain, participation=job.participation,
                                   hosts=_hosts(cluster))
-    replanner.start_from(fit, quiet)
+    replanner.start_from(fit, quiet, coupled)
     return replanner
 
 
