@@ -108,21 +108,22 @@ def test_a_coupled_start_confirmed_by_its_steps_alone_keeps_the_pair_out_for_the
     assert [cause for _, _, cause in switches] == ["plan", "revert"], switches
     assert 0 < (rows[:, 1] > 0).sum() <= set_check.RECENT + 2, switches
     step_time = [max(t for t in seconds_of(s, row) if t) for s, row in enumerate(rows)]
-    assert np.mean(step_time) <= 1.01 * (1e-3 + 1e-4 * B), switches
+    assert np.mean(step_time) <= 1.02 * (1e-3 + 1e-4 * B), switches
 
 
-def test_a_coupled_start_its_steps_alone_do_not_confirm_takes_the_pair_back_at_once():
-    """A timing alone that a busy machine fooled: the calibration saw rank 0 2x faster
-    alone, but it computes as fast beside rank 1 (1:0.25, no coupling). Its first steps
-    alone show no coupling, the ban is lifted, and the per-rank model (now at the speed
-    measured) takes rank 1 back within 3 RECENT steps; the check keeps the pair, which is
-    faster, for the rest of the run (no trial of rank 0 alone either: its steps alone showed
-    what a trial would, as after a start that saw no coupling)."""
+def test_a_coupled_start_whose_timings_do_not_carry_over_takes_the_pair_back_at_once():
+    """The calibration timed an eager copy of the model: rank 0 2x faster alone than beside
+    rank 1. Training computes otherwise (compiled, twice as fast), and on this host without
+    coupling: rank 0's first steps alone run 2x faster than the calibration timed it alone,
+    so its timings do not carry over; the ban is lifted and the per-rank model (at the
+    speed measured) takes rank 1 back within 3 RECENT steps, and the check keeps the pair,
+    which is faster, for the rest of the run (no trial of rank 0 alone either: the
+    take-back's check did a trial's work)."""
     rng = np.random.default_rng(3)
 
     def seconds_of(step, row):
-        return [(1e-3 + c * b) * rng.lognormal(0, 0.03) if b else 0.0 for c, b in zip((1e-4, 4e-4), row)]
-    start = coupled_start_of(fit_per_sample=(1e-4, 4e-4))
+        return [(1e-3 + c * b) * rng.lognormal(0, 0.03) if b else 0.0 for c, b in zip((0.5e-4, 4e-4), row)]
+    start = coupled_start_of()
     rows, switches = run(started(start), 200, seconds_of, [B, 0])
     back = next(s for s in range(len(rows)) if rows[s, 1] > 0)
     assert back <= 3 * set_check.RECENT, switches

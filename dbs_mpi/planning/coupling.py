@@ -23,15 +23,18 @@ finds it before the first step:
 Only dbs re-planning within the epoch starts so, since its set check
 (dynamic/set_check.py) then decides by measurement (the per-epoch rule would take every
 rank back after the first epoch, unchecked). The first RECENT steps alone decide
-(set_check.StartBan): where the fastest ranks compute COUPLED times faster per sample
-there than the calibration's fit says they do beside the others, the larger set stays
-out for TRIAL_BAN steps, as when a trial of them alone wins; where not, their per-rank
-model, now at the speed they measure, takes the larger set back and the check measures
-it. So a timing fooled by noise (a busy machine) costs a few steps alone, and real
-coupling costs no step at the coupled speed before the ban ends (before, the model
-took the pair back at its first plan and the check ran EARLY + 2 steps at that speed;
-a start from the coupled fit ran TRIAL_FIRST). static plans once and has no check: it
-keeps the calibration's plan.
+(set_check.StartBan): where the fastest ranks compute there as the calibration timed
+them alone (within COUPLED), and so COUPLED times faster per sample than its fit beside
+the others, the larger set stays out for TRIAL_BAN steps, as when a trial of them alone
+wins; where not (training computes otherwise than the calibration's copy), their
+per-rank model, now at the speed they measure, takes the larger set back, the check
+measures it, and the first trial waits as after a quiet start. Real coupling so costs
+no step at the coupled speed before the ban ends (before, the model took the pair back
+at its first plan and the check ran EARLY + 2 steps at that speed; a start from the
+coupled fit ran TRIAL_FIRST); a busy spell that slowed only the calibration's timing
+beside the others costs TRIAL_BAN steps alone, where the check would have taken the
+larger set back after a few. static plans once and has no check: it keeps the
+calibration's plan.
 
 What it costs: ALONE_STEPS + 1 more steps of the large batch on the fastest ranks, only
 on a shared host with ranks of other speeds that the calibration's plan keeps. Pure

@@ -37,7 +37,9 @@ cost more than they bring. So every change of the set is checked by what it meas
               without coupling ends the trials. Ranks taken back that measured slower
               with coupling seen (the ranks there before computed COUPLED times slower
               beside them) are banned for TRIAL_BAN too: the same evidence as a
-              trial's. No trial starts within SETTLE steps of a change of the set: a
+              trial's. A start with the fastest ranks alone, where the calibration saw
+              coupling (coupling.py), bans the larger set until its first steps alone
+              decide (StartBan). No trial starts within SETTLE steps of a change of the set: a
               rank that comes back takes its share over a few plans, and a trial then
               would compare the fastest ranks with a vector not yet balanced (it came 7
               steps after a 50x slow rank's return, and held the return back 20 steps)
@@ -154,10 +156,11 @@ class SetCheck:
         self.pending = {"old": np.asarray(old).copy(), "new": members(new), "before": before, "trial": trial,
                         "at": int(step), "per_rank": self._per_rank(members(old))}
 
-    def start_alone(self, vector, larger, together) -> None:
+    def start_alone(self, vector, larger, together, coupling) -> None:
         """The start-up began with the fastest ranks alone (`vector`), the calibration's plan
-        (`larger`) slower where they compute `together`'s seconds per sample: StartBan."""
-        self.start = StartBan(members(vector), members(larger), together)
+        (`larger`) slower where they compute `together`'s seconds per sample, `coupling`
+        times their time alone: StartBan."""
+        self.start = StartBan(members(vector), members(larger), together, coupling)
         self.banned[self.start.larger] = START_WAIT
 
     def resized(self) -> None:
@@ -291,33 +294,43 @@ class StartBan:
     """A coupled start (planning/coupling.py: the calibration timed the fastest ranks
     COUPLED times faster alone than beside the others, and the plan starts with them alone).
     The larger set it beat (the calibration's plan) is banned until RECENT full steps of
-    the ranks alone have run: where those show them COUPLED times faster per sample than
-    the calibration's fit says they compute beside the others (`together`, per rank; NaN:
-    not timed alone), it is banned for TRIAL_BAN steps, as when a trial wins; where not (a
-    timing a busy machine fooled), the ban is lifted and the planner takes the larger set
-    back, checked as any change, and the first trial waits as after a quiet start
-    (SetCheck.quiet_start). (Without it the per-rank model, which sees the fastest
-    ranks' speed alone, took the larger set back at its first plan, and the check ran
-    EARLY + 2 steps at the coupled speed: 0.2 s of a 3-epoch LeNet-5 run at 1:0.25.)"""
+    the ranks alone have run after their first (new shapes), at most until planner step
+    START_WAIT (a planner starts at 0). Those steps cannot time the ranks beside the
+    others, but they tell whether the calibration's timings carry over to training: where
+    the ranks alone compute within COUPLED of the seconds per sample the calibration
+    timed alone (`together` / `coupling` at the start's vector), either way, and still
+    COUPLED times faster than its fit beside the others (`together`; NaN: not timed
+    alone), the larger set is banned for TRIAL_BAN steps, as when a trial wins. Where not
+    (training computes otherwise than the calibration's eager copy timed: compiled,
+    autocast, data-bound), the ban is lifted, the planner takes the larger set back,
+    checked as any change, and the first trial waits as after a quiet start
+    (SetCheck.quiet_start). A busy spell that slowed only the calibration's timing beside
+    the others passes this: it costs TRIAL_BAN steps alone. (Without it the per-rank
+    model, which sees the fastest ranks' speed alone, took the larger set back at its
+    first plan, and the check ran EARLY + 2 steps at the coupled speed: 0.2 s of a
+    3-epoch LeNet-5 run at 1:0.25.)"""
 
-    def __init__(self, alone, larger, together):
-        self.alone, self.larger, self.together = tuple(alone), tuple(larger), np.asarray(together, float)
+    def __init__(self, alone, larger, together, coupling):
+        self.alone, self.larger = tuple(alone), tuple(larger)
+        self.together, self.coupling = np.asarray(together, float), np.asarray(coupling, float)
 
     def settled(self, sets: SetCheck, step: int) -> bool:
         """Whether the start is decided at planner step `step`: the ban made TRIAL_BAN long
         or lifted, or no RECENT steps alone within START_WAIT (the ban then ends there)."""
-        measured = sets._per_rank(self.alone)
+        measured = sets._per_rank(self.alone, RECENT, 0)
         if measured is None:
             return step >= START_WAIT
-        ranks = [r for r in self.alone if np.isfinite(self.together[r])]
-        ratio = np.median(self.together[ranks] / np.maximum(measured[ranks], 1e-12)) if ranks else 0.0
-        if ratio >= COUPLED:
+        ranks = [r for r in self.alone if np.isfinite(self.together[r] / self.coupling[r])]
+        m = np.maximum(measured[ranks], 1e-12)
+        beside = np.median(self.together[ranks] / m) if ranks else 0.0
+        alone = np.median(self.together[ranks] / self.coupling[ranks] / m) if ranks else 0.0
+        if beside >= COUPLED and 1 / COUPLED <= alone <= COUPLED:
             sets._ban(self.larger, step, TRIAL_BAN)
             return True
         if sets.banned.get(self.larger) == START_WAIT:
             del sets.banned[self.larger]
-        sets.quiet_start()                  # (no coupling measured: a trial would measure the same)
+        sets.quiet_start()                  # (the take-back's check does a trial's work)
         return True
 
     def state_dict(self) -> list:
-        return [list(self.alone), list(self.larger), self.together.tolist()]
+        return [list(self.alone), list(self.larger), self.together.tolist(), self.coupling.tolist()]

@@ -397,7 +397,7 @@ class Replanner:
         if quiet:
             self.planner.sets.quiet_start()
         if coupled is not None:
-            self.planner.sets.start_alone(coupled.vector, coupled.every, coupled.together)
+            self.planner.sets.start_alone(coupled.vector, coupled.every, coupled.together, coupled.coupling)
 
     @property
     def size(self) -> int:
