@@ -154,7 +154,7 @@ class SetCheck:
         trial = cause == "trial"
         before = [t for s, t, _, _ in self.times if s == members(old)][-RECENT:]
         self.pending = {"old": np.asarray(old).copy(), "new": members(new), "before": before, "trial": trial,
-                        "at": int(step), "per_rank": self._per_rank(members(old))}
+                        "at": int(step), "per_rank": self.per_rank(members(old))}
 
     def start_alone(self, vector, larger, together, coupling) -> None:
         """The start-up began with the fastest ranks alone (`vector`), the calibration's plan
@@ -200,7 +200,7 @@ class SetCheck:
         if p["trial"]:
             self._after_trial(p, slower, step, len(after))
         elif slower:                      # a change that lost (a trial that lost is just undone)
-            self._ban(p["new"], step, TRIAL_BAN if self._coupled(p, len(after)) else BAN)
+            self.ban(p["new"], step, TRIAL_BAN if self._coupled(p, len(after)) else BAN)
         self.verdicts.append((step, p["new"], "reverted" if slower else "kept", float(np.median(p["before"])),
                               float(np.median(after))))
         return p["old"] if slower else None
@@ -226,7 +226,7 @@ class SetCheck:
         coupled = self._coupled(p, rows)
         if not slower:
             if coupled:
-                self._ban(members(p["old"]), step, TRIAL_BAN)
+                self.ban(members(p["old"]), step, TRIAL_BAN)
             return
         self.trial_wait = min(2 * self.trial_wait, TRIAL_MAX)
         self.next_trial = p["at"] + self.trial_wait if coupled else math.inf
@@ -238,9 +238,9 @@ class SetCheck:
         False where neither set holds the other."""
         old, new = members(p["old"]), tuple(p["new"])
         if set(new) < set(old):                  # (a trial)
-            ranks, alone, with_others = new, self._per_rank(new, rows, p["at"]), p["per_rank"]
+            ranks, alone, with_others = new, self.per_rank(new, rows, p["at"]), p["per_rank"]
         elif set(old) < set(new):                # ranks taken back
-            ranks, alone, with_others = old, p["per_rank"], self._per_rank(new, rows, p["at"])
+            ranks, alone, with_others = old, p["per_rank"], self.per_rank(new, rows, p["at"])
         else:
             return False
         if alone is None or with_others is None:
@@ -248,13 +248,14 @@ class SetCheck:
         ranks = list(ranks)
         return float(np.median(with_others[ranks] / np.maximum(alone[ranks], 1e-12))) >= COUPLED
 
-    def _per_rank(self, key, last: int = RECENT, since: float = -math.inf):
+    def per_rank(self, key, last: int = RECENT, since: float = -math.inf):
         """Every rank's median seconds per sample over the `last` full steps of set `key`
         run after step `since` (NaN: not in it; None: too few steps)."""
         rows = [secs for s, _, secs, at in self.times if s == key and at > since][-last:]
         return None if len(rows) < last else np.median(np.array(rows), axis=0)
 
-    def _ban(self, key, step: int, first: int = BAN) -> None:
+    def ban(self, key, step: int, first: int = BAN) -> None:
+        """Ban set `key` from `step` for `first` steps, doubled for every strike before (at most BAN_MAX)."""
         self.strikes[key] = self.strikes.get(key, 0) + 1
         self.banned[key] = step + min(first * 2 ** (self.strikes[key] - 1), BAN_MAX)
 
@@ -317,7 +318,7 @@ class StartBan:
     def settled(self, sets: SetCheck, step: int) -> bool:
         """Whether the start is decided at planner step `step`: the ban made TRIAL_BAN long
         or lifted, or no RECENT steps alone within START_WAIT (the ban then ends there)."""
-        measured = sets._per_rank(self.alone, RECENT, 0)
+        measured = sets.per_rank(self.alone, RECENT, 0)
         if measured is None:
             return step >= START_WAIT
         ranks = [r for r in self.alone if np.isfinite(self.together[r] / self.coupling[r])]
@@ -325,7 +326,7 @@ class StartBan:
         beside = np.median(self.together[ranks] / m) if ranks else 0.0
         alone = np.median(self.together[ranks] / self.coupling[ranks] / m) if ranks else 0.0
         if beside >= COUPLED and 1 / COUPLED <= alone <= COUPLED:
-            sets._ban(self.larger, step, TRIAL_BAN)
+            sets.ban(self.larger, step, TRIAL_BAN)
             return True
         if sets.banned.get(self.larger) == START_WAIT:
             del sets.banned[self.larger]
