@@ -1,13 +1,17 @@
 """Coupled ranks seen at the start-up (planning/coupling.py): which ranks the calibration
 times alone, when their times alone make the plan start with them alone, and what the
 step planner's set check then makes of that start."""
+import io
+
 import numpy as np
 import pytest
+import torch
 
 from dbs_mpi.options import UserError
 from dbs_mpi.planning import coupling, dynamic, participation
 from dbs_mpi.planning.allocation import SpeedModel
 from dbs_mpi.planning.dynamic import set_check
+from dbs_mpi.training import checkpoint
 
 from test_set_check import coupled_times, own_time_probes, run
 
@@ -132,7 +136,8 @@ def test_a_coupled_start_whose_timings_do_not_carry_over_takes_the_pair_back_at_
 
 
 def test_a_coupled_start_s_ban_survives_a_checkpoint_before_its_steps_decide_it():
-    """The planner's state (a checkpoint) after 2 steps alone holds the pending start; a
+    """The planner's state after 2 steps alone holds the pending start; saved as a
+    checkpoint stores it (torch.save of checkpoint.to_safe, read back weights-only), a
     planner restored from it confirms the coupling as the one that ran on."""
     start = coupled_start_of()
     seconds_of = coupled_times(np.random.default_rng(5))
@@ -140,7 +145,11 @@ def test_a_coupled_start_s_ban_survives_a_checkpoint_before_its_steps_decide_it(
     run(replanner, 2, seconds_of, [B, 0])
     state = replanner.planner.sets.state_dict()
     assert state["start"] is not None
-    again = set_check.SetCheck.from_state(state, ["node", "node"])
+    buffer = io.BytesIO()
+    torch.save(checkpoint.to_safe(state), buffer)
+    buffer.seek(0)
+    again = set_check.SetCheck.from_state(torch.load(buffer, weights_only=True), ["node", "node"])
+    assert np.isnan(again.start.together[1]) and again.start.alone == (0,)
     for step in range(2, 2 + set_check.RECENT):
         for sets in (replanner.planner.sets, again):
             sets.observe([B, 0], seconds_of(step, [B, 0]), True, step)
