@@ -159,6 +159,22 @@ def test_a_coupled_fastest_rank_starts_alone_as_in_the_engine():
     assert 0 < run([0, 0], "all").batch_sizes[0][1]
 
 
+def test_a_simulated_coupled_start_keeps_the_pair_out_as_the_engine_does():
+    """1:0.25, rank 0 at half speed beside rank 1 (B = 512, 60 steps an epoch): the
+    simulated start is rank 0 alone, its first steps alone confirm the calibration's
+    timing (set_check.StartBan), and the pair is not taken back: every epoch takes rank
+    0's time alone (before, the model took rank 1 back at step 11 and the check reverted
+    it at 15, 4% more in epoch 1)."""
+    c = Cluster(nodes=np.arange(2), cores=1, device=np.array([1.0, 0.25]), hosts=np.asarray([0, 0]))
+    coupled = simulate_sync(job("dbs", epochs=3, couple={0: 2.0}, samples=30720, global_batch=512), c,
+                            Network(0.0, 0.0), noise=0.0)
+    alone = simulate_sync(job("dbs", epochs=3, samples=30720, global_batch=512),
+                          Cluster(nodes=np.arange(1), cores=1, device=np.array([1.0]), hosts=np.asarray([0])),
+                          Network(0.0, 0.0), noise=0.0)
+    assert coupled.batch_sizes == [[512, 0]] * 3
+    assert coupled.epoch_time == pytest.approx(alone.epoch_time, rel=1e-3)
+
+
 def test_the_simulated_probers_size_their_probes_as_the_engines():
     """OwnProbeSizes runs training/prober.py's rule: small probes; after one twice as fast
     as the one before, one large probe cut to what the small one says fits (64 of 128
