@@ -321,10 +321,10 @@ class StartBan:
         measured = sets.per_rank(self.alone, RECENT, 0)
         if measured is None:
             return step >= START_WAIT
-        ranks = [r for r in self.alone if np.isfinite(self.together[r] / self.coupling[r])]
+        ranks = list(self.alone)            # (all timed alone: coupled_start's vector; a NaN lifts the ban)
         m = np.maximum(measured[ranks], 1e-12)
-        beside = np.median(self.together[ranks] / m) if ranks else 0.0
-        alone = np.median(self.together[ranks] / self.coupling[ranks] / m) if ranks else 0.0
+        beside = np.median(self.together[ranks] / m)
+        alone = np.median(self.together[ranks] / self.coupling[ranks] / m)
         if beside >= COUPLED and 1 / COUPLED <= alone <= COUPLED:
             sets.ban(self.larger, step, TRIAL_BAN)
             return True
