@@ -54,6 +54,18 @@ def test_a_slow_rank_is_read_off_its_own_line_through_its_tiny_and_second_batche
         assert done[1].tolist() == pytest.approx([0.020 + 20 * 1e-4 * 126, 0.020 + 20 * 1e-4 * 510])
 
 
+def test_only_a_rank_too_slow_for_a_second_batch_stops_timing_the_tiny_batch_early():
+    """By the shorter of every rank's first two tiny steps: a rank 100x slower than the
+    fastest (small 128: a second batch of round(512 / 100) = 5 samples, under
+    SECOND_LEAST) stops, as does one 70x slower (7 samples); one 15x slower times its
+    second batch and one 68x slower one of 8 samples, so both time the tiny batch in
+    full, as do the fast ones."""
+    shorter = np.array([0.002, 0.2, 0.03, 0.0021, 0.136, 0.14])
+    assert calibration.second_batch(shorter, 128).tolist() == [0, 0, 34, 0, 8, 0]
+    assert calibration.stops_early(shorter, 128).tolist() == [False, True, False, False, False, True]
+    assert not calibration.stops_early([0.5], 128).any()                   # one rank: never slow
+
+
 def test_a_slow_rank_of_a_calibration_at_one_batch_keeps_its_tiny_time():
     """max_local_batch 1: both calibration batches are 1 sample, so the fastest rank's
     times give no cost per sample (none: 0), and a slow rank's times are its tiny time,
@@ -237,3 +249,31 @@ def test_a_rank_slower_at_the_small_batch_times_fewer_samples_at_the_large_one(c
     assert sorted(set(calls) - {calibration.TINY}) == ([64, 256] if rank == 0 or comm.Get_size() == 1 else [64, 115])
     assert times[0].tolist() == pytest.approx([0.001 + 0.0002 * 64, 0.001 + 0.0002 * 256])
     np.testing.assert_allclose(times[1:], np.tile([0.001 + 0.0008 * 64, 0.001 + 0.0008 * 256], (len(times) - 1, 1)))
+
+
+@pytest.mark.mpi
+def test_a_rank_whose_first_two_tiny_steps_are_far_too_slow_times_no_more(comm, monkeypatch):
+    """On a clock that reads what the steps say (FakeClock), rank 0's step takes 2 ms. The
+    last rank's takes 200 ms (100x: too slow for a second batch): it takes its untimed and
+    its first timed tiny step and nothing more, and its tiny time is that step's (at
+    1:0.02 its 4 tiny steps made every rank wait 50x its step 4 times). A rank between
+    them whose first step alone takes 200 ms (a one-off cost, as a GPU's first kernels)
+    times the whole calibration; every rank reads the same times."""
+    clock = FakeClock()
+    monkeypatch.setattr(profiling, "time", clock)
+    calls = []
+    rank, size = comm.Get_rank(), comm.Get_size()
+    last = rank == size - 1 and size > 1
+
+    def step(b):
+        calls.append(b)
+        clock.now += 0.2 if last or (rank > 0 and len(calls) == 1) else 0.002
+    fit, times, tiny = balancer.calibrate(comm, step, 128, 512, steps=5, warmup=2, timeout=60.0)
+    if last:
+        assert calls == [calibration.TINY] * 2, calls
+    else:
+        assert calls[:1 + calibration.TINY_STEPS] == [calibration.TINY] * (1 + calibration.TINY_STEPS), calls
+        assert 128 in calls and 512 in calls, calls
+    assert tiny.tolist() == pytest.approx([0.002] * (size - 1) + [0.2 if size > 1 else 0.002])
+    gathered = comm.allgather(times.tolist())
+    assert all(np.array_equal(g, gathered[0], equal_nan=True) for g in gathered)

@@ -15,7 +15,10 @@ samples, and its ratio r to the fastest rank's time there decides:
            slope, it times nothing more; there, and where its second time shows a cost
            per sample no larger than the fastest rank's (noise), its cost per sample is
            the fastest rank's times r. It then sits out or takes a few samples, and the
-           steps measure it from then on
+           steps measure it from then on. Such a rank stops timing the tiny batch after
+           its first timed step (stops_early): every rank takes two tiny steps first,
+           the shorter of each rank's two (a one-off cost or one spike does not stop a
+           rank) is all-gathered, and the rest take TINY_STEPS - 1 more
   timed    the rest: both batches (a slower one fewer steps: balancer.calibration_steps),
            the large one scaled down where it is slower at the small one (below)
 
@@ -81,6 +84,14 @@ def ratios(tiny) -> np.ndarray:
 def slow(tiny) -> np.ndarray:
     """The ranks (bool) that do not time the two batches (see the module docstring)."""
     return ratios(tiny) > SLOW_START
+
+
+def stops_early(first, small: int) -> np.ndarray:
+    """The ranks (bool) that time no more tiny steps than their first (see the module
+    docstring): slow by `first`, every rank's first two tiny steps' shorter (the untimed
+    and the first timed: a one-off cost or a spike in one of them does not stop a rank),
+    and too slow for a second batch."""
+    return slow(first) & (second_batch(first, small) == 0)
 
 
 def second_batch(tiny, small: int) -> np.ndarray:

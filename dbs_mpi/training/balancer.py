@@ -43,6 +43,7 @@ The method, with its formulas: docs/method.md.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -86,8 +87,7 @@ def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     rank = comm.Get_rank()
     with torch.random.fork_rng(devices=cuda):
-        tiny = time_step(step, calibration.tiny_batch(small), calibration.TINY_STEPS, 1, stretch)
-        tiny = allgather_array(comm, [tiny], timeout)[:, 0]
+        tiny = time_tiny(comm, step, small, stretch, timeout)
         slow = calibration.slow(tiny)[rank]
         timed, untimed = calibration_steps(calibration.ratios(tiny)[rank], steps, warmup)
         first = np.nan if slow else time_step(step, small, timed, untimed, stretch, STEADY)
@@ -102,6 +102,20 @@ def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int
     n = comm.Get_size()
     fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1], affine=affine)
     return fit, times, tiny
+
+
+def time_tiny(comm, step, small: int, stretch, timeout: float) -> np.ndarray:
+    """Collective: every rank's median seconds at the tiny batch (calibration.tiny_batch),
+    of TINY_STEPS timed steps after an untimed one; a rank that its first two show far too
+    slow (calibration.stops_early, from the shorter of every rank's two) times no more,
+    its first timed step its time."""
+    tiny = calibration.tiny_batch(small)
+    first = [time_step(step, tiny, 1, 0, stretch) for _ in range(2)]      # (the untimed one clocked too)
+    shorter = allgather_array(comm, [min(first)], timeout)[:, 0]
+    mine = [first[1]]
+    if not calibration.stops_early(shorter, small)[comm.Get_rank()]:
+        mine += [time_step(step, tiny, 1, 0, stretch) for _ in range(calibration.TINY_STEPS - 1)]
+    return allgather_array(comm, [statistics.median(mine)], timeout)[:, 0]
 
 
 def calibration_steps(ratio: float, steps: int, warmup: int) -> tuple[int, int]:
