@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from dbs_mpi.planning import allocation
 from dbs_mpi.planning.allocation import AllocationError, SpeedModel
 from dbs_mpi.planning.dynamic import DBSController
+from dbs_mpi.planning.participation import allocate_for
 
 
 @given(B=st.integers(1, 5000), speeds=st.lists(st.floats(0.01, 100), min_size=1, max_size=16),
@@ -206,6 +207,28 @@ def test_dbs_damps_an_oscillation():
     assert new.sum() == 512
     assert swings[1] >= swings[0] > 100                 # a change and its reversal: followed at once
     assert max(swings[3:]) <= 0.6 * swings[1], swings   # a third swing in a row and later: damped
+
+
+def test_the_per_epoch_rule_keeps_the_set_it_has_and_balances_within_it():
+    """A rank 50x slower with 0.1 s of fixed cost sits out ([64, 64, 0]). When rank 0
+    turns 2x (then 10x) slower, the per-epoch rule re-balances between the two that take
+    part; every rank back with at least one sample made it keep [64, 64, 0] (predicted
+    1.5x the balanced step) or, at 10x, take the slow rank back for a step of 0.150 s
+    against 0.117 s. Its damped swings keep the rank out too."""
+    fit = SpeedModel(np.array([1e-3, 1e-3, 50e-3]), np.array([0.0, 0.0, 0.100]))
+    vector = allocate_for(fit, 128)
+    assert vector.tolist() == [64, 64, 0]
+    for slow, expected in ((2, [43, 85, 0]), (10, [11, 117, 0])):
+        ctl = DBSController(model=fit, global_batch=128)
+        new, _ = ctl.update(vector, np.tile(vector, (100, 1)), np.array([slow * 64e-3 * 100, 64e-3 * 100, 0.0]))
+        assert new.tolist() == expected
+    ctl = DBSController(model=fit, global_batch=128)
+    current = vector
+    for epoch in range(8):                                 # the slow-down blamed on rank 0 and 1 in turn
+        per_sample = np.array([4e-3, 1e-3, 0.0]) if epoch % 2 == 0 else np.array([1e-3, 4e-3, 0.0])
+        new, _ = ctl.update(current, np.tile(current, (10, 1)), 10 * per_sample * current)
+        assert new[2] == 0 and new.sum() == 128 and new.min(initial=1, where=new > 0) >= 1, (epoch, new)
+        current = new
 
 
 def test_benchmark_fit_cannot_starve_a_rank():

@@ -22,7 +22,8 @@ class DBSController:
          rank's model is scaled by ratio at once (followed within one epoch).
          Otherwise it is noise or drift: the model is scaled by
          1 + smoothing * (ratio - 1) (an exponential moving average).
-      3. A new vector is computed from the updated model; it replaces the current one
+      3. A new vector is computed from the updated model over the ranks that take part
+         (a rank that sits out, participation.py, stays out); it replaces the current one
          only if it lowers the predicted step time (max over ranks) by at least
          min_gain (default 3%): a dead band, so that noise never makes it oscillate.
       4. A rank whose local batch would reverse direction for the second epoch in a
@@ -76,11 +77,12 @@ class DBSController:
         jump = np.abs(ratio - 1.0) >= self.follow
         scale = np.where(jump, ratio, 1.0 + self.smoothing * (ratio - 1.0))
         self.model = SpeedModel(self.model.per_sample * scale, self.model.overhead * scale)
-        candidate = self.model.allocate(self.global_batch, self.min_local, self.max_local)
-        now = self.model.predict(current).max()
-        new = self.model.predict(candidate).max()
         current = np.asarray(current, dtype=np.int64)
-        if new > now * (1.0 - self.min_gain):
+        part = current > 0                       # the set it has: ranks that sit out stay out
+        candidate = np.zeros_like(current)
+        candidate[part] = SpeedModel(self.model.per_sample[part], self.model.overhead[part]).allocate(
+            self.global_batch, self.min_local, self.max_local)
+        if self.model.predict(candidate).max() > self.model.predict(current).max() * (1.0 - self.min_gain):
             return current, ratio
         move = candidate - current
         reverse = np.zeros(len(current), bool)
@@ -88,10 +90,14 @@ class DBSController:
             reverse = np.sign(move) * np.sign(self.last_move) < 0
             damp = reverse & self.last_reversed
             if damp.any():
-                target = np.where(damp, current + 0.5 * move, candidate).astype(float)
-                hi = None if self.max_local is None else np.full(len(current), float(self.max_local))
-                target = np.clip(target * self.global_batch / target.sum(), self.min_local, hi)
-                candidate = round_preserving_sum(target, self.global_batch, np.full(len(current), self.min_local), hi)
+                candidate[part] = self._half_way(current[part], move[part], candidate[part], damp[part])
                 move = candidate - current
         self.last_move, self.last_reversed = move, reverse
         return candidate, ratio
+
+    def _half_way(self, current, move, candidate, damp) -> np.ndarray:
+        """The vector of the ranks taking part with the damped ones (`damp`) moved half way."""
+        target = np.where(damp, current + 0.5 * move, candidate).astype(float)
+        hi = None if self.max_local is None else np.full(len(current), float(self.max_local))
+        target = np.clip(target * self.global_batch / target.sum(), self.min_local, hi)
+        return round_preserving_sum(target, self.global_batch, np.full(len(current), self.min_local), hi)
