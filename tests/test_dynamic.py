@@ -196,6 +196,28 @@ def test_under_steady_noise_the_vector_stays_put(noise):
     assert slowest.max() <= 1.06 * truth.predict(truth.allocate(B)).max()    # never far from the best vector
 
 
+def test_follow_0_reads_a_change_beyond_the_noise_only():
+    """dbs_follow 0 (part of the DBS authors' recipe) leaves the threshold to the noise.
+    Before the noise was known (sigma 0) every step read as a change, which wiped the
+    window before sigma could be measured: the line never formed, and a 1:20 pair under
+    10% noise cut its slow rank out on noise alone after 61 steps. Now the steps' spread
+    is measured, the pair keeps its vector (but for one probe and its way back, as under
+    the default 0.25), and a 4x slow-down is still followed at once."""
+    machine = Machine([1e-3, 20e-3], [0.0, 0.0], noise=0.1, seed=1)
+    estimator = StepTimeEstimator(model_of(machine.per_sample, machine.overhead), follow=0.0)
+    for s in range(60):
+        estimator.observe([122, 6], machine.times(s, [122, 6]))
+        if s % 8 == 7:
+            estimator.update()
+    assert (estimator.sigma > 0).all() and (estimator.count >= 2 * RECENT).all()
+    vectors = closed_loop(machine, 400, follow=0.0)
+    moves = np.count_nonzero(np.diff(vectors[:, 1]))
+    assert vectors[:, 1].min() >= 12 and moves <= 4, vectors[:, 1]        # (a probe and its way back)
+    machine.slow(rank=0, start=400, stop=800, factor=4.0)
+    vectors = closed_loop(machine, 500, follow=0.0)
+    assert first_step(vectors, 400, lambda v: v[0] < 440) <= 5            # its balance: 512 x 5/6 = 427
+
+
 def test_under_heavy_noise_a_4x_change_is_still_followed_at_once():
     machine = Machine([1e-4, 1e-4], [5e-4, 5e-4], noise=0.15, seed=1)
     machine.slow(rank=1, start=100, stop=300, factor=4.0)

@@ -12,7 +12,8 @@ allocator's one-off cost):
           least NOISE_FLOOR) from it out; the line through the rest, 0 <= a <= FIXED_MAX
           min t. sigma: the rest's spread (log), smoothed over re-estimates
   change  |log L| >= max(log(1 + follow), CHANGE_Z standard errors of a median of RECENT
-          steps) and the line does not explain the recent steps either: the rank's speed
+          steps, or NOISE_FLOOR while the steps' noise is not known yet) and the line
+          does not explain the recent steps either: the rank's speed
           changed. a and c are scaled by L at once; only the recent steps at the new
           speed stay in the window.
   steady  otherwise: a and c are the line's, or scaled by the inliers' mean ratio.
@@ -121,6 +122,16 @@ def least_squares_line(b, t, mask, recent: int) -> dict:
     ok = (count >= recent + 3) & (high >= SPREAD * low) & (denominator > 0) & np.isfinite(per_sample) \
         & (per_sample > 0) & np.isfinite(overhead)
     return {"ok": ok, "per_sample": np.where(ok, per_sample, 1.0), "overhead": np.where(ok, overhead, 0.0)}
+
+
+def change_bound(follow: float, sigma, recent: int = RECENT) -> np.ndarray:
+    """Per rank, the smallest change of level (log) that is a change of speed: `follow`, or
+    CHANGE_Z standard errors of a median of `recent` steps of spread `sigma` where the
+    steps are noisier; NOISE_FLOOR where sigma is 0 (steps without noise, or not measured
+    yet: with follow 0 every step then read as a change, which wiped the window before
+    sigma could be measured)."""
+    noise = CHANGE_Z * MEDIAN_SE * np.asarray(sigma, float) / math.sqrt(recent)
+    return np.maximum(math.log1p(follow), np.where(noise > 0, noise, math.log1p(NOISE_FLOOR)))
 
 
 class StepTimeEstimator:
@@ -252,9 +263,8 @@ class StepTimeEstimator:
         return changed
 
     def _threshold(self) -> np.ndarray:
-        """Per rank, the smallest change of level (log) that is a change of speed: `follow`,
-        or CHANGE_Z standard errors of a median of RECENT steps where the steps are noisier."""
-        return np.maximum(math.log1p(self.follow), CHANGE_Z * MEDIAN_SE * self.sigma / math.sqrt(self.recent))
+        """Per rank, the smallest change of level (log) that is a change of speed (change_bound)."""
+        return change_bound(self.follow, self.sigma, self.recent)
 
     def flat(self) -> np.ndarray:
         """Per rank, whether the steps in its window lack local batches SPREAD apart (or it
