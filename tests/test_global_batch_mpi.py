@@ -196,3 +196,23 @@ def test_a_fixed_batchs_state_and_an_adaptive_one_do_not_mix(comm):
         run.sampler.set_epoch(0)
         iter(torch.utils.data.DataLoader(run.data, batch_sampler=run.sampler)).__next__()
         run.balancer.set_global_batch(16)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_new_global_batch_keeps_out_of_a_set_the_set_check_banned(comm):
+    """dbs within the epoch (2 ranks or more: one rank has no planner), rank 0 the fastest:
+    the set of every rank is banned (as after a trial of the fastest ranks alone that won),
+    and the vector runs rank 0 alone. The model alone would take every rank back at B =
+    96; set_global_batch starts B within the set that ran, on every rank."""
+    n = comm.Get_size()
+    times = np.array([[0.002, 0.005]] + [[0.004, 0.010]] * (n - 1))
+    balancer = dbs_mpi.Balancer(comm, 24, "dbs", timeout=TIMEOUT)
+    balancer.use_calibration({"local_batch": [4, 16], "step_time": times})
+    sets = balancer.replanner.planner.sets
+    sets.ban(tuple(range(n)), 0, 1 << 20)
+    balancer.batch_sizes = np.array([24] + [0] * (n - 1))
+    vector = balancer.set_global_batch(96)
+    assert vector.tolist() == [96] + [0] * (n - 1)
+    assert comm.allgather(vector.tolist()) == [vector.tolist()] * n
+    sets.banned.clear()
+    assert (balancer.set_global_batch(192) > 0).all()             # a set not banned: the model's

@@ -2,7 +2,7 @@
 and the set of ranks taking part checked by measurement (planning/dynamic/set_check.py)."""
 import numpy as np
 
-from dbs_mpi.planning import dynamic
+from dbs_mpi.planning import dynamic, participation
 from dbs_mpi.planning.allocation import SpeedModel
 from dbs_mpi.planning.dynamic import set_check
 
@@ -126,6 +126,28 @@ def test_on_a_coupled_host_the_set_a_trial_beat_stays_out_for_the_trial_ban():
     rows, switches = run(replanner, set_check.TRIAL_FIRST + 300, coupled_times(rng), [340, 172])
     kept = next(step for step, _, cause in switches if cause == "trial") + 2 * set_check.RECENT
     assert (rows[kept:kept + 250, 1] == 0).all(), switches
+
+
+def test_a_new_global_batch_keeps_out_of_a_set_the_set_check_banned():
+    """The coupled host: after the trial of rank 0 alone won, the pair is banned. A new
+    global batch (B 512 -> 1024, `--global-batch auto`) took its vector from the model,
+    which gives rank 1 a share, and nothing checked it: the planner sat on the banned pair
+    at 1.3-1.6x rank 0's time alone until the next trial. The new B starts within the set
+    it had, and stays there."""
+    rng = np.random.default_rng(4)
+    replanner = dynamic.Replanner(0, 2, B, model=SpeedModel(np.array([2e-4, 4e-4]), np.array([1e-3, 1e-3])),
+                                  hosts=["node", "node"])
+    rows, switches = run(replanner, set_check.TRIAL_FIRST + 20, coupled_times(rng), [340, 172])
+    assert rows[-1].tolist() == [B, 0], switches
+    model_vector = participation.vector_at("dbs", replanner.planner.model, 2 * B, 2)
+    assert model_vector[1] > 0                                      # the model alone would take the pair
+    replanner.resize(2 * B)
+    vector = replanner.allowed(model_vector, rows[-1])
+    assert vector.tolist() == [2 * B, 0]
+    rows, switches = run(replanner, 100, coupled_times(rng), vector)
+    assert (rows[:, 1] == 0).all(), switches
+    assert replanner.allowed([700, 324], [2 * B, 0]).tolist() == [2 * B, 0]
+    assert replanner.allowed([2 * B, 0], [700, 324]).tolist() == [2 * B, 0]     # (a set not banned: as given)
 
 
 def test_where_every_rank_must_take_part_no_set_is_tried():

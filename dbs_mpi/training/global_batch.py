@@ -100,12 +100,14 @@ class Resizing:
 
     def _resize(self, global_batch: int) -> None:
         """B changes (every rank with the same B): rank 0's vector for it, the planners resized."""
-        vector = np.ascontiguousarray(self._vector_at(global_batch), dtype=np.int64)    # (checked on every rank)
+        vector = self._vector_at(global_batch)                  # (checked on every rank)
+        if self.replanner is not None:                         # (not a set the set check banned)
+            self.replanner.resize(global_batch)
+            vector = self.replanner.allowed(vector, self.batch_sizes)
+        vector = np.ascontiguousarray(vector, dtype=np.int64)
         if self.world_size > 1:
             wait(self.comm.Ibcast(vector, root=0), self.timeout, "broadcasting the new global batch's vector")
         self.global_batch, self.batch_sizes = global_batch, vector
-        if self.replanner is not None:
-            self.replanner.resize(global_batch)
         if self.controller is not None:
             self.controller.global_batch = global_batch
 

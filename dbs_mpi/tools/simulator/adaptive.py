@@ -43,11 +43,14 @@ def next_batch(job: Job, epoch: int, current: int, model: allocation.SpeedModel,
     return rule.decide(current, a["noise"], step_time, upper)[0]
 
 
-def resized(job: Job, global_batch: int, model, n: int, replanner, controller, exchange) -> np.ndarray:
-    """The planners at a new B (as Balancer.set_global_batch); returns its vector."""
-    if replanner is not None:
-        replanner.resize(global_batch)
+def resized(job: Job, global_batch: int, model, n: int, replanner, controller, exchange, current) -> np.ndarray:
+    """The planners at a new B (as Balancer.set_global_batch); returns its vector (not a set
+    the set check banned: Replanner.allowed, from the set of `current`, the vector before)."""
     if controller is not None:
         controller.global_batch = global_batch
     exchange.global_batch = global_batch
-    return vector_at(job, global_batch, model, n)
+    vector = vector_at(job, global_batch, model, n)
+    if replanner is None:
+        return vector
+    replanner.resize(global_batch)
+    return replanner.allowed(vector, current)

@@ -149,7 +149,8 @@ def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0
             model = dynamic.planning_model(replanner, controller, fit)
             chosen = next_batch(job, epoch, global_batch, model, fixed, n)
             if chosen != global_batch:
-                global_batch, vector = chosen, resized(job, chosen, model, n, replanner, controller, clock.comm)
+                vector = resized(job, chosen, model, n, replanner, controller, clock.comm, vector)
+                global_batch = chosen
                 clock.vector = None                        # (a switch of the old B's does not carry over)
         table = sharding.step_batch_sizes(job.samples, global_batch, vector, job.drop_last)
         for e in emus:
