@@ -276,3 +276,20 @@ def test_a_set_taken_back_soon_is_checked_on_its_new_steps_only():
     assert sets.verdict(10) is None and sets.pending is not None
     sets.observe([400, 112], [0.052, 0.04], True, 10)               # its first step
     assert sets.verdict(11) is None and sets.pending is not None
+
+
+def test_a_plan_that_left_ranks_out_and_lost_with_coupling_seen_is_banned_for_the_trial_ban():
+    """A plan leaves rank 1 out ([40, 24] -> [64, 0], not a trial): rank 0 alone computes
+    1.5x faster per sample, yet the step is 7% slower. The set goes back and the smaller
+    set is banned for TRIAL_BAN steps, not BAN: the per-rank model, which now sees rank
+    0's speed alone, would leave rank 1 out again as soon as a shorter ban ended."""
+    sets = set_check.SetCheck(hosts=["node", "node"])
+    for step in range(set_check.RECENT + 1):
+        sets.observe([40, 24], [40 * 2e-4, 24 * 3.3e-4], True, step)
+    at = set_check.RECENT + 1
+    sets.switched([40, 24], [64, 0], at, "plan")
+    for step in range(at, at + set_check.RECENT + 1):
+        sets.observe([64, 0], [64 * 1.34e-4, 0.0], True, step)
+    step = at + set_check.RECENT
+    assert sets.verdict(step).tolist() == [40, 24]
+    assert sets.banned[(0,)] == step + set_check.TRIAL_BAN
