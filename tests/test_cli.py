@@ -171,6 +171,51 @@ def test_unwritable_output(tmp_path):
     assert existing.read_bytes() == b"precious"                # nothing already written is lost
 
 
+def test_a_new_runs_checkpoint_never_overwrites_a_file_and_is_checked_at_the_start(tmp_path):
+    """The checkpoint a new run would write (--checkpoint, or <out>.ckpt) is checked before
+    training, on every rank, in one line: not the result file (it would replace it after
+    the first epoch), not a file that exists (an earlier run's checkpoint, or anything
+    else), and in a directory it can write (else the first epoch's work was lost to a
+    traceback at its end). Nothing is written."""
+    precious = tmp_path / "keep.txt"
+    precious.write_text("precious")
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    stale = tmp_path / "old.h5.ckpt"
+    stale.write_bytes(b"an earlier run's")
+    for args, said in ((["--out", str(tmp_path / "a.h5"), "--checkpoint", str(tmp_path / "a.h5")],
+                        "is the result file"),
+                       (["--out", str(tmp_path / "b.h5"), "--checkpoint", str(precious)], "exists already"),
+                       (["--out", str(tmp_path / "old.h5")], "exists already"),
+                       (["--out", str(tmp_path / "c.h5"), "--checkpoint", str(blocker / "c.ckpt")], "cannot write in")):
+        proc = run_cli(["train", *TINY, *args], ranks=2, timeout=60)
+        assert proc.returncode == 2 and len(error_lines(proc)) == 1, proc.stderr
+        assert error_lines(proc)[0].startswith("dbs-mpi: error: checkpoint: ") and said in error_lines(proc)[0]
+    assert precious.read_text() == "precious" and stale.read_bytes() == b"an earlier run's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "keep.txt", "old.h5.ckpt"]
+
+
+def test_a_resume_continues_in_its_own_result_file_only(tmp_path, one_rank):
+    """--resume of a result file that is not there fails in one line (it made a new file
+    holding the epochs after the checkpoint only, marked complete); --out naming another
+    file fails too (it was ignored); --out naming the resumed file itself, as the job
+    scripts pass it, resumes."""
+    out = tmp_path / "run.h5"
+    shutil.copy(str(one_rank[0]) + ".ckpt", str(tmp_path / "orphan.ckpt"))
+    proc = run_cli(["train", "--resume", str(tmp_path / "orphan"), "--checkpoint", str(tmp_path / "orphan.ckpt"),
+                    "--epochs", "3"])
+    assert proc.returncode == 2 and len(error_lines(proc)) == 1 and "resume: no result file" in error_lines(proc)[0]
+    assert not (tmp_path / "orphan").exists()
+    for suffix in ("", ".ckpt"):
+        shutil.copy(str(one_rank[0]) + suffix, str(out) + suffix)
+    proc = run_cli(["train", "--resume", str(out), "--epochs", "3", "--out", str(tmp_path / "new.h5")])
+    assert proc.returncode == 2 and len(error_lines(proc)) == 1 and "continues in its result file" in proc.stderr
+    assert not (tmp_path / "new.h5").exists()
+    proc = run_cli(["train", "--resume", str(out), "--epochs", "3", "--out", str(tmp_path / "." / "run.h5")])
+    assert proc.returncode == 0, proc.stderr
+    assert read_run(out)["data"]["epoch/train_loss"].shape == (3,)
+
+
 CRASH = textwrap.dedent("""
     import sys, time
     import numpy as np, torch

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+from pathlib import Path
 
 from ..about import __version__
 from ..options import UserError
@@ -83,6 +84,7 @@ def load_train_config(argv, rank: int):
     ckpt_path = given.get("checkpoint") or str(checkpoint.default_path(resume))
     if rank != 0:
         return None, None, resume
+    _check_resumed_file(resume, given.get("out"))
     state = checkpoint.load(ckpt_path)
     stored = {**config_mod.LEGACY, **state["config"]}      # what a run recorded before an option existed did
     base = config_mod.from_dict(stored)
@@ -97,6 +99,18 @@ def load_train_config(argv, rank: int):
     if problem:
         raise UserError(problem)
     return cfg, state, resume
+
+
+def _check_resumed_file(resume: str, out) -> None:
+    """A resumed run continues in its result file: it must exist (else a new file would
+    hold the epochs after the checkpoint only, marked complete), and --out, if given,
+    must name it (the job scripts pass both)."""
+    if not Path(resume).is_file():
+        raise UserError(f"resume: no result file {resume}; --resume names the stopped run's result file (its "
+                        f"checkpoint is {resume}.ckpt unless --checkpoint says otherwise)")
+    if out and Path(out).resolve() != Path(resume).resolve():
+        raise UserError(f"out: a resumed run continues in its result file {resume}, not {out}; to keep the "
+                        f"original, copy it (and its checkpoint) and resume the copy")
 
 
 def collect_from_here() -> None:
@@ -122,9 +136,10 @@ def start_torch(comm) -> None:
 
 def check_before_torch(argv, world_size: int) -> None:
     """The checks of a new run's command line that need no torch (the configuration, the
-    number of ranks, an existing --out): bad input answered in a fraction of a second. A
+    number of ranks, an existing --out or checkpoint): bad input answered in a fraction of
+    a second. A
     resumed run's configuration is the checkpoint's, checked once it is read."""
-    from ..training.results import check_new_file
+    from ..training.results import check_new_checkpoint, check_new_file, check_writable
     args = vars(_train_parser().parse_args(argv))
     if args.pop("resume"):
         return
@@ -132,6 +147,9 @@ def check_before_torch(argv, world_size: int) -> None:
     config_mod.check_world(cfg, world_size)
     if cfg.out:
         check_new_file(cfg.out)
+        check_writable(cfg.out, "out")
+    if cfg.checkpoint or cfg.out:
+        check_new_checkpoint(cfg.checkpoint or f"{cfg.out}.ckpt", cfg.out)
 
 
 def cmd_train(comm, argv) -> int:

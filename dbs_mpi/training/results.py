@@ -13,6 +13,7 @@ import math
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -277,6 +278,31 @@ def check_new_file(path) -> None:
         raise UserError(f"out: {path} exists already; choose another --out or remove it")
 
 
+def check_new_checkpoint(path, out) -> None:
+    """A new run's checkpoint file (`--checkpoint`, or <out>.ckpt): not its result file
+    `out`, not a file that exists (nothing already written is overwritten, an earlier
+    run's checkpoint included), and in a directory that can be made and written: found
+    now, not after the first epoch."""
+    path = Path(path)
+    if out and path.resolve() == Path(out).resolve():
+        raise UserError(f"checkpoint: {path} is the result file (--out); choose another --checkpoint")
+    if path.exists():
+        raise UserError(f"checkpoint: {path} exists already (an earlier run's?); resume that run with --resume, "
+                        f"remove it, or choose another --checkpoint")
+    check_writable(path, "checkpoint")
+
+
+def check_writable(path, what: str) -> None:
+    """`path`'s directory exists or can be made, and a file can be written in it (`what`:
+    the option that named it)."""
+    parent = Path(path).parent
+    try:                                            # (as root, os.access says yes to /proc)
+        parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as exc:
+        raise UserError(f"{what}: cannot write in {parent} ({exc.strerror or exc})") from None
+
+
 class RunWriter:
     """Appends a run's records to its HDF5 file; every call leaves the file readable."""
 
@@ -311,7 +337,7 @@ class RunWriter:
         self.path = Path(path)
         self.world_size = world_size
         try:
-            self.file = h5py.File(self.path, "a")
+            self.file = h5py.File(self.path, "r+")          # ("a" would make a new file: never)
         except OSError as exc:
             raise UserError(f"resume: cannot open {self.path} ({exc})") from None
         f = self.file
