@@ -36,7 +36,7 @@ def parse_interval(value) -> int | None:
         text = value.strip().lower()
         if text == "epoch":
             return None
-        if not text.isdigit():
+        if not (text.isascii() and text.isdigit()):         # ('²' is a digit to isdigit, not to int)
             raise ConfigError(f"dbs_interval: must be a positive number of steps or \"epoch\"; got {value!r}")
         value = int(text)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:

@@ -57,6 +57,12 @@ def test_toml_then_command_line(tmp_path):
     (["--warmup-epochs", "1", "--strategy", "dbs-sgd"], "lr_schedule"),
     (["--sample-dropout", "--strategy", "asgd"], "sample_dropout"),
     (["--calibration-from", "run.h5", "--strategy", "ssgd"], "calibration_from"),
+    (["--seed", "-5"], "seed"),                                           # (numpy's generators: a traceback)
+    (["--seed", "100000000000000000000"], "seed"),                        # (torch.manual_seed: an overflow)
+    (["--global-batch", "9223372036854775808"], "global_batch"),
+    (["--subset", "99999999999999999999"], "subset"),
+    (["--dbs-interval", "\u00b2"], "dbs_interval"),
+    (["--synthetic-classes", "1"], "synthetic_classes"),                       # (a digit to str.isdigit, not to int)
 ])
 def test_bad_values_name_the_field(argv, field):
     with pytest.raises(ConfigError, match=f"^{field}: "):

@@ -352,3 +352,13 @@ def test_augment_keeps_the_image_and_handles_empty_batches():
     out = augment(x, [0, 1], 0, 0, padding=1)
     assert set(out.unique().tolist()) <= set(x.unique().tolist()) | {0.0}        # pixels or zero padding
     assert augment(torch.empty(0, 3, 32, 32), np.array([], np.int64), 0, 0).shape == (0, 3, 32, 32)
+
+
+def test_synthetic_data_that_would_not_fit_in_memory_is_refused_in_one_line():
+    """A shape or a class count too large for this machine's memory: one line naming the
+    size, not torch's allocator error; a small set loads."""
+    with pytest.raises(DataError, match=r"^synthetic_samples: 16 samples of shape \(1, 100000, 100000\) .* GiB"):
+        load_dataset("synthetic", "train", synthetic_samples=16, synthetic_shape=(1, 100000, 100000))
+    with pytest.raises(DataError, match="100000000000 classes"):
+        load_dataset("synthetic", "train", synthetic_samples=16, synthetic_classes=10 ** 11)
+    assert len(load_dataset("synthetic", "train", synthetic_samples=16)) == 16

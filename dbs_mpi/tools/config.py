@@ -382,6 +382,9 @@ def _check_adaptive(c: Config) -> None:
         _fail("max_global_batch", f"must be at least the start, {c.global_batch}; got {c.max_global_batch}")
 
 
+LARGEST_INT = 2 ** 62     # integer options are below it (numpy's and torch's 64-bit integers hold them)
+
+
 def _check_ranges(c: Config) -> None:
     def positive(name):
         if getattr(c, name) <= 0:
@@ -399,6 +402,14 @@ def _check_ranges(c: Config) -> None:
                  "bucket_mb", "first_bucket_mb", "num_classes", "loader_workers", "startup_timeout", "micro_batch",
                  "global_batch_start", "min_global_batch", "max_global_batch"):
         non_negative(name)
+    for f in fields(c):                    # (numpy and torch take 64-bit integers: a larger one was a traceback)
+        value = getattr(c, f.name)
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= LARGEST_INT:
+            _fail(f.name, f"must be below 2**62; got {value}")
+    if c.seed < 0:
+        _fail("seed", f"must be zero or positive; got {c.seed}")
+    if c.synthetic_classes < 2:
+        _fail("synthetic_classes", f"must be at least 2; got {c.synthetic_classes}")
     if c.time_budget < 0:
         _fail("time_budget", f"must be zero (no limit) or positive seconds; got {c.time_budget}")
     if c.min_local_batch < 1:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
+import math
 import http.client
 import os
 import pickle
@@ -290,12 +291,23 @@ def load_synthetic(split: str, samples: int, shape, classes: int, seed: int) -> 
 
     from ..training.batches import Dataset
     n = samples if split == "train" else max(1, samples // 4)
+    _check_fits(n, shape, classes)
     g = torch.Generator().manual_seed(1_000_003 * seed + (0 if split == "train" else 1))
     gp = torch.Generator().manual_seed(7919 * seed + 17)  # class patterns shared by both splits
     patterns = torch.randn((classes, *shape), generator=gp)
     y = torch.randint(0, classes, (n,), generator=g)
     x = patterns[y] + 1.5 * torch.randn((n, *shape), generator=g)
     return Dataset(x=x.float().contiguous(), y=y, num_classes=classes, name="synthetic")
+
+
+def _check_fits(samples: int, shape, classes: int) -> None:
+    """The synthetic tensors (3 of their size while they are made) fit in this machine's
+    memory: else one line, not torch's allocator error."""
+    need = 3 * 4 * (samples + classes) * math.prod(shape)
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise DataError(f"synthetic_samples: {samples} samples of shape {tuple(shape)} ({classes} classes) take "
+                        f"about {need / 2**30:.1f} GiB to make; this machine has {have / 2**30:.1f} GiB")
 
 
 def load_dataset(name: str, split: str, data_dir=None, *, subset: int = 0, seed: int = 0,
