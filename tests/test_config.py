@@ -22,6 +22,13 @@ def test_toml_then_command_line(tmp_path):
     assert (c.strategy, c.global_batch, c.speeds, c.lr) == ("static", 64, (1.0, 0.25), 0.1)
 
 
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_bytes(b'strategy = "st\xe4tic"\n')
+    with pytest.raises(ConfigError, match=r"^config: cannot read .*run\.toml"):
+        parse_train_args(["--config", str(f)])
+
+
 @pytest.mark.parametrize("argv, field", [
     (["--global-batch", "0"], "global_batch"),
     (["--global-batch", "-3"], "global_batch"),

@@ -896,6 +896,9 @@ def test_speeds_are_cycled_to_the_jobs_ranks_and_lost_nodes_named(tmp_path):
     assert cycled_speeds(main, 6, "--epochs 2") == "1.0,0.5,0.25,0.25,1.0,0.5"
     assert cycled_speeds(main, 4, "") == "" and cycled_speeds(main, 2, "--speeds 1,1") == "" and \
         cycled_speeds("", 2, "") == ""
+    written = tmp_path / "speeds.toml"
+    written.write_text('speeds = "1,0.5"\n')                 # (train reads a string too: it was cycled by character)
+    assert cycled_speeds(str(written), 3, "") == "1.0,0.5,1.0"
     path = _result(tmp_path / "lost.h5", "running")
     assert lost_ranks(str(path), ["n2"]).endswith("lost rank(s) [2, 3] of 4 (" + str(path) + ")")
     assert "no rank" in lost_ranks(str(path), ["n3"])

@@ -20,6 +20,7 @@ from dbs_mpi.mpi import startup
     (["--config", "{cfg}"], "comm_timeout = 40\n", 40.0),
     (["--config", "{cfg}", "--startup-timeout", "9"], "startup_timeout = 50\n", 9.0),   # the command line wins
     (["--config", "{cfg}"], "startup_timeout = [", 0.0),          # a bad file: the parser says so later
+    (["--config", "{cfg}"], "[run]\nstartup-timeout = 3\n", 3.0),  # in a section, as the parser reads it
     (["--comm-timeout", "soon"], None, 0.0),
 ])
 def test_the_limit_is_read_before_anything_is_imported(tmp_path, argv, toml, expected):

@@ -107,7 +107,11 @@ def _toml_timeouts(path: str) -> dict:
             data = tomllib.load(f)
     except (OSError, ValueError, ImportError):
         return {}                    # the configuration's parser names the mistake later
-    return {k: data[k] for k in ("startup_timeout", "comm_timeout") if k in data}
+    flat = {}
+    for key, value in data.items():  # [sections] group keys, as the configuration's parser reads them
+        for k, v in (value.items() if isinstance(value, dict) else [(key, value)]):
+            flat[k.replace("-", "_")] = v
+    return {k: flat[k] for k in ("startup_timeout", "comm_timeout") if k in flat}
 
 
 def arm(argv=None, limit: float | None = None) -> None:

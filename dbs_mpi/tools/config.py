@@ -508,7 +508,7 @@ def load_toml(path: str | Path) -> dict:
             data = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config: no such file {str(path)!r}") from None
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, ValueError) as exc:             # (TOMLDecodeError, and UnicodeDecodeError: not UTF-8)
         raise ConfigError(f"config: cannot read {str(path)!r}: {exc}") from None
     flat = {}
     for key, value in data.items():  # allow [sections] for grouping; keys stay flat

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..options import UserError
 from ..training.results import STATUS_COMPLETE, read_run
-from .config import load_toml
+from .config import load
 
 
 def scheduler_job(environ) -> dict:
@@ -98,7 +98,7 @@ def cycled_speeds(config: str, ntasks: int, extra: str) -> str:
     --speeds (the rule of `make run NP=N`)."""
     if not config or "--speeds" in extra.split():
         return ""
-    speeds = load_toml(config).get("speeds") or []
+    speeds = load(config).speeds             # (as train reads them: a string "1,0.5" too)
     if not speeds or len(speeds) == ntasks:
         return ""
     return ",".join(str(speeds[i % len(speeds)]) for i in range(ntasks))
