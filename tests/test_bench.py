@@ -128,6 +128,21 @@ def test_rank_requirements_are_checked_before_anything_runs():
         bench._setup(["nonsense"], 4)
 
 
+@pytest.mark.parametrize("argv, field", [
+    (["hetero", "--speeds", "x"], "speeds"),                 # (a traceback from float())
+    (["scaling", "--sizes", "a"], "sizes"),                  # (a traceback from int())
+    (["overhead", "--model", "foo"], "model"),               # (refused inside the case: exit 1)
+    (["hetero", "--strategies", "ssgd,turbo"], "strategies"),
+    (["exchange", "--models", "lenet5,foo"], "models"),
+    (["overhead", "--steps", "0"], "steps"),
+    (["wait", "--wait-speeds", "1,0"], "wait-speeds"),
+    (["overhead", "--repeats", "-1"], "repeats"),
+])
+def test_bad_values_are_refused_before_any_case_runs(argv, field):
+    with pytest.raises(UserError, match=f"^{field}: "):
+        bench._setup(argv, 4)
+
+
 def fake_tracking_run(follow, give_back, slowed=100, steps=120, start=30, stop=90, seconds=(0.02, 0.05)):
     """A 2-rank run's step record: rank 1 at 256 until `follow` steps after start, then
     `slowed` until `give_back` steps after stop."""

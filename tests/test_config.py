@@ -68,8 +68,11 @@ def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path):
     (["--seed", "100000000000000000000"], "seed"),                        # (torch.manual_seed: an overflow)
     (["--global-batch", "9223372036854775808"], "global_batch"),
     (["--subset", "99999999999999999999"], "subset"),
-    (["--dbs-interval", "\u00b2"], "dbs_interval"),
-    (["--synthetic-classes", "1"], "synthetic_classes"),                       # (a digit to str.isdigit, not to int)
+    (["--dbs-interval", "\u00b2"], "dbs_interval"),                       # (a digit to str.isdigit, not to int)
+    (["--synthetic-classes", "1"], "synthetic_classes"),
+    (["--strategy", "dbs", "--time-budget", "0.5"], "time_budget"),       # (ignored under dbs: it ran to the end)
+    (["--strategy", "ssgd", "--softsync-n", "7"], "softsync_n"),
+    (["--strategy", "static", "--staleness-lr"], "staleness_lr"),
 ])
 def test_bad_values_name_the_field(argv, field):
     with pytest.raises(ConfigError, match=f"^{field}: "):

@@ -522,6 +522,8 @@ def test_simulate_reads_speed_mixes_from_toml(tmp_path):
     (["--ranks", "8", "--global-batch", "auto", "--noise-scale", "100", "--min-global-batch", "-1"],
      "global-batch-start, min-global-batch"),
     (["--ranks", "8", "--min-global-batch", "16"], "global-batch-start, min-global-batch"),
+    (["--ranks", "8", "--local-batch", "0"], "simulate"),                      # (it named global_batch, exit 1)
+    (["--ranks", "8", "--compare", "foo"], "argument --compare"),              # (it printed a speed-up over foo)
 ])
 def test_simulate_bad_input_is_one_line(args, field):
     run = run_cli(["simulate", *args], timeout=60)

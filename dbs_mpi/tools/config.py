@@ -290,6 +290,7 @@ def validate(c: Config) -> None:
     _check_choices(c)
     _check_ranges(c)
     _check_emulation(c)
+    _check_async_only(c)
 
 
 def _check_types(c: Config) -> None:
@@ -361,6 +362,16 @@ def _check_choices(c: Config) -> None:
         for spec in specs:
             if not DEVICE_SPEC.match(spec):
                 _fail(name, f"{spec!r} is not a device; use auto, cpu, cuda or cuda:N")
+
+
+def _check_async_only(c: Config) -> None:
+    """The parameter server's options, refused under a synchronous strategy (they were ignored)."""
+    if c.strategy in ASYNC_STRATEGIES:
+        return
+    for name, unset in (("softsync_n", 1), ("softsync_wait", False), ("time_budget", 0.0), ("staleness_lr", False)):
+        if getattr(c, name) != unset:
+            _fail(name, f"applies to the asynchronous strategies {', '.join(ASYNC_STRATEGIES)} only (got "
+                        f"{c.strategy}; leave it at {unset!r})")
 
 
 def _check_adaptive(c: Config) -> None:

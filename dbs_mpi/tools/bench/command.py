@@ -44,9 +44,11 @@ from ...options import DATA_ON_DEVICE, UserError
 from ...training.results import git_revision, versions
 from .. import bench_tracking as tracking
 from ..config import ArgumentParser
+from ..config import MODELS, SYNC_STRATEGIES
 from .batchnorm import case_batchnorm, format_batchnorm
 from .ddp import case_ddp, format_ddp
 from .exchange import case_exchange, format_exchange
+from .harness import _config
 from .hetero import case_hetero, format_hetero
 from .overhead import case_overhead, format_overhead
 from .overlap import case_overlap, format_overlap
@@ -140,8 +142,34 @@ def required_ranks(args) -> dict:
     return {c: need[c] for c in (CASES if args.case == "all" else [args.case])}
 
 
+def _check_values(args) -> None:
+    """What the cases read, checked before any runs (one line, exit 2): the training
+    options as `train` reads them (model, dataset, devices, speeds), the lists, the counts."""
+    _config(args, strategy="ssgd", global_batch=args.global_batch, speeds="" if args.speeds == "none" else args.speeds)
+    models = (*MODELS, "mlp-wide")                   # (harness._bench_model)
+    for name, given, known in (("models", args.models, models), ("overlap-models", args.overlap_models, models),
+                               ("strategies", args.strategies, SYNC_STRATEGIES),
+                               ("wait-strategies", args.wait_strategies, SYNC_STRATEGIES)):
+        unknown = [x for x in given.split(",") if x and x not in known]
+        if unknown or not given.strip(","):
+            raise UserError(f"{name}: {', '.join(unknown) or 'none'} given; choose from {', '.join(known)}")
+    for name, given, kind in (("sizes", args.sizes, int), ("wait-speeds", args.wait_speeds, float)):
+        try:
+            values = [kind(x) for x in given.split(",") if x]
+        except ValueError:
+            values = []
+        if not values or min(values) <= 0:
+            raise UserError(f"{name}: positive numbers separated by commas; got {given!r}")
+    for name in ("local_batch", "steps", "iterations", "tracking_epochs", "batchnorm_steps"):
+        if getattr(args, name) < 1:
+            raise UserError(f"{name.replace('_', '-')}: must be at least 1; got {getattr(args, name)}")
+    if args.repeats < 0:
+        raise UserError(f"repeats: must be 0 (the case's default) or more; got {args.repeats}")
+
+
 def _setup(argv, world_size: int):
     args = _parser().parse_args(argv)
+    _check_values(args)
     _check_tracking(args)
     for case, k in required_ranks(args).items():
         if world_size < k:

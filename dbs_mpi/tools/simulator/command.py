@@ -58,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-scale", type=float, default=1.0, metavar="K",
                    help="projection: the fastest device is K times the machine's core")
     p.add_argument("--ranks-per-node", type=int, default=1)
-    p.add_argument("--compare", metavar="STRATEGY", help="projection: also simulate this strategy; report the speed-up")
+    p.add_argument("--compare", metavar="STRATEGY", choices=[*SYNC, *ASYNC],
+                   help="projection: also simulate this strategy; report the speed-up")
     p.add_argument("--noise", type=float, metavar="SIGMA", help="lognormal sigma of every compute time (default: "
                    f"the machine file's for a replay, {DEFAULT_NOISE} for a projection)")
     p.add_argument("--seed", type=int, default=0)
@@ -105,8 +106,10 @@ def _setup(argv):
         raise UserError(f"from: no such result file {args.source}")
     if not args.source and args.model not in machine.models:
         raise UserError(f"model: the machine file has no costs for {args.model!r} (it has {', '.join(machine.models)})")
-    if args.ranks < 0 or args.epochs < 1 or args.samples < 1 or args.compute_scale <= 0 or args.ranks_per_node < 1:
-        raise UserError("simulate: --ranks, --epochs, --samples, --compute-scale and --ranks-per-node must be positive")
+    if args.ranks < 0 or args.epochs < 1 or args.samples < 1 or args.compute_scale <= 0 or args.ranks_per_node < 1 \
+            or args.local_batch < 1:
+        raise UserError("simulate: --ranks, --epochs, --samples, --compute-scale, --ranks-per-node and --local-batch "
+                        "must be positive")
     _check_values(args, machine)
     return args, machine
 
