@@ -42,6 +42,7 @@ def main() -> int:
         for variant, options in VARIANTS.items():
             path = out / f"{variant.replace(', ', '-')}-{seed}.h5"
             path.unlink(missing_ok=True)
+            Path(str(path) + ".ckpt").unlink(missing_ok=True)      # (a new run never overwrites a checkpoint)
             cmd = [args.mpiexec, "-n", str(args.np), sys.executable, "-m", "dbs_mpi", "train", *common, *options,
                    "--seed", str(seed), "--out", str(path)]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)

@@ -63,6 +63,7 @@ def generate(folder: Path, mpiexec: str) -> None:
         if out.exists() and read_run(out)["attrs"].get("status") == "complete":
             continue
         out.unlink(missing_ok=True)
+        Path(str(out) + ".ckpt").unlink(missing_ok=True)            # (a run that timed out left it)
         train = [sys.executable, "-m", "dbs_mpi", "train", *COMMON, *options, "--data-dir", str(ROOT / "data"),
                  "--out", str(out)]
         cmd = [mpiexec, "-n", str(ranks), *(["bash", "-c", PIN_3, "pin"] if pinned else []), *train]

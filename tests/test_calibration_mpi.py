@@ -277,3 +277,25 @@ def test_a_rank_whose_first_two_tiny_steps_are_far_too_slow_times_no_more(comm, 
     assert tiny.tolist() == pytest.approx([0.002] * (size - 1) + [0.2 if size > 1 else 0.002])
     gathered = comm.allgather(times.tolist())
     assert all(np.array_equal(g, gathered[0], equal_nan=True) for g in gathered)
+
+
+@pytest.mark.mpi
+def test_a_rank_that_stopped_early_times_no_second_batch_where_the_medians_read_it_less_slow(comm, monkeypatch):
+    """Rank 0's first two tiny steps take 2 ms, its next two 2.5 ms; the last rank's take
+    140 ms. By the shorter of the first two the last rank is 70x slower (too slow for a
+    second batch: it stops); by rank 0's median, 56x, which would give it a second batch
+    of 9 samples. It times no second batch: its 2 tiny steps are all it takes."""
+    clock = FakeClock()
+    monkeypatch.setattr(profiling, "time", clock)
+    calls = []
+    rank, size = comm.Get_rank(), comm.Get_size()
+    last = rank == size - 1 and size > 1
+
+    def step(b):
+        calls.append(b)
+        clock.now += 0.140 if last else (0.0025 if len(calls) in (3, 4) else 0.002)
+    fit, times, tiny = balancer.calibrate(comm, step, 128, 512, steps=5, warmup=2, timeout=60.0)
+    if last:
+        assert calls == [calibration.TINY] * 2, calls
+        assert calibration.second_batch(tiny, 128)[-1] == 9                # (what the medians alone would give)
+        assert np.isfinite(times[-1]).all() and times[-1, 1] > times[-1, 0] > 0.140

@@ -199,7 +199,7 @@ def test_a_resume_continues_in_its_own_result_file_only(tmp_path, one_rank):
     """--resume of a result file that is not there fails in one line (it made a new file
     holding the epochs after the checkpoint only, marked complete); --out naming another
     file fails too (it was ignored); --out naming the resumed file itself, as the job
-    scripts pass it, resumes."""
+    scripts pass it, resumes, whatever out a config file names."""
     out = tmp_path / "run.h5"
     shutil.copy(str(one_rank[0]) + ".ckpt", str(tmp_path / "orphan.ckpt"))
     proc = run_cli(["train", "--resume", str(tmp_path / "orphan"), "--checkpoint", str(tmp_path / "orphan.ckpt"),
@@ -211,7 +211,10 @@ def test_a_resume_continues_in_its_own_result_file_only(tmp_path, one_rank):
     proc = run_cli(["train", "--resume", str(out), "--epochs", "3", "--out", str(tmp_path / "new.h5")])
     assert proc.returncode == 2 and len(error_lines(proc)) == 1 and "continues in its result file" in proc.stderr
     assert not (tmp_path / "new.h5").exists()
-    proc = run_cli(["train", "--resume", str(out), "--epochs", "3", "--out", str(tmp_path / "." / "run.h5")])
+    config = tmp_path / "site.toml"                 # a config file's out is the run's: not checked on a resume
+    config.write_text(f'out = "{tmp_path / "elsewhere.h5"}"\n')
+    proc = run_cli(["train", "--resume", str(out), "--epochs", "3", "--out", str(tmp_path / "." / "run.h5"),
+                    "--config", str(config)])
     assert proc.returncode == 0, proc.stderr
     assert read_run(out)["data"]["epoch/train_loss"].shape == (3,)
 

@@ -22,6 +22,19 @@ def test_toml_then_command_line(tmp_path):
     assert (c.strategy, c.global_batch, c.speeds, c.lr) == ("static", 64, (1.0, 0.25), 0.1)
 
 
+def test_a_checkpoints_configuration_from_an_older_version_still_loads():
+    """Older versions accepted the parameter server's options under a synchronous strategy
+    and ignored them: a checkpoint's configuration has them at their defaults (nothing
+    they did changes), so the run resumes; an asynchronous run keeps them."""
+    old = json.loads(Config().to_json())
+    old.update(time_budget=600.0, softsync_n=4, staleness_lr=True)
+    with pytest.raises(ConfigError, match="^softsync_n: "):
+        config.from_dict(old)
+    resumed = config.from_dict(config.stored(old))
+    assert (resumed.time_budget, resumed.softsync_n, resumed.staleness_lr) == (0.0, 1, False)
+    assert config.from_dict(config.stored({**old, "strategy": "nsoftsync"})).time_budget == 600.0
+
+
 def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path):
     f = tmp_path / "run.toml"
     f.write_bytes(b'strategy = "st\xe4tic"\n')
@@ -66,6 +79,7 @@ def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path):
     (["--calibration-from", "run.h5", "--strategy", "ssgd"], "calibration_from"),
     (["--seed", "-5"], "seed"),                                           # (numpy's generators: a traceback)
     (["--seed", "100000000000000000000"], "seed"),                        # (torch.manual_seed: an overflow)
+    (["--seed", str(2 ** 47)], "seed"),                                   # (seed x 100003 + rank: 64 bits)
     (["--global-batch", "9223372036854775808"], "global_batch"),
     (["--subset", "99999999999999999999"], "subset"),
     (["--dbs-interval", "\u00b2"], "dbs_interval"),                       # (a digit to str.isdigit, not to int)

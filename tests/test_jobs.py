@@ -887,6 +887,8 @@ def test_a_job_plans_a_new_file_or_continues_only_its_own_run(tmp_path):
     given = plan(base, "r9", False, out=str(tmp_path / "train-7.h5"))  # OUT= on purpose
     assert given.action == "done"
     assert plan(base, "r9", False, out=str(tmp_path / "train-7.2.h5")).action == "resume"
+    Path(tmp_path / "train-7.5.h5.ckpt").write_bytes(b"")           # its result moved away: a new run would refuse it
+    assert plan(base, "r3", True).out.name == "train-7.6.h5" and plan(base, "r4", False).out.name == "train-7.6.h5"
 
 
 def test_speeds_are_cycled_to_the_jobs_ranks_and_lost_nodes_named(tmp_path):
@@ -899,6 +901,8 @@ def test_speeds_are_cycled_to_the_jobs_ranks_and_lost_nodes_named(tmp_path):
     written = tmp_path / "speeds.toml"
     written.write_text('speeds = "1,0.5"\n')                 # (train reads a string too: it was cycled by character)
     assert cycled_speeds(str(written), 3, "") == "1.0,0.5,1.0"
+    written.write_text('speeds = [1.0, 0.5]\nsoftsync_n = 2\n')     # (valid with EXTRA_ARGS' strategy: not checked here)
+    assert cycled_speeds(str(written), 3, "--strategy nsoftsync") == "1.0,0.5,1.0"
     path = _result(tmp_path / "lost.h5", "running")
     assert lost_ranks(str(path), ["n2"]).endswith("lost rank(s) [2, 3] of 4 (" + str(path) + ")")
     assert "no rank" in lost_ranks(str(path), ["n3"])

@@ -84,9 +84,9 @@ def load_train_config(argv, rank: int):
     ckpt_path = given.get("checkpoint") or str(checkpoint.default_path(resume))
     if rank != 0:
         return None, None, resume
-    _check_resumed_file(resume, given.get("out"))
+    _check_resumed_file(resume, args.get("out"))                  # (the command line's: a config file's is the run's)
     state = checkpoint.load(ckpt_path)
-    stored = {**config_mod.LEGACY, **state["config"]}      # what a run recorded before an option existed did
+    stored = config_mod.stored({**config_mod.LEGACY, **state["config"]})   # (what older versions recorded and did)
     base = config_mod.from_dict(stored)
     cfg = config_mod.from_dict({**stored, **given})
     for name in config_mod.FIELDS:
@@ -134,11 +134,11 @@ def start_torch(comm) -> None:
     set_torch_threads(threads_per_rank(comm, timeout=startup.limit()))
 
 
-def check_before_torch(argv, world_size: int) -> None:
+def check_before_torch(argv, world_size: int, rank: int = 0) -> None:
     """The checks of a new run's command line that need no torch (the configuration, the
-    number of ranks, an existing --out or checkpoint): bad input answered in a fraction of
-    a second. A
-    resumed run's configuration is the checkpoint's, checked once it is read."""
+    number of ranks, an existing --out or checkpoint, and on rank 0, which writes them,
+    their directories): bad input answered in a fraction of a second. A resumed run's
+    configuration is the checkpoint's, checked once it is read."""
     from ..training.results import check_new_checkpoint, check_new_file, check_writable
     args = vars(_train_parser().parse_args(argv))
     if args.pop("resume"):
@@ -147,9 +147,10 @@ def check_before_torch(argv, world_size: int) -> None:
     config_mod.check_world(cfg, world_size)
     if cfg.out:
         check_new_file(cfg.out)
+    if cfg.out and rank == 0:                # (rank 0 writes both: another node's disk may be another disk)
         check_writable(cfg.out, "out")
     if cfg.checkpoint or cfg.out:
-        check_new_checkpoint(cfg.checkpoint or f"{cfg.out}.ckpt", cfg.out)
+        check_new_checkpoint(cfg.checkpoint or f"{cfg.out}.ckpt", cfg.out, writable=rank == 0)
 
 
 def cmd_train(comm, argv) -> int:
@@ -160,7 +161,7 @@ def cmd_train(comm, argv) -> int:
     startup.keep_stop_requests()             # a warning before the time limit during the start-up is kept
     startup.phase("config", backstop=True)
     limit = startup.limit()                  # before the configuration is known: the command line's
-    agree(comm, check_before_torch, argv, comm.Get_size(), timeout=limit)
+    agree(comm, check_before_torch, argv, comm.Get_size(), comm.Get_rank(), timeout=limit)
     start_torch(comm)
     from .train import format_summary, train
     collect_from_here()

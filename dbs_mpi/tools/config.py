@@ -368,10 +368,19 @@ def _check_async_only(c: Config) -> None:
     """The parameter server's options, refused under a synchronous strategy (they were ignored)."""
     if c.strategy in ASYNC_STRATEGIES:
         return
-    for name, unset in (("softsync_n", 1), ("softsync_wait", False), ("time_budget", 0.0), ("staleness_lr", False)):
+    for name, unset in ASYNC_ONLY.items():
         if getattr(c, name) != unset:
             _fail(name, f"applies to the asynchronous strategies {', '.join(ASYNC_STRATEGIES)} only (got "
                         f"{c.strategy}; leave it at {unset!r})")
+
+
+def stored(config: dict) -> dict:
+    """A checkpoint's configuration as today's checks take it: the parameter server's
+    options under a synchronous strategy, which older versions accepted and ignored, at
+    their defaults (they had no effect on the run)."""
+    if config.get("strategy") in ASYNC_STRATEGIES:
+        return dict(config)
+    return {**config, **ASYNC_ONLY}
 
 
 def _check_adaptive(c: Config) -> None:
@@ -394,6 +403,8 @@ def _check_adaptive(c: Config) -> None:
 
 
 LARGEST_INT = 2 ** 62     # integer options are below it (numpy's and torch's 64-bit integers hold them)
+SEED_LIMIT = 2 ** 47      # seeds are below it: seed x 100003 + rank is a 64-bit torch seed
+ASYNC_ONLY = {"softsync_n": 1, "softsync_wait": False, "time_budget": 0.0, "staleness_lr": False}   # (their defaults)
 
 
 def _check_ranges(c: Config) -> None:
@@ -417,8 +428,8 @@ def _check_ranges(c: Config) -> None:
         value = getattr(c, f.name)
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= LARGEST_INT:
             _fail(f.name, f"must be below 2**62; got {value}")
-    if c.seed < 0:
-        _fail("seed", f"must be zero or positive; got {c.seed}")
+    if not 0 <= c.seed < SEED_LIMIT:
+        _fail("seed", f"must be at least 0 and below 2**47 (rank r's torch seed is seed x 100003 + r); got {c.seed}")
     if c.synthetic_classes < 2:
         _fail("synthetic_classes", f"must be at least 2; got {c.synthetic_classes}")
     if c.time_budget < 0:

@@ -304,6 +304,9 @@ def run_grid(runs: list[Run], out, scale: str, mpiexec: str | None = None, data_
                 log(f"{prefix}: removing the leftover file (status {status}) and running again")
                 path.unlink()
                 ckpt.unlink(missing_ok=True)
+            elif not resume and ckpt.exists():          # (a new run never overwrites a checkpoint)
+                log(f"{prefix}: removing the leftover checkpoint {ckpt} (no result file to resume) and running")
+                ckpt.unlink()
             log(f"{prefix}: {'resuming' if resume else 'running'} on {run.ranks} rank(s) "
                 f"(timeout {run.timeout:g} s)")
             start, load_start = time.monotonic(), os.getloadavg()[0]

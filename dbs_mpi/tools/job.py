@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..options import UserError
 from ..training.results import STATUS_COMPLETE, read_run
-from .config import load
+from .config import load_toml
 
 
 def scheduler_job(environ) -> dict:
@@ -76,6 +76,9 @@ def plan(base: str, run_id: str, restart: bool, out: str = "") -> Plan:
     candidates = [Path(f"{base}.h5")] + [Path(f"{base}.{n}.h5") for n in range(2, 1000)]
     taken = []
     for path in candidates:
+        if not path.exists() and _checkpoint(path):     # (a result moved away, its checkpoint left: not new)
+            taken = taken or [path, "a checkpoint without its result file"]
+            continue
         if not path.exists():
             if restart:        # requeued, but no file of ours: start it (nothing of another run is touched)
                 return Plan("new", path, f"requeued, but no result file of run {run_id} under {base}*: starting")
@@ -98,7 +101,13 @@ def cycled_speeds(config: str, ntasks: int, extra: str) -> str:
     --speeds (the rule of `make run NP=N`)."""
     if not config or "--speeds" in extra.split():
         return ""
-    speeds = load(config).speeds             # (as train reads them: a string "1,0.5" too)
+    speeds = load_toml(config).get("speeds") or []
+    if isinstance(speeds, str):              # (train reads "1,0.5" too)
+        speeds = [s for s in speeds.replace(" ", "").split(",") if s]
+    try:
+        speeds = [float(s) for s in speeds]
+    except (TypeError, ValueError):
+        raise UserError(f"speeds: numbers, a list or \"1,0.5\"; got {speeds!r} in {config}") from None
     if not speeds or len(speeds) == ntasks:
         return ""
     return ",".join(str(speeds[i % len(speeds)]) for i in range(ntasks))

@@ -87,13 +87,13 @@ def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     rank = comm.Get_rank()
     with torch.random.fork_rng(devices=cuda):
-        tiny = time_tiny(comm, step, small, stretch, timeout)
+        tiny, stopped = time_tiny(comm, step, small, stretch, timeout)
         slow = calibration.slow(tiny)[rank]
         timed, untimed = calibration_steps(calibration.ratios(tiny)[rank], steps, warmup)
         first = np.nan if slow else time_step(step, small, timed, untimed, stretch, STEADY)
         larges = calibration.large_batches(allgather_array(comm, [first], timeout)[:, 0], small, large)
         if slow:         # its own second batch, or nothing more, while the others time their large one
-            second = int(calibration.second_batch(tiny, small)[rank])
+            second = 0 if stopped[rank] else int(calibration.second_batch(tiny, small)[rank])
             mine = [time_step(step, second, calibration.TINY_STEPS, 1, stretch) if second else np.nan, np.nan]
         else:
             mine = [first, time_step(step, int(larges[rank]), timed, untimed, stretch, STEADY)]
@@ -104,18 +104,19 @@ def calibrate(comm, step, small: int, large: int, *, steps: int = 5, warmup: int
     return fit, times, tiny
 
 
-def time_tiny(comm, step, small: int, stretch, timeout: float) -> np.ndarray:
+def time_tiny(comm, step, small: int, stretch, timeout: float) -> tuple[np.ndarray, np.ndarray]:
     """Collective: every rank's median seconds at the tiny batch (calibration.tiny_batch),
-    of TINY_STEPS timed steps after an untimed one; a rank that its first two show far too
-    slow (calibration.stops_early, from the shorter of every rank's two) times no more,
-    its first timed step its time."""
+    of TINY_STEPS timed steps after an untimed one, and the ranks (bool) that their first
+    two showed far too slow (calibration.stops_early, from the shorter of every rank's
+    two): those time no more, their first timed step their time, and no second batch
+    either (the medians may read them a little less slow)."""
     tiny = calibration.tiny_batch(small)
     first = [time_step(step, tiny, 1, 0, stretch) for _ in range(2)]      # (the untimed one clocked too)
-    shorter = allgather_array(comm, [min(first)], timeout)[:, 0]
+    stopped = calibration.stops_early(allgather_array(comm, [min(first)], timeout)[:, 0], small)
     mine = [first[1]]
-    if not calibration.stops_early(shorter, small)[comm.Get_rank()]:
+    if not stopped[comm.Get_rank()]:
         mine += [time_step(step, tiny, 1, 0, stretch) for _ in range(calibration.TINY_STEPS - 1)]
-    return allgather_array(comm, [statistics.median(mine)], timeout)[:, 0]
+    return allgather_array(comm, [statistics.median(mine)], timeout)[:, 0], stopped
 
 
 def calibration_steps(ratio: float, steps: int, warmup: int) -> tuple[int, int]:

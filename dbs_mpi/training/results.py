@@ -278,18 +278,19 @@ def check_new_file(path) -> None:
         raise UserError(f"out: {path} exists already; choose another --out or remove it")
 
 
-def check_new_checkpoint(path, out) -> None:
+def check_new_checkpoint(path, out, writable: bool = True) -> None:
     """A new run's checkpoint file (`--checkpoint`, or <out>.ckpt): not its result file
     `out`, not a file that exists (nothing already written is overwritten, an earlier
-    run's checkpoint included), and in a directory that can be made and written: found
-    now, not after the first epoch."""
+    run's checkpoint included), and (`writable`) in a directory that can be made and
+    written: found now, not after the first epoch."""
     path = Path(path)
     if out and path.resolve() == Path(out).resolve():
         raise UserError(f"checkpoint: {path} is the result file (--out); choose another --checkpoint")
     if path.exists():
         raise UserError(f"checkpoint: {path} exists already (an earlier run's?); resume that run with --resume, "
                         f"remove it, or choose another --checkpoint")
-    check_writable(path, "checkpoint")
+    if writable:
+        check_writable(path, "checkpoint")
 
 
 def check_writable(path, what: str) -> None:
