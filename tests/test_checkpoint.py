@@ -221,10 +221,14 @@ def test_a_run_stopped_on_2_ranks_continues_on_another_number(tmp_path, never_st
 def test_corrupt_or_missing_checkpoint_names_the_file(tmp_path, one_epoch):
     out = tmp_path / "run.h5"
     proc = run_cli(["train", "--resume", str(out)], ranks=2, timeout=60)
-    assert proc.returncode == 2 and f"resume: no checkpoint {out}.ckpt" in proc.stderr
+    assert proc.returncode == 2 and f"resume: no result file {out}" in proc.stderr
     copy_run(one_epoch, out)
     ckpt = tmp_path / "run.h5.ckpt"
-    ckpt.write_bytes(ckpt.read_bytes()[:1000])
+    saved = ckpt.read_bytes()
+    ckpt.unlink()
+    proc = run_cli(["train", "--resume", str(out)], ranks=2, timeout=60)
+    assert proc.returncode == 2 and f"resume: no checkpoint {out}.ckpt" in proc.stderr
+    ckpt.write_bytes(saved[:1000])
     proc = run_cli(["train", "--resume", str(out), "--epochs", "2"], ranks=2, timeout=60)
     assert proc.returncode == 2 and f"{ckpt} is not a readable checkpoint" in proc.stderr
     assert "Traceback" not in proc.stderr
