@@ -100,11 +100,9 @@ class Resizing:
 
     def _resize(self, global_batch: int) -> None:
         """B changes (every rank with the same B): rank 0's vector for it, the planners resized."""
-        vector = self._vector_at(global_batch)                  # (checked on every rank)
-        if self.replanner is not None:                         # (not a set the set check banned)
+        vector = np.ascontiguousarray(self._run_at(global_batch), dtype=np.int64)    # (checked on every rank)
+        if self.replanner is not None:
             self.replanner.resize(global_batch)
-            vector = self.replanner.allowed(vector, self.batch_sizes)
-        vector = np.ascontiguousarray(vector, dtype=np.int64)
         if self.world_size > 1:
             wait(self.comm.Ibcast(vector, root=0), self.timeout, "broadcasting the new global batch's vector")
         self.global_batch, self.batch_sizes = global_batch, vector
@@ -115,6 +113,12 @@ class Resizing:
         """The vector this policy runs at `global_batch` (participation.vector_at)."""
         return participation.vector_at(self.policy, self._planning_model(), global_batch, self.world_size,
                                        self.min_local, self.max_local, self.participation)
+
+    def _run_at(self, global_batch: int) -> np.ndarray:
+        """The vector a new `global_batch` runs: _vector_at's, not in a set the set check
+        banned (Replanner.allowed: within the set that runs now)."""
+        vector = self._vector_at(global_batch)
+        return vector if self.replanner is None else self.replanner.allowed(vector, self.batch_sizes)
 
     def _planning_model(self):
         return dynamic.planning_model(self.replanner, self.controller, self.speed_model)
@@ -132,7 +136,7 @@ class Resizing:
 
         def step_time(b: int) -> float:
             try:
-                return goodput.predicted_step(model, b, self._vector_at, fixed)
+                return goodput.predicted_step(model, b, self._run_at, fixed)
             except UserError:                # outside the bounds: cannot run
                 return math.inf
 

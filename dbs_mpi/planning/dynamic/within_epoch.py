@@ -411,14 +411,14 @@ class Replanner:
             self.planner.resize(self.global_batch)
 
     def allowed(self, vector, current) -> np.ndarray:
-        """A new global batch's `vector` (after resize()), or where the set check bans its set,
-        the model's within the set of `current` (where those ranks can hold it; the planner
+        """A global batch's `vector`, or where the set check bans its set, the model's for that
+        global batch within the set of `current` (where those ranks can hold it; the planner
         would otherwise sit on a banned set, unchecked, until the ban ended)."""
-        p = self.planner
+        p, vector = self.planner, np.asarray(vector)
         if p is None or not p.sets.banned_set(vector, p.step):
-            return np.asarray(vector)
-        within = allocate_for(p.model, self.global_batch, p.min_local, p.max_local, within=np.asarray(current) > 0)
-        return np.asarray(vector) if within is None else within
+            return vector
+        within = allocate_for(p.model, int(vector.sum()), p.min_local, p.max_local, within=np.asarray(current) > 0)
+        return vector if within is None else within
 
     def propose(self, vector) -> None:
         """Ask for `vector` (rank 0's request is the one all ranks follow)."""

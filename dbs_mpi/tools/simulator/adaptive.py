@@ -23,9 +23,17 @@ def vector_at(job: Job, global_batch: int, model: allocation.SpeedModel, n: int)
                                    job.max_local_batch or None, job.participation)
 
 
-def next_batch(job: Job, epoch: int, current: int, model: allocation.SpeedModel, fixed: float, n: int) -> int:
-    """The B of epoch `epoch` (from 1 on) after an epoch at `current`: the recorded one, the
-    engine's choice at the job's noise scale, or `current`."""
+def run_at(job: Job, global_batch: int, model, n: int, replanner, vector) -> np.ndarray:
+    """The vector a new `global_batch` runs (as Balancer._run_at): vector_at's, not in a set
+    the set check banned (Replanner.allowed, within the set of `vector`, the one running)."""
+    new = vector_at(job, global_batch, model, n)
+    return new if replanner is None else replanner.allowed(new, vector)
+
+
+def next_batch(job: Job, epoch: int, current: int, model: allocation.SpeedModel, fixed: float, n: int,
+               replanner=None, vector=None) -> int:
+    """The B of epoch `epoch` (from 1 on) after an epoch at `current` (its `vector`): the
+    recorded one, the engine's choice at the job's noise scale, or `current`."""
     if job.global_batches:
         return int(job.global_batches[min(epoch, len(job.global_batches) - 1)])
     if not job.adaptive:
@@ -36,7 +44,7 @@ def next_batch(job: Job, epoch: int, current: int, model: allocation.SpeedModel,
 
     def step_time(b: int) -> float:
         try:
-            return goodput.predicted_step(model, b, lambda x: vector_at(job, x, model, n), fixed)
+            return goodput.predicted_step(model, b, lambda x: run_at(job, x, model, n, replanner, vector), fixed)
         except UserError:
             return math.inf
 
@@ -44,13 +52,12 @@ def next_batch(job: Job, epoch: int, current: int, model: allocation.SpeedModel,
 
 
 def resized(job: Job, global_batch: int, model, n: int, replanner, controller, exchange, current) -> np.ndarray:
-    """The planners at a new B (as Balancer.set_global_batch); returns its vector (not a set
-    the set check banned: Replanner.allowed, from the set of `current`, the vector before)."""
+    """The planners at a new B (as Balancer.set_global_batch); returns its vector (run_at,
+    from `current`, the vector before)."""
     if controller is not None:
         controller.global_batch = global_batch
     exchange.global_batch = global_batch
-    vector = vector_at(job, global_batch, model, n)
-    if replanner is None:
-        return vector
-    replanner.resize(global_batch)
-    return replanner.allowed(vector, current)
+    vector = run_at(job, global_batch, model, n, replanner, current)
+    if replanner is not None:
+        replanner.resize(global_batch)
+    return vector

@@ -147,7 +147,7 @@ def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0
     for epoch in range(job.epochs):
         if epoch:                                          # global_batch = auto (adaptive.py)
             model = dynamic.planning_model(replanner, controller, fit)
-            chosen = next_batch(job, epoch, global_batch, model, fixed, n)
+            chosen = next_batch(job, epoch, global_batch, model, fixed, n, replanner, vector)
             if chosen != global_batch:
                 vector = resized(job, chosen, model, n, replanner, controller, clock.comm, vector)
                 global_batch = chosen
