@@ -15,7 +15,7 @@ class DBSController:
     """Dynamic batch size once per epoch: re-plans the vector after every epoch from that
     epoch's measured compute time.
 
-    Rule (docs/method.md, section 11):
+    Rule (docs/method.md, section 5.4):
       1. For every rank, ratio = measured compute time / time the model predicted
          for the local batches the rank actually ran.
       2. If |ratio - 1| >= follow (default 25%), the speed really changed: the
