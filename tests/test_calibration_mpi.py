@@ -251,14 +251,10 @@ def test_a_rank_slower_at_the_small_batch_times_fewer_samples_at_the_large_one(c
     np.testing.assert_allclose(times[1:], np.tile([0.001 + 0.0008 * 64, 0.001 + 0.0008 * 256], (len(times) - 1, 1)))
 
 
-@pytest.mark.mpi
-def test_a_rank_whose_first_two_tiny_steps_are_far_too_slow_times_no_more(comm, monkeypatch):
-    """On a clock that reads what the steps say (FakeClock), rank 0's step takes 2 ms. The
-    last rank's takes 200 ms (100x: too slow for a second batch): it takes its untimed and
-    its first timed tiny step and nothing more, and its tiny time is that step's (at
-    1:0.02 its 4 tiny steps made every rank wait 50x its step 4 times). A rank between
-    them whose first step alone takes 200 ms (a one-off cost, as a GPU's first kernels)
-    times the whole calibration; every rank reads the same times."""
+def calibrated_last_slow(comm, monkeypatch, seconds_of):
+    """balancer.calibrate at batches 128 and 512 on a clock that reads what the steps say
+    (FakeClock), a step taking seconds_of(last, rank, call) (last: the last of 2 ranks or
+    more; call: 1 for the first step); returns (this rank's step batches, last, calibrate's)."""
     clock = FakeClock()
     monkeypatch.setattr(profiling, "time", clock)
     calls = []
@@ -267,8 +263,21 @@ def test_a_rank_whose_first_two_tiny_steps_are_far_too_slow_times_no_more(comm, 
 
     def step(b):
         calls.append(b)
-        clock.now += 0.2 if last or (rank > 0 and len(calls) == 1) else 0.002
-    fit, times, tiny = balancer.calibrate(comm, step, 128, 512, steps=5, warmup=2, timeout=60.0)
+        clock.now += seconds_of(last, rank, len(calls))
+    return calls, last, balancer.calibrate(comm, step, 128, 512, steps=5, warmup=2, timeout=60.0)
+
+
+@pytest.mark.mpi
+def test_a_rank_whose_first_two_tiny_steps_are_far_too_slow_times_no_more(comm, monkeypatch):
+    """On a clock that reads what the steps say (FakeClock), rank 0's step takes 2 ms. The
+    last rank's takes 200 ms (100x: too slow for a second batch): it takes its untimed and
+    its first timed tiny step and nothing more, and its tiny time is that step's (at
+    1:0.02 its 4 tiny steps made every rank wait 50x its step 4 times). A rank between
+    them whose first step alone takes 200 ms (a one-off cost, as a GPU's first kernels)
+    times the whole calibration; every rank reads the same times."""
+    size = comm.Get_size()
+    calls, last, (fit, times, tiny) = calibrated_last_slow(
+        comm, monkeypatch, lambda last, rank, call: 0.2 if last or (rank > 0 and call == 1) else 0.002)
     if last:
         assert calls == [calibration.TINY] * 2, calls
     else:
@@ -285,16 +294,8 @@ def test_a_rank_that_stopped_early_times_no_second_batch_where_the_medians_read_
     140 ms. By the shorter of the first two the last rank is 70x slower (too slow for a
     second batch: it stops); by rank 0's median, 56x, which would give it a second batch
     of 9 samples. It times no second batch: its 2 tiny steps are all it takes."""
-    clock = FakeClock()
-    monkeypatch.setattr(profiling, "time", clock)
-    calls = []
-    rank, size = comm.Get_rank(), comm.Get_size()
-    last = rank == size - 1 and size > 1
-
-    def step(b):
-        calls.append(b)
-        clock.now += 0.140 if last else (0.0025 if len(calls) in (3, 4) else 0.002)
-    fit, times, tiny = balancer.calibrate(comm, step, 128, 512, steps=5, warmup=2, timeout=60.0)
+    calls, last, (fit, times, tiny) = calibrated_last_slow(
+        comm, monkeypatch, lambda last, rank, call: 0.140 if last else (0.0025 if call in (3, 4) else 0.002))
     if last:
         assert calls == [calibration.TINY] * 2, calls
         assert calibration.second_batch(tiny, 128)[-1] == 9                # (what the medians alone would give)
