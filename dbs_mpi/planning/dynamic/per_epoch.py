@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..allocation import SpeedModel, round_preserving_sum
+from ..participation import allocate_for
 
 
 @dataclass
@@ -79,10 +80,9 @@ class DBSController:
         self.model = SpeedModel(self.model.per_sample * scale, self.model.overhead * scale)
         current = np.asarray(current, dtype=np.int64)
         part = current > 0                       # the set it has: ranks that sit out stay out
-        candidate = np.zeros_like(current)
-        candidate[part] = SpeedModel(self.model.per_sample[part], self.model.overhead[part]).allocate(
-            self.global_batch, self.min_local, self.max_local)
-        if self.model.predict(candidate).max() > self.model.predict(current).max() * (1.0 - self.min_gain):
+        candidate = allocate_for(self.model, self.global_batch, self.min_local, self.max_local, within=part)
+        if candidate is None or \
+                self.model.predict(candidate).max() > self.model.predict(current).max() * (1.0 - self.min_gain):
             return current, ratio
         move = candidate - current
         reverse = np.zeros(len(current), bool)

@@ -39,7 +39,8 @@ cost more than they bring. So every change of the set is checked by what it meas
               beside them) are banned for TRIAL_BAN too: the same evidence as a
               trial's; so is a plan's set without some ranks that measured slower
               while its ranks computed COUPLED times faster alone (the per-rank model,
-              seeing that speed, would leave them out again after BAN). A start with the fastest ranks alone, where the calibration saw
+              seeing that speed, would leave them out again after BAN). A start with
+              the fastest ranks alone, where the calibration saw
               coupling (coupling.py), bans the larger set until its first steps alone
               decide (StartBan). No trial starts within SETTLE steps of a change of the set: a
               rank that comes back takes its share over a few plans, and a trial then
