@@ -29,6 +29,16 @@ DEFAULT_START = 128       # B0 of an adaptive global batch where none is given
 DEFAULT_UPPER = 4096      # the largest B it may choose by default (the data bounds it too)
 
 
+def flat_toml(data: dict) -> dict:
+    """A configuration file's parsed TOML with its keys flat: [sections] only group them,
+    and dashes read as underscores (the configuration and the start-up watchdog alike)."""
+    flat = {}
+    for key, value in data.items():
+        for k, v in (value.items() if isinstance(value, dict) else [(key, value)]):
+            flat[k.replace("-", "_")] = v
+    return flat
+
+
 def parse_interval(value) -> int | None:
     """dbs_interval as the balancer takes it: a positive number of steps, or "epoch"
     (None: the DBS paper's per-epoch rule)."""

@@ -42,6 +42,8 @@ import socket
 import sys
 import time
 
+from ..options import flat_toml
+
 DEFAULT_LIMIT = 600.0
 BACKSTOP_GRACE = 5.0          # seconds the child waits beyond the limit where the rank bounds itself
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "PMI_ID")
@@ -107,10 +109,7 @@ def _toml_timeouts(path: str) -> dict:
             data = tomllib.load(f)
     except (OSError, ValueError, ImportError):
         return {}                    # the configuration's parser names the mistake later
-    flat = {}
-    for key, value in data.items():  # [sections] group keys, as the configuration's parser reads them
-        for k, v in (value.items() if isinstance(value, dict) else [(key, value)]):
-            flat[k.replace("-", "_")] = v
+    flat = flat_toml(data)           # (as the configuration's parser reads it)
     return {k: flat[k] for k in ("startup_timeout", "comm_timeout") if k in flat}
 
 

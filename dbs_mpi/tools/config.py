@@ -19,7 +19,7 @@ except ModuleNotFoundError:  # pragma: no cover - older Pythons on clusters
     import tomli as tomllib
 
 from ..options import (DATA_ON_DEVICE, DEFAULT_START, DEVICE_SPEC, EXCHANGES, LR_SCALING, PARTICIPATION, ConfigError,
-                       UserError, parse_couple, parse_interval)  # noqa: F401 (UserError)
+                       UserError, flat_toml, parse_couple, parse_interval)  # noqa: F401 (UserError)
 from ..planning import schedule
 
 
@@ -182,6 +182,12 @@ _HINTS = typing.get_type_hints(Config)
 
 def _fail(name: str, why: str):
     raise ConfigError(f"{name}: {why}")
+
+
+def field_value(name: str, value):
+    """One field's value as the configuration reads it (a string "1,0.5" for a list too),
+    not checked against the others: ConfigError naming the field."""
+    return _coerce(name, value)
 
 
 def _coerce(name: str, value):
@@ -532,13 +538,7 @@ def load_toml(path: str | Path) -> dict:
         raise ConfigError(f"config: no such file {str(path)!r}") from None
     except (OSError, ValueError) as exc:             # (TOMLDecodeError, and UnicodeDecodeError: not UTF-8)
         raise ConfigError(f"config: cannot read {str(path)!r}: {exc}") from None
-    flat = {}
-    for key, value in data.items():  # allow [sections] for grouping; keys stay flat
-        if isinstance(value, dict):
-            flat.update({k.replace("-", "_"): v for k, v in value.items()})
-        else:
-            flat[key.replace("-", "_")] = value
-    return flat
+    return flat_toml(data)           # ([sections] group keys; keys stay flat)
 
 
 def load(config_file: str | None = None, overrides: dict | None = None) -> Config:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..options import UserError
 from ..training.results import STATUS_COMPLETE, read_run
-from .config import load_toml
+from .config import field_value, load_toml
 
 
 def scheduler_job(environ) -> dict:
@@ -101,13 +101,7 @@ def cycled_speeds(config: str, ntasks: int, extra: str) -> str:
     --speeds (the rule of `make run NP=N`)."""
     if not config or "--speeds" in extra.split():
         return ""
-    speeds = load_toml(config).get("speeds") or []
-    if isinstance(speeds, str):              # (train reads "1,0.5" too)
-        speeds = [s for s in speeds.replace(" ", "").split(",") if s]
-    try:
-        speeds = [float(s) for s in speeds]
-    except (TypeError, ValueError):
-        raise UserError(f"speeds: numbers, a list or \"1,0.5\"; got {speeds!r} in {config}") from None
+    speeds = field_value("speeds", load_toml(config).get("speeds") or [])    # (train reads "1,0.5" too)
     if not speeds or len(speeds) == ntasks:
         return ""
     return ",".join(str(speeds[i % len(speeds)]) for i in range(ntasks))
