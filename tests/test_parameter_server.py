@@ -115,6 +115,33 @@ def test_config_checks_for_the_parameter_server():
     check_world(Config(strategy="nsoftsync", softsync_n=3), 4)
     with pytest.raises(ConfigError, match="^time_budget: "):
         Config(time_budget=-1.0)
+    for optimizer in ("adam", "adamw"):        # they divide the 1/staleness scale away: it would do nothing
+        with pytest.raises(ConfigError, match=f"^staleness_lr: .*{optimizer} divides away"):
+            Config(strategy="asgd", staleness_lr=True, optimizer=optimizer)
+    Config(strategy="asgd", staleness_lr=True, optimizer="sgd")
+
+
+def test_a_worker_resumed_with_another_number_of_workers_continues_its_emulated_windows():
+    """Resumed by another number of workers, a worker's emulator starts afresh: its step
+    and time windows then count from its own gradients and seconds so far (its stats), and
+    the epoch it is in is set up (slow_epochs), not skipped until the next one."""
+    from mpi4py import MPI
+    from dbs_mpi.parameter_server import Worker
+    from dbs_mpi.parameter_server.records import C_COMPUTE, C_DATA, C_GRADIENTS
+    from dbs_mpi.planning.heterogeneity import Emulator
+    from dbs_mpi.tools.data import load_synthetic
+    cfg = Config(strategy="asgd", dataset="synthetic", synthetic_samples=64, global_batch=16, epochs=3,
+                 slow_rank=1, slow_factor=4.0, slow_epochs=(1, 2), slow_steps=(5, 9), speeds=(1.0, 0.5))
+    emulator = Emulator.from_config(cfg, 1)
+    worker = Worker(MPI.COMM_SELF, cfg, LeNet5(), load_synthetic("train", 64, (1, 28, 28), 10, seed=0), emulator)
+    stats = np.zeros_like(worker.stats)
+    stats[0, C_GRADIENTS], stats[1, C_GRADIENTS], stats[0, C_COMPUTE], stats[1, C_DATA] = 4, 2, 1.5, 0.25
+    worker.load_state({"stats": stats, "perm_epoch": 1, "epoch": 1})
+    worker.resume_emulator()
+    assert (emulator.run_step, emulator.trained) == (6, 1.75)
+    assert emulator.epoch_slowed and emulator.factor == 4.0 / 0.5
+    emulator.load_state_dict({**emulator.state_dict(), "factor": 1.0})    # a state's factor is re-derived
+    assert emulator.factor == 4.0 / 0.5
 
 
 TINY = ["--dataset", "synthetic", "--synthetic-samples", "512", "--test-subset", "128", "--global-batch", "64",

@@ -16,6 +16,7 @@ from dbs_mpi.planning import sharding
 from dbs_mpi.tools.config import Config
 from dbs_mpi.tools.data import load_synthetic
 from dbs_mpi.tools.models import LeNet5
+from dbs_mpi.training.batches import augment as augment_batch
 from dbs_mpi.training.results import read_run
 from dbs_mpi.tools.train import train
 
@@ -45,8 +46,8 @@ def read_on_root(comm, path):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("separate_buffers", [False, True])
-def test_hardsync_matches_synchronous_sgd(comm, shared_tmp, monkeypatch, separate_buffers):
+@pytest.mark.parametrize("separate_buffers, augment", [(False, False), (True, False), (False, True)])
+def test_hardsync_matches_synchronous_sgd(comm, shared_tmp, monkeypatch, separate_buffers, augment):
     """n-softsync with n = 1 and waiting replies (hardsync), equal local batches: the
     server's updates are the synchronous path's, step for step, with global batch =
     workers x local batch, over 2 epochs of 11 steps (the last step of each epoch
@@ -64,13 +65,14 @@ def test_hardsync_matches_synchronous_sgd(comm, shared_tmp, monkeypatch, separat
 
     separate_buffers: the workers keep the model's weights and gradients apart from the
     messages and copy between them, as a GPU worker does (its pinned host messages and
-    device buffers), here on the CPU."""
+    device buffers), here on the CPU. augment: the synchronous path's crops and flips, on
+    the workers too (each sample's a function of seed, epoch and index alone)."""
     from dbs_mpi.parameter_server import Worker
     monkeypatch.setattr(Worker, "separate_buffers", separate_buffers)
     workers = comm.Get_size() - 1
     local = 20
     cfg = small_config(strategy="nsoftsync", softsync_n=1, softsync_wait=True, global_batch=workers * local,
-                       synthetic_samples=10 * workers * local + 10, epochs=2, weight_decay=1e-3)
+                       synthetic_samples=10 * workers * local + 10, epochs=2, weight_decay=1e-3, augment=augment)
     numel = sum(p.numel() for p in LeNet5().parameters())
     steps = []                  # on the server: (weights before, gradient applied, weights after)
     from dbs_mpi.training.named_optimizers import SGD       # the command line's (torch's SGD)
@@ -87,7 +89,7 @@ def test_hardsync_matches_synchronous_sgd(comm, shared_tmp, monkeypatch, separat
         return result
 
     monkeypatch.setattr(SGD, "step", recording_step)
-    out = shared_tmp / f"hardsync-{comm.Get_size()}-{separate_buffers}.h5"
+    out = shared_tmp / f"hardsync-{comm.Get_size()}-{separate_buffers}-{augment}.h5"
     summary = train(comm, cfg, out=str(out), log=quiet)
     run = read_on_root(comm, out)       # the last collective: what follows fails on one rank only
     assert [e["updates"] for e in summary.epochs] == [11, 11]
@@ -109,7 +111,8 @@ def test_hardsync_matches_synchronous_sgd(comm, shared_tmp, monkeypatch, separat
             assert len(idx) == (local * workers if step < 10 else 10)
             torch.nn.utils.vector_to_parameters(before, model.parameters())
             model.zero_grad()
-            F.cross_entropy(model(train_set.x[idx]), train_set.y[idx]).backward()
+            x = augment_batch(train_set.x[idx], idx, epoch, cfg.seed) if augment else train_set.x[idx]
+            F.cross_entropy(model(x), train_set.y[idx]).backward()
             mean_grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
             torch.testing.assert_close(grad, mean_grad, rtol=1e-4, atol=1e-6, msg=f"update {k}")
             torch.testing.assert_close(before, replay.detach(), rtol=1e-5, atol=1e-6, msg=f"update {k}")
@@ -233,3 +236,61 @@ def test_time_budget_stops_early_and_cleanly(comm, shared_tmp):
         # epoch closed complete just before it and no gradient of the next one came in
         # (seen: 1.49994 s; every later request was answered STOP).
         assert total >= 1.5 or run["data"]["epoch/samples"][-1] == 600, (total, run["data"]["epoch/samples"])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(240)
+def test_a_time_budget_never_splits_a_hardsync_round(comm, shared_tmp, monkeypatch):
+    """Hardsync (n-softsync, n = 1, waiting replies) with a time budget that runs out while
+    the server answers a round (here: at the budget's reading for the round's second
+    reply, where the server read it for every reply): every worker still gets the same
+    answer, so every update is a whole round of the synchronous path's and every worker
+    computes as many gradients. Before, the first worker got work and the others STOP,
+    and its lone gradient became a full update."""
+    from dbs_mpi.parameter_server.work import WorkPlan
+    workers = comm.Get_size() - 1
+    readings = []
+    budget = WorkPlan.out_of_work
+
+    def out_of_work(self, elapsed):
+        readings.append(elapsed)
+        return len(readings) > 5 * workers + 1 or budget(self, elapsed)
+
+    monkeypatch.setattr(WorkPlan, "out_of_work", out_of_work)
+    cfg = small_config(strategy="nsoftsync", softsync_n=1, softsync_wait=True, global_batch=10 * workers,
+                       epochs=3, time_budget=1e6)
+    out = shared_tmp / f"budget-rounds-{comm.Get_size()}.h5"
+    train(comm, cfg, out=str(out), log=quiet)
+    run = read_on_root(comm, out)
+    if run is not None:
+        d = run["data"]
+        assert run["attrs"]["status"] == "complete"
+        per_update = np.bincount(d["update/version"])
+        assert (per_update == workers).all(), per_update
+        assert len(set(np.bincount(d["update/worker"], minlength=workers + 1)[1:].tolist())) == 1
+        assert 0 < len(per_update) < 3 * 600 // (10 * workers)        # the budget ended it
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(240)
+def test_emulated_step_windows_count_a_worker_s_gradients(comm, shared_tmp, monkeypatch):
+    """`slow_steps` on a worker: its gradients [2, 5) are computed slow_factor times slower,
+    the others at its speed (the worker's emulator counts its gradients as its steps;
+    before, it counted none, so a window from 0 slowed the whole run and a later one
+    never began)."""
+    from dbs_mpi.planning.heterogeneity import Emulator
+    factors = []
+    stretch = Emulator.stretch
+
+    def recording(self, *args, **kwargs):
+        factors.append(self.factor)
+        return stretch(self, *args, **kwargs)
+
+    monkeypatch.setattr(Emulator, "stretch", recording)
+    cfg = small_config(strategy="asgd", global_batch=20 * (comm.Get_size() - 1), synthetic_samples=1200,
+                       slow_rank=1, slow_factor=3.0, slow_steps=(2, 5))
+    train(comm, cfg, out=str(shared_tmp / f"windows-{comm.Get_size()}.h5"), log=quiet)
+    if comm.Get_rank() == 1:
+        assert len(factors) >= 6 and factors[:6] == [1.0, 1.0, 3.0, 3.0, 3.0, 1.0], factors
+    elif comm.Get_rank() > 1:
+        assert set(factors) <= {1.0}, factors

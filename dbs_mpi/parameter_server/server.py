@@ -137,9 +137,12 @@ class Server:
             self._reply_deferred()
 
     def _reply_deferred(self) -> None:
-        deferred, self.deferred = sorted(self.deferred), []
+        """Answer the workers that waited for the update, the budget read once for all of
+        them: a time budget that ran out between two replies would split a hardsync round
+        (work for the first, STOP for the rest, whose lone gradient became a full update)."""
+        deferred, self.deferred, out = sorted(self.deferred), [], self._out_of_work()
         for w in deferred:
-            self.reply(w)
+            self.reply(w, out or self.plan.cursor.done)
 
     def apply(self) -> None:
         """The open group as one update, recorded; closes the epochs it completes."""
@@ -157,11 +160,12 @@ class Server:
     def _out_of_work(self) -> bool:
         return self.plan.out_of_work(self._elapsed())
 
-    def reply(self, w: int) -> None:
-        """Send worker w its next work (current weights) or STOP."""
+    def reply(self, w: int, out: bool | None = None) -> None:
+        """Send worker w its next work (current weights) or STOP; out: whether the budget
+        is used up (None: read it now)."""
         t = time.perf_counter()
         held = t - self.arrived[w] if self.arrived[w] else 0.0
-        if self._out_of_work() or self.plan.pausing(self.signal):
+        if (self._out_of_work() if out is None else out) or self.plan.pausing(self.signal):
             self.stopped[w] = True
             self.channels.send_stop(w, held)
         else:

@@ -182,6 +182,8 @@ class AsyncTrainer:
             worker = Worker(pcomm, cfg, run.model, run.train_set, self.emulator, self.stop, run.loss_fn)
             if state is not None and rank < len(state["per_rank"]):
                 worker.load_state(state["per_rank"][rank]["worker"])
+                if moved:
+                    worker.resume_emulator()
         self.log(_start_line(cfg, state, workers, self.c, self.mode, vector, moved))
         self.written = state["epoch"] if state is not None else 0
         return server, worker, pcomm

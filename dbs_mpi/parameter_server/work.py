@@ -116,8 +116,9 @@ class WorkPlan:
         return bool(every) and c.needs_epoch and c.epoch > self.segment_epoch and c.epoch % every == 0
 
     def measured(self, w: int, count: int, seconds: float) -> None:
-        """Worker w computed `count` samples in `seconds` (dbs-sgd re-plans from these)."""
-        if count:
+        """Worker w computed `count` samples in `seconds` (dbs-sgd re-plans from these; kept
+        only where it does, since every checkpoint holds them)."""
+        if count and self.controller is not None:
             self.measure[w].append((count, seconds))
 
     def take(self, w: int) -> tuple[int, int, int, bool]:

@@ -10,7 +10,7 @@ import torch
 from ..mpi.waits import wait
 from ..mpi.devices import model_device, to_device
 from ..planning import sharding
-from ..training.batches import fetch_batch
+from ..training.batches import augment, fetch_batch
 from .protocol import (
     CMD_STOP, G_COMPUTE, G_COUNT, G_LOSS, G_SIGNAL, G_VERSION, TAG_GRAD, TAG_WORK, W_COMMAND, W_COUNT, W_EPOCH, W_HELD,
     W_START, W_VERSION, Message, bind_gradients, bind_parameters)
@@ -61,6 +61,14 @@ class Worker:
             self.perm = torch.from_numpy(sharding.epoch_permutation(len(self.train_set), self.perm_epoch,
                                                                     self.cfg.seed))
 
+    def resume_emulator(self) -> None:
+        """Resumed with another number of workers (the emulators start afresh): its step and
+        time windows at this worker's gradients and training seconds so far (its stats), and
+        the epoch it is in set up (slow_epochs, the random sleeps)."""
+        self.emulator.resume_at(int(self.stats[:, C_GRADIENTS].sum()), float(self.stats[:, :C_SAMPLES].sum()))
+        if self.perm_epoch >= 0:
+            self.emulator.start_epoch(self.perm_epoch, self.steps_per_epoch)
+
     def run(self) -> None:
         """One segment: compute until the server says STOP (the end, or a checkpoint)."""
         perm, perm_epoch, epoch = self.perm, self.perm_epoch, self.epoch
@@ -92,6 +100,7 @@ class Worker:
             self.pull()
             if count:
                 x, y = to_device(fetch_batch(self.train_set, idx), self.device)
+                x = augment(x, idx.numpy(), epoch, self.cfg.seed) if self.cfg.augment else x
             t1, cpu = time.perf_counter(), time.process_time()
             self.device_grad.zero_()
             loss_value = 0.0
@@ -111,6 +120,7 @@ class Worker:
             s[C_COMPUTE] += t2 - t1
             s[C_SAMPLES] += count
             s[C_GRADIENTS] += 1
+            self.emulator.step_done(self.stats[:, :C_SAMPLES].sum())     # its run steps: gradients; its seconds
             # The weights are not needed any more: post the receive for the reply into
             # them, then push (the server answers every push with WORK or STOP).
             t_push = time.perf_counter()

@@ -111,6 +111,7 @@ class Emulator:
                                                           ("factor", "epoch_sleep", "step_sleep"))
         self.run_step, self.trained = int(state.get("run_step", 0)), float(state.get("trained", 0.0))
         self.epoch_slowed = bool(state.get("epoch_slowed", self.factor != 1.0 / self.speed))
+        self._set_factor()           # (a resume may change the speeds)
 
     def resume_at(self, run_step: int, trained_seconds: float) -> None:
         """Continue a run that another number of ranks began, `run_step` steps and

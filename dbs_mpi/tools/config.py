@@ -112,7 +112,7 @@ class Config:
     noise_scale: bool = False        # measure the gradient noise scale every step from the ranks' gradient norms (step/noise_scale, step/grad_sq, step/grad_trace); synchronous strategies
     # --- asynchronous strategies (parameter server: rank 0 serves, the others work) ---
     softsync_n: int = 1              # nsoftsync: the server applies after floor(workers / n) gradients
-    staleness_lr: bool = False       # scale the learning rate by 1/staleness (alpha0 where staleness is 0)
+    staleness_lr: bool = False       # scale the learning rate by 1/staleness (alpha0 where staleness is 0); optimizer = sgd only (adam and adamw divide the scale away)
     implicit_momentum: bool = True   # asynchronous, sgd: the server's momentum is momentum - (1 - c/lambda), at least 0, since asynchrony adds about 1 - c/lambda (docs/method.md, section 8); false: momentum as given
     softsync_wait: bool = False      # nsoftsync: a worker gets new weights only once its gradient is applied (softsync_n = 1: hardsync, staleness 0); false: at once (Zhang et al.)
     time_budget: float = 0.0         # asynchronous strategies: seconds of training after which no new work is handed out; 0 = no limit (epochs still caps the run)
@@ -121,8 +121,8 @@ class Config:
     slow_rank: int = -1              # disturbance: this rank is slowed ... (-1 = none)
     slow_factor: float = 1.0         # ... by this factor (compute time x factor) ...
     slow_epochs: tuple = (0, 0)      # ... in epochs [start, stop)
-    slow_steps: tuple = (0, 0)       # ... and in the run's steps [start, stop), counted from 0 over all epochs (and across resumes)
-    slow_seconds: tuple = (0.0, 0.0)  # ... and from start to stop seconds of training (from the first step; evaluation and checkpoints not counted)
+    slow_steps: tuple = (0, 0)       # ... and in the run's steps [start, stop), counted from 0 over all epochs (and across resumes); asynchronous strategies: the worker's gradients
+    slow_seconds: tuple = (0.0, 0.0)  # ... and from start to stop seconds of training (from the first step; evaluation and checkpoints not counted); asynchronous strategies: the worker's own
     sleep_prob: float = 0.0          # DBS paper's disturbance: per epoch and rank, chance that sleeps start
     sleep_seconds: tuple = (5.0, 10.0)  # ... extra sleep per epoch, seconds, uniform in [lo, hi]
     sleep_epochs: tuple = (4, 20)    # ... for this many epochs, uniform in [lo, hi]
@@ -371,7 +371,11 @@ def _check_choices(c: Config) -> None:
 
 
 def _check_async_only(c: Config) -> None:
-    """The parameter server's options, refused under a synchronous strategy (they were ignored)."""
+    """The parameter server's options, refused under a synchronous strategy (they were ignored),
+    and staleness_lr but with sgd (adam and adamw divide a gradient's scale away: it did nothing)."""
+    if c.staleness_lr and c.optimizer != "sgd":
+        _fail("staleness_lr", f"scales each gradient's step by 1/staleness, which {c.optimizer} divides away (it "
+                              f"normalises by the gradients' running scale); use optimizer = \"sgd\"")
     if c.strategy in ASYNC_STRATEGIES:
         return
     for name, unset in ASYNC_ONLY.items():
