@@ -239,3 +239,29 @@ def test_binding_reaches_every_thread_of_the_process():
             "t.join()\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[(0,)]"
+
+
+def test_the_calibration_step_takes_the_model_s_memory_order_and_the_caller_s_autocast():
+    """model_step (the start-up calibration's step) feeds a channels-last model its inputs
+    in that order, as training does with --channels-last, and computes under the autocast
+    it is called in (train.py calibrates under its --amp)."""
+    from dbs_mpi.mpi.devices import autocast_dtype, memory_format
+    from dbs_mpi.training.profiling import model_step
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2))
+    assert memory_format(model) == torch.contiguous_format
+    model = model.to(memory_format=torch.channels_last)
+    assert memory_format(model) == torch.channels_last and autocast_dtype("cpu") is None
+    seen = []
+    step = model_step(model, torch.nn.functional.cross_entropy, torch.randn(8, 3, 8, 8), torch.randint(2, (8,)))
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: seen.append((args[0].is_contiguous(memory_format=torch.channels_last)
+                                               and not args[0].is_contiguous(), out.dtype))
+        if isinstance(module, torch.nn.Conv2d) else None)
+    try:
+        step(4)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert autocast_dtype("cpu") == torch.bfloat16
+            step(4)
+    finally:
+        handle.remove()
+    assert seen == [(True, torch.float32), (True, torch.bfloat16)], seen

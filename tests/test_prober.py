@@ -54,3 +54,28 @@ def test_a_rank_taken_back_forgets_its_last_small_probe_and_an_epochs_end_does_n
     assert p.last_small is None and not p.sped_up
     p.step_time, p.since_large = 0.047, dynamic.LARGE_EVERY
     assert p._next_size() == 2
+
+
+def test_a_probe_computes_as_training_does_under_autocast_and_in_channels_last_order():
+    """The probe's thread does not inherit autocast: it runs under the dtype training's
+    forwards ran in (remember(), called from the training forward), else the
+    calibration's (balancer.sample_autocast); the calibration's inputs take the model's
+    memory order (channels-last with --channels-last), as training's do."""
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(2))
+    conv(torch.randn(1, 3, 8, 8))
+    conv = conv.to(memory_format=torch.channels_last)
+    seen = []
+    balancer = SimpleNamespace(world_size=2, rank=1, min_local=1, global_batch=512, max_local=None,
+                               stretch=lambda wall, cpu: 0.0, sample_inputs=torch.randn(16, 3, 8, 8),
+                               sample_autocast=torch.bfloat16)
+    p = Prober(conv, balancer, "cpu", timeout=10.0)
+    args, kwargs = p._inputs()
+    assert args[0].is_contiguous(memory_format=torch.channels_last) and not args[0].is_contiguous()
+    p._probe(p.inputs, p.samples, 2)
+    p.copy.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+    p._probe(p.inputs, p.samples, 2)
+    assert seen == [torch.bfloat16], seen                 # (size 2 is warm: one timed pass)
+    p.remember((torch.randn(16, 3, 8, 8),), {}, 16)         # a training forward without autocast
+    p._probe(p.inputs, p.samples, 2)
+    assert seen[-1] == torch.float32 and p.failed is None
+    p.stop()

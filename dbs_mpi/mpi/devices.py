@@ -339,3 +339,34 @@ def model_device(model: torch.nn.Module) -> torch.device:
     for tensor in (*model.parameters(), *model.buffers()):
         return tensor.device
     return torch.device("cpu")
+
+
+def memory_format(model: torch.nn.Module) -> torch.memory_format:
+    """channels_last where the model's first 4-d weight is in that order (`--channels-last`,
+    or a user's model.to(memory_format=...)), else contiguous: the order its inputs take."""
+    for p in model.parameters():
+        if p.dim() == 4:
+            cl = p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
+            return torch.channels_last if cl else torch.contiguous_format
+    return torch.contiguous_format
+
+
+def in_format(x, fmt: torch.memory_format):
+    """x (a 4-d batch) in memory format `fmt`; anything else as it is."""
+    return x.contiguous(memory_format=fmt) if isinstance(x, torch.Tensor) and x.dim() == 4 else x
+
+
+def autocast_dtype(device) -> torch.dtype | None:
+    """The dtype torch.autocast computes `device`'s forward in on this thread (None: off),
+    which a thread of its own (the probes) does not inherit."""
+    kind = torch.device(device).type
+    try:
+        on = torch.is_autocast_enabled(kind)
+    except TypeError:             # (torch before 2.4: no device argument)
+        on = torch.is_autocast_cpu_enabled() if kind == "cpu" else torch.is_autocast_enabled()
+    if not on:
+        return None
+    try:
+        return torch.get_autocast_dtype(kind)
+    except AttributeError:        # (torch before 2.4)
+        return torch.get_autocast_cpu_dtype() if kind == "cpu" else torch.get_autocast_gpu_dtype()

@@ -331,13 +331,15 @@ class SyncTrainer:
             convert_dropout(run.model, balancer, cfg.seed)
         sampler = HeteroSampler(run.train_set, balancer, seed=cfg.seed, drop_last=cfg.drop_last)
         loader = make_loader(run, sampler)
+        self.precision = Precision(cfg.amp, run.device)      # (the calibration times the step training takes)
         if run.state is None:
             startup.phase("calibration", backstop=True)
             if run.calibration is not None:
                 balancer.use_calibration(run.calibration)
             else:
-                balancer.calibrate_model(run.model, run.loss_fn, run.train_set, cfg.benchmark_steps,
-                                         cfg.benchmark_warmup, cfg.micro_size)
+                with self.precision.autocast():
+                    balancer.calibrate_model(run.model, run.loss_fn, run.train_set, cfg.benchmark_steps,
+                                             cfg.benchmark_warmup, cfg.micro_size)
             run.recorder.startup(balancer)
         optimizer = DistributedOptimizer(make_optimizer(cfg.optimizer, run.model.parameters(), cfg), run.model,
                                          balancer, aggregation=cfg.aggregation, wait_policy=cfg.wait_policy,
@@ -345,7 +347,6 @@ class SyncTrainer:
                                          timeout=cfg.comm_timeout, exchange=cfg.exchange,     # agreed in place()
                                          leave_exchange=cfg.amp != "fp16")    # GradScaler: every rank's gradient
         run.recorder.writer.set_attrs(exchange=optimizer.exchange.agreed)
-        self.precision = Precision(cfg.amp, run.device)
         # (compiled: a wrapper around the model; the state dicts stay the model's)
         self.forward = torch.compile(run.model, backend=cfg.compile_backend) if cfg.compile else run.model
         self.steps_per_epoch = steps_per_epoch(len(run.train_set), cfg.global_batch, cfg.drop_last)   # (at B0)
@@ -359,8 +360,9 @@ class SyncTrainer:
             self.restore(run.state)
             if resized(run.state, self.comm):     # another allocation: time the new ranks, allocate for them
                 startup.phase("calibration", backstop=True)
-                balancer.calibrate_model(run.model, run.loss_fn, run.train_set, cfg.benchmark_steps,
-                                         cfg.benchmark_warmup, cfg.micro_size)
+                with self.precision.autocast():
+                    balancer.calibrate_model(run.model, run.loss_fn, run.train_set, cfg.benchmark_steps,
+                                             cfg.benchmark_warmup, cfg.micro_size)
                 run.recorder.startup(balancer)
         startup.done()                        # the first step's waits are the training's (comm_timeout)
         for epoch in range(sampler.epoch, cfg.epochs):

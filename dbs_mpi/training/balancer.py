@@ -55,7 +55,7 @@ from ..mpi.agreement import agree_settings
 from ..mpi.collectives import allgather_array
 from ..mpi.placement import placement
 from ..mpi.waits import wait
-from ..mpi.devices import model_device
+from ..mpi.devices import autocast_dtype, model_device
 from ..options import UserError, parse_interval
 from ..planning import allocation, calibration, coupling, dynamic, participation, sharding
 from ..planning.heterogeneity import Emulator, others_compute
@@ -488,7 +488,7 @@ class Calibration:
         (dbs) with the fastest ranks alone where their times alone showed coupling (coupling.py).
         tiny: every rank's time at the tiny batch, recorded with the rest, and timed_large the
         larger batch each rank timed (calibration.timed_large; None: not known)."""
-        start, quiet = coupling.decide(fit, times[:, 1], alone, self.hosts, self.participation, self._checked(),
+        start, first_trial = coupling.decide(fit, times[:, 1], alone, self.hosts, self.participation, self._checked(),
                                        self.global_batch, self.min_local, self.max_local)
         model = fit if start is None else start.model
         self.speed_model = model
@@ -498,7 +498,7 @@ class Calibration:
         if self.policy == "dbs":
             self.controller = self._controller(model)
         if self.replanner is not None:
-            self.replanner.start_from(model, quiet, start)
+            self.replanner.start_from(model, first_trial, start)
         self.startup = {"local_batch": np.array([small, large], dtype=np.int64), "step_time": times,
                         "batch_sizes": self.batch_sizes.copy()}
         if alone is not None:
@@ -518,7 +518,7 @@ class Calibration:
         `model`, x and y the first samples of `dataset` (a map-style dataset)."""
         self.on_device(model_device(model))
         inputs, targets = first_samples(dataset, self.calibration_batches(largest)[1])
-        self.sample_inputs = inputs
+        self.sample_inputs, self.sample_autocast = inputs, autocast_dtype(model_device(model))   # (the probes')
         return self.calibrate(model_step(model, loss_fn, inputs, targets), steps, warmup, largest)
 
     def on_device(self, device) -> None:

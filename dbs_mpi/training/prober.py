@@ -42,7 +42,7 @@ import weakref
 
 import torch
 
-from ..mpi.devices import synchronize
+from ..mpi.devices import autocast_dtype, in_format, memory_format, synchronize
 from ..planning.dynamic.probe import LARGE_EVERY, after_own_probe, own_probe_bounds, own_probe_size
 from .batches import first_samples
 from .sync_batchnorm import make_local
@@ -88,6 +88,8 @@ class Prober:
         self.small, self.large = own_probe_bounds(balancer.min_local, balancer.global_batch, balancer.world_size,
                                                   balancer.max_local)
         self.inputs, self.samples = None, 0     # (args, kwargs) of up to `large` samples this rank computed
+        self.autocast = None                    # the dtype training's forwards ran under autocast in (None: off)
+        self.forwarded = False                  # ... known: a training forward was seen (else the calibration's)
         self.copy = None                        # the model the probes run on (made at the first probe)
         self.thread: threading.Thread | None = None
         self.result = None                      # (samples, seconds) of the last probe, not reported yet
@@ -101,7 +103,9 @@ class Prober:
         _LIVE.add(self)
 
     def remember(self, args, kwargs, samples) -> None:
-        """A training forward of `samples` samples: keep up to `large` of them (once enough)."""
+        """A training forward of `samples` samples: keep up to `large` of them (once enough),
+        and the autocast it runs under (the probe's thread does not inherit it)."""
+        self.autocast, self.forwarded = autocast_dtype(self.device), True
         if samples is None or samples <= self.samples or self.samples >= self.large or self.thread is not None:
             return
         keep = min(samples, self.large)
@@ -174,8 +178,8 @@ class Prober:
         if x is None and self.inputs is None and source is not None:
             x = self.balancer.sample_inputs = first_samples(source, self.large)[0]
         if x is not None and min(len(x), self.large) > self.samples:
-            self.inputs, self.samples = ((x[:self.large].detach().clone().to(self.device),), {}), min(len(x),
-                                                                                                   self.large)
+            x = in_format(x[:self.large].detach().clone().to(self.device), memory_format(self.model))
+            self.inputs, self.samples = ((x,), {}), min(len(x), self.large)
         return self.inputs
 
     def _probe(self, inputs, samples: int, size: int) -> None:
@@ -202,10 +206,13 @@ class Prober:
             self.failed = error
 
     def _pass(self, args, kwargs) -> tuple[float, float]:
-        """One forward and backward on the copy; (wall, CPU) seconds of this thread."""
+        """One forward and backward on the copy, under training's autocast (that of its
+        forwards, else of the calibration); (wall, CPU) seconds of this thread."""
         start, cpu = time.perf_counter(), time.thread_time()
         self.copy.train()
-        out = _first_tensor(self.copy(*args, **kwargs))
+        dtype = self.autocast if self.forwarded else getattr(self.balancer, "sample_autocast", None)
+        with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+            out = _first_tensor(self.copy(*args, **kwargs))
         if out is not None and out.requires_grad:
             out.float().sum().backward()
         synchronize(self.device)

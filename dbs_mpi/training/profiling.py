@@ -30,7 +30,7 @@ import time
 import numpy as np
 import torch
 
-from ..mpi.devices import model_device, synchronize, to_device
+from ..mpi.devices import in_format, memory_format, model_device, synchronize, to_device
 from .sync_batchnorm import make_local
 
 PHASES = ("data", "compute", "collective", "update")
@@ -105,11 +105,14 @@ def time_step(step, local_batch: int, steps: int, warmup: int, stretch=None, ste
 def model_step(model: torch.nn.Module, loss_fn, inputs, targets):
     """A calibration step for `model`: forward and backward of loss_fn on the first b
     samples of (inputs, targets), on a copy of the model (the real one is not touched),
-    on the model's device, which is synchronised at the end of every step."""
+    on the model's device, which is synchronised at the end of every step; the inputs in
+    the model's memory order (channels-last as training gives them), and under the
+    caller's autocast, if any (train.py calibrates under its --amp)."""
     probe = make_local(copy.deepcopy(model))    # each rank times itself: no SyncBatchNorm collectives
     probe.train()
     device = model_device(probe)
     inputs, targets = to_device((inputs, targets), device, non_blocking=False)
+    inputs = in_format(inputs, memory_format(probe))
 
     def step(local_batch: int) -> None:
         probe.zero_grad(set_to_none=False)
