@@ -53,6 +53,15 @@ COMMON = ["--epochs", "3", "--test-subset", "1000", "--progress", "false", "--ch
           "--comm-timeout", "60", "--startup-timeout", "60"]          # (a stuck rank ends its job in a minute)
 
 
+RUNNING: list = []       # the job under way: a SIGTERM (gpu-check.sh's time limit) ends it with this script
+
+
+def _end(signum, frame):
+    for proc in RUNNING:
+        os.killpg(proc.pid, signal.SIGKILL)
+    raise SystemExit(128 + signum)
+
+
 def launch(args, devices: list, out: Path, timeout: float) -> dict:
     """One `dbs-mpi train` job of len(devices) ranks: its wall seconds, and its result's
     data (None where it failed, with the error's last lines)."""
@@ -61,12 +70,15 @@ def launch(args, devices: list, out: Path, timeout: float) -> dict:
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             start_new_session=True)        # (a timeout ends the launcher and every rank)
+    RUNNING.append(proc)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         output += f"\n(timed out after {timeout:.0f} s)"
+    finally:
+        RUNNING.remove(proc)
     wall = time.perf_counter() - start
     if proc.returncode:
         return {"wall": wall, "data": None, "error": "\n    ".join(output.strip().splitlines()[-12:])}
@@ -132,6 +144,7 @@ def report(name: str, results: list) -> None:
 
 
 def main() -> int:
+    signal.signal(signal.SIGTERM, _end)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--repeats", type=int, default=1)

@@ -351,7 +351,8 @@ def test_dbs_within_the_epoch_with_sync_batchnorm_on_ranks_sharing_the_gpu(tmp_p
     proc = run_cli(["train", "--dataset", "synthetic", "--synthetic-shape", "3,32,32", "--synthetic-samples", "2048",
                     "--test-subset", "256", "--model", "resnet20", "--norm", "batch", "--sync-bn", "true",
                     "--epochs", "2", "--global-batch", "128", "--strategy", "dbs", "--device", "cuda",
-                    "--speeds", "1,0.25", "--out", str(out), "--progress", "false"], ranks=2, timeout=300)
+                    "--speeds", "1,0.25", "--exchange", "host", "--out", str(out), "--progress", "false"],
+                   ranks=2, timeout=300)     # (host: auto takes cuda-aware where this MPI is)
     assert proc.returncode == 0, proc.stderr
     run = read_released(out, time.time() + 30)
     assert list(run["attrs"]["rank_devices"]) == ["cuda:0", "cuda:0"] and run["attrs"]["exchange"] == "host"
