@@ -88,7 +88,7 @@ def coupled_start_of(fit_per_sample=(2e-4, 4e-4), speed_up=2.0):
 
 def started(start):
     replanner = dynamic.Replanner(0, 2, B, model=start.model, hosts=["node", "node"])
-    replanner.start_from(start.model, False, start)
+    replanner.start_from(start.model, coupled=start)
     return replanner
 
 
@@ -167,10 +167,11 @@ def test_a_recorded_timing_alone_counts_only_where_this_job_would_have_timed_it(
     alone = np.array([together[0] / 2, np.nan])
     hosts = ["a", "a"]
     assert coupling.decide(fit, together, alone, hosts, "auto", True, B)[0].vector.tolist() == [B, 0]
-    assert coupling.decide(fit, together, alone, hosts, "all", True, B) == (None, False)
-    assert coupling.decide(fit, together, alone, hosts, "auto", False, B) == (None, False)
-    assert coupling.decide(fit, together, None, hosts, "auto", True, B) == (None, False)
-    assert coupling.decide(fit, together, alone, ["a", "b"], "auto", True, B) == (None, False)
+    first = set_check.TRIAL_FIRST
+    assert coupling.decide(fit, together, alone, hosts, "all", True, B) == (None, first)
+    assert coupling.decide(fit, together, alone, hosts, "auto", False, B) == (None, first)
+    assert coupling.decide(fit, together, None, hosts, "auto", True, B) == (None, first)
+    assert coupling.decide(fit, together, alone, ["a", "b"], "auto", True, B) == (None, first)
     with pytest.raises(UserError, match="alone_time has 3 value"):
         coupling.decide(fit, together, np.array([0.1, np.nan, np.nan]), hosts, "auto", True, B)
 
@@ -182,10 +183,10 @@ def test_ranks_timed_alone_without_coupling_postpone_the_first_trial():
     its steps); with coupling the start is rank 0 alone and nothing is postponed."""
     fit = model(1.0, 10.0)
     together = fit.predict(np.array([470, 42]))
-    start, quiet = coupling.decide(fit, together, np.array([together[0] * 0.97, np.nan]), ["a", "a"], "auto", True, B)
-    assert start is None and quiet
-    start, quiet = coupling.decide(fit, together, np.array([together[0] / 2, np.nan]), ["a", "a"], "auto", True, B)
-    assert start is not None and not quiet
+    start, first = coupling.decide(fit, together, np.array([together[0] * 0.97, np.nan]), ["a", "a"], "auto", True, B)
+    assert start is None and first == set_check.QUIET_FIRST
+    start, first = coupling.decide(fit, together, np.array([together[0] / 2, np.nan]), ["a", "a"], "auto", True, B)
+    assert start is not None and first == set_check.TRIAL_FIRST
     rng = np.random.default_rng(4)
 
     def seconds_of(step, row):
@@ -194,8 +195,47 @@ def test_ranks_timed_alone_without_coupling_postpone_the_first_trial():
     for quiet in (False, True):
         calibrated = SpeedModel(np.array([1e-4, 1e-3]), np.array([1e-3, 1e-3]))
         replanner = dynamic.Replanner(0, 2, B, model=calibrated, hosts=["node", "node"])
-        replanner.start_from(calibrated, quiet)
+        replanner.start_from(calibrated, set_check.QUIET_FIRST if quiet else set_check.TRIAL_FIRST)
         _, switches = run(replanner, 400, seconds_of, [470, 42])
         causes[quiet] = [cause for _, _, cause in switches]
     assert "trial" in causes[False], causes
     assert "trial" not in causes[True], causes
+
+
+@pytest.mark.parametrize("per_sample, hosts, rule, checked, expected", [
+    ((4.2, 4.0), ["a", "a"], "auto", True, set_check.UNSEEN_FIRST),     # every rank among the fastest
+    ((1.0, 1.2, 1.3), ["a", "b", "a"], "auto", True, set_check.UNSEEN_FIRST),
+    ((4.2, 4.0), ["a", "b"], "auto", True, set_check.TRIAL_FIRST),      # no host shared: no trial anyway
+    ((4.2, 4.0), ["a", "a"], "all", True, set_check.TRIAL_FIRST),
+    ((4.2, 4.0), ["a", "a"], "auto", False, set_check.TRIAL_FIRST),
+    ((1.0, 4.0), ["a", "a"], "auto", True, set_check.TRIAL_FIRST),      # not timed alone: no alone_time recorded
+])
+def test_a_calibration_that_saw_every_rank_among_the_fastest_brings_the_first_trial_forward(
+        per_sample, hosts, rule, checked, expected):
+    fit = model(*per_sample)
+    together = fit.predict(np.full(len(per_sample), B // len(per_sample)))
+    assert coupling.decide(fit, together, None, hosts, rule, checked, B) == (None, expected)
+
+
+def test_a_coupled_pair_whose_calibration_was_disturbed_is_tried_alone_within_unseen_first_steps():
+    """The coupled host of test_set_check (rank 0 2x slower beside rank 1, rank 1 4x
+    slower), its calibration disturbed: rank 0 read 4.2e-4 s a sample, as slow as rank 1,
+    so it timed nothing alone and kept both. Its steps tell rank 0 apart at once; the
+    trial of rank 0 alone comes after UNSEEN_FIRST steps, is kept, and steps 30-63 run
+    within 1.05x of rank 0 alone. Started at TRIAL_FIRST, as before, those steps ran the
+    pair, 1.33x slower."""
+    fit = SpeedModel(np.array([4.2e-4, 4e-4]), np.array([1e-3, 1e-3]))
+    together = fit.predict(fit.allocate(B))
+    start, first = coupling.decide(fit, together, None, ["node", "node"], "auto", True, B)
+    assert start is None and first == set_check.UNSEEN_FIRST
+    alone = 1e-3 + 1e-4 * B
+    for wait, expected in ((first, (0.95, 1.05)), (set_check.TRIAL_FIRST, (1.25, 1.4))):
+        rng = np.random.default_rng(3)
+        replanner = dynamic.Replanner(0, 2, B, model=fit, hosts=["node", "node"])
+        replanner.start_from(fit, wait)
+        seconds_of = coupled_times(rng)
+        rows, switches = run(replanner, 100, seconds_of, fit.allocate(B))
+        trials = [step for step, _, cause in switches if cause == "trial"]
+        assert trials and trials[0] >= min(wait, set_check.TRIAL_FIRST) - 1, switches
+        step_time = [max(t for t in seconds_of(s, row) if t) for s, row in enumerate(rows)]
+        assert expected[0] <= np.mean(step_time[30:64]) / alone <= expected[1], switches

@@ -305,8 +305,8 @@ def test_the_simulated_replanner_fed_a_run_s_step_times_makes_the_engine_s_decis
             probes = f["step/probe_samples"][()] if "step/probe_samples" in f else zeros
             probe_time = np.nan_to_num(f["step/probe_time"][()]) if "step/probe_time" in f else zeros
         fit = startup_fit(j, startup, c.size)
-        coupled, quiet = recorded_start(j, c, startup, fit)
-        replanner = step_replanner(j, fit if coupled is None else coupled.model, c, quiet, coupled)
+        coupled, first_trial = recorded_start(j, c, startup, fit)
+        replanner = step_replanner(j, fit if coupled is None else coupled.model, c, first_trial, coupled)
         current, switches = startup["batch_sizes"], []
         first_of_epoch = {e: int(np.flatnonzero(epoch == e)[0]) for e in np.unique(epoch)}
         for s in range(len(rows)):

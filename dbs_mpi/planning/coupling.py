@@ -34,7 +34,10 @@ at its first plan and the check ran EARLY + 2 steps at that speed; a start from 
 coupled fit ran TRIAL_FIRST); a busy spell that slowed only the calibration's timing
 beside the others costs TRIAL_BAN steps alone, where the check would have taken the
 larger set back after a few. static plans once and has no check: it keeps the
-calibration's plan.
+calibration's plan. Where the calibration saw every rank among the fastest on a shared
+host, it timed none alone; if that timing was disturbed (a fast rank read 2.3x slower
+beside the others than undisturbed), the steps soon tell the fastest ranks apart, and the
+set check's first trial of them alone comes after UNSEEN_FIRST steps (first_trial).
 
 What it costs: ALONE_STEPS + 1 more steps of the large batch on the fastest ranks, only
 on a shared host with ranks of other speeds that the calibration's plan keeps. Pure
@@ -48,7 +51,7 @@ import numpy as np
 
 from ..options import UserError
 from .allocation import SpeedModel
-from .dynamic.set_check import COUPLED, FASTEST, members
+from .dynamic.set_check import COUPLED, FASTEST, QUIET_FIRST, TRIAL_FIRST, UNSEEN_FIRST, members
 from .participation import LEAVE_GAIN, allocate_for
 
 
@@ -112,24 +115,40 @@ def coupled_start(fit: SpeedModel, together, alone, global_batch: int, min_local
 
 
 def decide(fit: SpeedModel, together, alone, hosts, participation: str, checked: bool, global_batch: int,
-           min_local: int = 1, max_local=None) -> tuple[Start | None, bool]:
+           min_local: int = 1, max_local=None) -> tuple[Start | None, int]:
     """coupled_start where timed_alone says the calibration times ranks alone (a fresh
     timing, or one recorded by another launch, whose `alone` must then be of this world
-    and is read only where this job would have timed), and whether the ranks were timed
-    alone and showed no coupling (quiet: the set check's first trial can wait)."""
-    if alone is None:
-        return None, False
+    and is read only where this job would have timed; None: none), and the planner steps
+    before the set check's first trial (first_trial)."""
     plan = allocate_for(fit, global_batch, min_local, max_local)
     mask = timed_alone(fit, hosts, participation, checked, plan)
-    if mask is None:
-        return None, False
+    if mask is None or alone is None:
+        return None, first_trial(fit, hosts, participation, checked, None)
     alone = np.asarray(alone, float).reshape(-1)
     if alone.shape != mask.shape:
         raise UserError(f"calibration: its alone_time has {alone.size} value(s); this job has {mask.size} rank(s)")
     alone = np.where(mask, alone, np.nan)
-    ratio = coupling_of(together, alone)
-    quiet = ratio is not None and ratio < COUPLED
-    return coupled_start(fit, together, alone, global_batch, min_local, max_local, plan), quiet
+    return (coupled_start(fit, together, alone, global_batch, min_local, max_local, plan),
+            first_trial(fit, hosts, participation, checked, coupling_of(together, alone)))
+
+
+def first_trial(fit: SpeedModel, hosts, participation: str, checked: bool, ratio: float | None) -> int:
+    """The planner steps before the set check's first trial of the fastest ranks alone
+    (set_check.py), from the calibration's fit and `ratio`, the coupling it timed (None:
+    none timed alone): QUIET_FIRST where it timed them alone and saw no coupling (a trial
+    would measure the same; at the crossover it moved a rank between 0 and its share for
+    nothing); UNSEEN_FIRST where it saw every rank among the fastest on a shared host, so
+    timed none alone (a timing disturbed beside the others: the steps tell the fastest
+    apart soon, and a start so disturbed ran a coupled 1:0.25 pair 1.33x slower than its
+    fast rank alone for TRIAL_FIRST steps); while every rank stays among the fastest, no
+    trial runs at all. Else TRIAL_FIRST."""
+    if ratio is not None:
+        return QUIET_FIRST if ratio < COUPLED else TRIAL_FIRST
+    c = np.asarray(fit.per_sample, float)
+    if checked and participation == "auto" and hosts is not None and (c <= FASTEST * c.min()).all() \
+            and len(set(hosts)) < len(hosts):
+        return UNSEEN_FIRST
+    return TRIAL_FIRST
 
 
 def coupling_of(together, alone) -> float | None:

@@ -23,7 +23,10 @@ cost more than they bring. So every change of the set is checked by what it meas
   trial       where ranks of the set share a host (where coupling can happen), the
               fastest ranks alone (per-sample cost within FASTEST of the fastest's) are
               tried: first after TRIAL_FIRST steps (QUIET_FIRST where the start-up timed
-              them alone and saw no coupling), then after a wait that doubles with
+              them alone and saw no coupling; UNSEEN_FIRST where it saw every rank
+              among the fastest, so timed none alone, on a shared host: a timing
+              disturbed beside the others, found out once the steps tell the ranks
+              apart), then after a wait that doubles with
               every trial lost (at most TRIAL_MAX); a trial is a set change, so it is
               checked as above, the other way round: kept only where the old set's step
               time exceeds its by the margin, else reverted (not banned: it was an
@@ -82,6 +85,7 @@ TRIAL_MAX = 4096      # the longest wait between two trials
 QUIET_FIRST = 512     # the first trial where the start-up timed the fastest ranks alone and saw no coupling
 START_WAIT = 4 * RECENT   # a coupled start's ban of the larger set waits this long for its steps alone (StartBan)
 SETTLE = 3 * RECENT   # steps after a change of the set before a trial may start
+UNSEEN_FIRST = SETTLE     # the first trial where the start-up saw every rank among the fastest (it timed none alone)
 FASTEST = 1.5         # ranks whose per-sample cost is within this factor of the fastest rank's are "the fastest"
 COUPLED = 1.25        # the fast ranks computed this much faster alone: coupling seen (trials go on)
 
@@ -171,12 +175,10 @@ class SetCheck:
         self.times.clear()
         self.pending = None
 
-    def quiet_start(self) -> None:
-        """The start-up timed the fastest ranks alone and they were not faster there (no
-        coupling, planning/coupling.py): the first trial, which would measure the same, waits
-        QUIET_FIRST steps (a trial costs its RECENT + 2 steps at the other set's time, and at
-        the crossover it moved a rank between 0 and its share for nothing)."""
-        self.next_trial = max(self.next_trial, QUIET_FIRST)
+    def first_trial(self, steps: int) -> None:
+        """The first trial of the fastest ranks alone after `steps` planner steps, as the
+        start-up decided (coupling.first_trial: TRIAL_FIRST, QUIET_FIRST or UNSEEN_FIRST)."""
+        self.next_trial = steps
 
     def banned_set(self, vector, step: int) -> bool:
         return self.banned.get(members(vector), -1) > step
@@ -308,7 +310,7 @@ class StartBan:
     (training computes otherwise than the calibration's eager copy timed: compiled,
     autocast, data-bound), the ban is lifted, the planner takes the larger set back,
     checked as any change, and the first trial waits as after a quiet start
-    (SetCheck.quiet_start). A busy spell that slowed only the calibration's timing beside
+    (QUIET_FIRST). A busy spell that slowed only the calibration's timing beside
     the others passes this: it costs TRIAL_BAN steps alone. (Without it the per-rank
     model, which sees the fastest ranks' speed alone, took the larger set back at its
     first plan, and the check ran EARLY + 2 steps at the coupled speed: 0.2 s of a
@@ -333,7 +335,7 @@ class StartBan:
             return True
         if sets.banned.get(self.larger) == START_WAIT:
             del sets.banned[self.larger]
-        sets.quiet_start()                  # (the take-back's check does a trial's work)
+        sets.first_trial(max(sets.next_trial, QUIET_FIRST))   # (the take-back's check does a trial's work)
         return True
 
     def state_dict(self) -> list:

@@ -39,7 +39,7 @@ from ..allocation import SpeedModel
 from ..participation import allocate_for, least_step_time_sitting_out
 from .estimate import RECENT, REFIT, REFIT_STEADY, SPREAD, TINY_SHARE, WINDOW, StepTimeEstimator
 from .probe import PROBE_BELOW, PROBE_STEPS, Probes
-from .set_check import SetCheck
+from .set_check import TRIAL_FIRST, SetCheck
 
 
 DEFAULT_INTERVAL = 1  # steps between re-plans (chosen by measurement: docs/method.md, section 5)
@@ -389,13 +389,13 @@ class Replanner:
         if self.planner is not None:
             self.planner.sets.hosts = self.hosts
 
-    def start_from(self, model: SpeedModel, quiet: bool = False, coupled=None) -> None:
+    def start_from(self, model: SpeedModel, first_trial: int = TRIAL_FIRST, coupled=None) -> None:
         """Begin from a calibrated model (else the first step's measurement is the start);
-        quiet: the calibration saw no coupling (SetCheck.quiet_start); coupled: it did, and
-        the start is the fastest ranks alone (coupling.Start: SetCheck.start_alone)."""
+        first_trial: the steps before the set check's first trial, as the calibration
+        decided (coupling.first_trial); coupled: it saw coupling, and the start is the
+        fastest ranks alone (coupling.Start: SetCheck.start_alone)."""
         self.planner = self._planner(model)
-        if quiet:
-            self.planner.sets.quiet_start()
+        self.planner.sets.first_trial(first_trial)
         if coupled is not None:
             self.planner.sets.start_alone(coupled.vector, coupled.every, coupled.together, coupled.coupling)
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from ...options import parse_interval
 from ...planning import allocation, calibration, coupling, dynamic, participation, sharding
+from ...planning.dynamic.set_check import TRIAL_FIRST
 from .adaptive import next_batch, resized
 from .cluster import Cluster, Compute, emulators, free_running_rate, step_factor
 from .job import Job, Result
@@ -61,7 +62,7 @@ def simulated_calibration(job: Job, cluster: Cluster, compute: Compute, emus) ->
 def simulated_start(job: Job, cluster: Cluster, compute: Compute, emus) -> tuple:
     """The simulated calibration as the engine runs it: its fit, and its check for coupled
     ranks (coupling.py: the fastest ranks time the large batch again, nobody else
-    computing) as coupling.decide's (coupling.Start or None, quiet)."""
+    computing) as coupling.decide's (coupling.Start or None, the first trial's wait)."""
     (small, large), times = calibration_times(job, cluster, compute, emus)
     n = cluster.size
     fit = allocation.SpeedModel.fit(np.full(n, small), times[:, 0], np.full(n, large), times[:, 1],
@@ -70,7 +71,8 @@ def simulated_start(job: Job, cluster: Cluster, compute: Compute, emus) -> tuple
     plan = participation.allocate_for(fit, job.global_batch, *bounds, job.participation)
     alone = coupling.timed_alone(fit, hosts, job.participation, _checked(job, n), plan)
     if alone is None:
-        return fit, None, False
+        return (fit, *coupling.decide(fit, times[:, 1], None, hosts, job.participation, _checked(job, n),
+                                      job.global_batch, *bounds))
     factor = step_factor(emus, cluster, alone.astype(np.int64))
     steps = min(job.benchmark_steps, coupling.ALONE_STEPS)
     seconds = np.median([calibration_step(compute, cluster, factor, large, alone) for _ in range(steps)], axis=0)
@@ -80,10 +82,12 @@ def simulated_start(job: Job, cluster: Cluster, compute: Compute, emus) -> tuple
 
 def recorded_start(job: Job, cluster: Cluster, startup: dict, fit: allocation.SpeedModel | None) -> tuple:
     """The engine's decision from a recorded calibration, coupling.decide's (coupling.Start
-    or None, quiet); (None, False) where it timed no rank alone."""
-    if fit is None or len(startup.get("alone_time", ())) == 0:
-        return None, False
-    return coupling.decide(fit, np.asarray(startup["step_time"])[:, 1], startup["alone_time"], _hosts(cluster),
+    or None, the first trial's wait); (None, TRIAL_FIRST) where no calibration is known."""
+    if fit is None:
+        return None, TRIAL_FIRST
+    alone = startup.get("alone_time")
+    return coupling.decide(fit, np.asarray(startup["step_time"])[:, 1],
+                           None if alone is None or not len(alone) else alone, _hosts(cluster),
                            job.participation, _checked(job, cluster.size), job.global_batch, job.min_local_batch,
                            job.max_local_batch or None)
 
@@ -122,11 +126,11 @@ def startup_fit(job: Job, startup: dict, ranks: int) -> allocation.SpeedModel | 
 
 
 def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0.03, seed: int = 0,
-                  load: float = 1.0, vector=None, fit=None, start=(None, False)) -> Result:
+                  load: float = 1.0, vector=None, fit=None, start=(None, TRIAL_FIRST)) -> Result:
     """ssgd, static or dbs, epoch by epoch and step by step. vector / fit / start: the
     start-up calibration's outcome if known (a replay; start: recorded_start), else the
     calibration is simulated, its check for coupled ranks too (start: coupling.Start or
-    None, and quiet: the first trial of the fastest ranks alone waits, as the engine's). dbs
+    None, and the steps before the first trial of the fastest ranks alone, as the engine's). dbs
     re-plans with the engine's controller: every epoch, or with the engine's Replanner at
     its step interval, the vector applying from the step after its announcement (the
     simulated ranks prefetch nothing)."""
@@ -135,11 +139,11 @@ def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0
     compute, emus, result = Compute(job, cluster, noise, rng, load), emulators(job, n), Result()
     if fit is None:
         fit, *start = simulated_start(job, cluster, compute, emus)
-    coupled, quiet = start
+    coupled, first_trial = start
     if coupled is not None:
         fit, vector = coupled.model, coupled.vector if vector is None else vector
     vector = np.asarray(vector if vector is not None else first_vector(job, n, fit), dtype=np.int64)
-    replanner = step_replanner(job, fit, cluster, quiet, coupled)
+    replanner = step_replanner(job, fit, cluster, first_trial, coupled)
     controller = dbs_controller(job, fit) if job.strategy == "dbs" and replanner is None else None
     extra = 0 if replanner is None else replanner.size
     clock = _SyncClock(compute, emus, ExchangeCost(job, cluster, network, extra), compute.update(), replanner)
@@ -170,11 +174,11 @@ def simulate_sync(job: Job, cluster: Cluster, network: Network, noise: float = 0
 
 
 def step_replanner(job: Job, fit: allocation.SpeedModel, cluster: Cluster,
-                   quiet: bool = False, coupled=None) -> dynamic.Replanner | None:
+                   first_trial: int = TRIAL_FIRST, coupled=None) -> dynamic.Replanner | None:
     """The engine's within-epoch Replanner (rank 0's: the one whose proposals count), or
     None; started as the engine starts it: the ranks' hosts (where ranks share one, the
-    planner tries sets: set_check.py), and quiet and coupled, the calibration's
-    (coupling.decide: its Start or None)."""
+    planner tries sets: set_check.py), and the first trial's wait and coupled, the
+    calibration's (coupling.decide: the wait, and its Start or None)."""
     interval = parse_interval(job.dbs_interval)
     if job.strategy != "dbs" or interval is None or cluster.size == 1:
         return None
@@ -182,7 +186,7 @@ def step_replanner(job: Job, fit: allocation.SpeedModel, cluster: Cluster,
                                   job.max_local_batch or None, interval=interval, window=job.dbs_window,
                                   follow=job.dbs_follow, min_gain=job.dbs_min_gain, participation=job.participation,
                                   hosts=_hosts(cluster))
-    replanner.start_from(fit, quiet, coupled)
+    replanner.start_from(fit, first_trial, coupled)
     return replanner
 
 
