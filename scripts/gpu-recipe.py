@@ -8,6 +8,9 @@ device, channels-last, bf16, torch.compile). Prints, per run in the order given,
 options that differ from the first run's, the last epoch's samples per second (samples
 over `epoch/duration`), its data time (`epoch/data_time`, the slowest rank's: gathering and copying batches)
 and the samples/s over the first run's; an epoch's evaluation is not part of either.
+The data time is host time: with the data on the device, the gather and augmentation are
+kernels queued on the GPU, counted in the compute time that follows (samples/s is what
+compares the runs).
 """
 from __future__ import annotations
 
