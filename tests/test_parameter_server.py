@@ -115,10 +115,17 @@ def test_config_checks_for_the_parameter_server():
     check_world(Config(strategy="nsoftsync", softsync_n=3), 4)
     with pytest.raises(ConfigError, match="^time_budget: "):
         Config(time_budget=-1.0)
-    for optimizer in ("adam", "adamw"):        # they divide the 1/staleness scale away: it would do nothing
-        with pytest.raises(ConfigError, match=f"^staleness_lr: .*{optimizer} divides away"):
-            Config(strategy="asgd", staleness_lr=True, optimizer=optimizer)
-    Config(strategy="asgd", staleness_lr=True, optimizer="sgd")
+
+
+def test_only_dbs_sgd_keeps_the_workers_timings_it_re_plans_from():
+    """asgd and nsoftsync have no controller: the per-gradient timings, which every
+    checkpoint holds, are not kept (they grew for the whole run)."""
+    from dbs_mpi.parameter_server.work import WorkPlan
+    for controller, kept in ((None, 0), (object(), 3)):
+        plan = WorkPlan(Config(strategy="asgd"), 600, 2, [32, 32], controller, print)
+        for _ in range(3):
+            plan.measured(1, 32, 0.01)
+        assert len(plan.measure[1]) == kept
 
 
 def test_a_worker_resumed_with_another_number_of_workers_continues_its_emulated_windows():

@@ -112,7 +112,7 @@ class Config:
     noise_scale: bool = False        # measure the gradient noise scale every step from the ranks' gradient norms (step/noise_scale, step/grad_sq, step/grad_trace); synchronous strategies
     # --- asynchronous strategies (parameter server: rank 0 serves, the others work) ---
     softsync_n: int = 1              # nsoftsync: the server applies after floor(workers / n) gradients
-    staleness_lr: bool = False       # scale the learning rate by 1/staleness (alpha0 where staleness is 0); optimizer = sgd only (adam and adamw divide the scale away)
+    staleness_lr: bool = False       # each gradient scaled by 1/max(staleness, 1) before the optimizer: with sgd, its learning rate (alpha0 where staleness is 0); adam and adamw normalise by the gradients' running scale, so there a stale gradient counts less in their averages, and a constant staleness changes nothing
     implicit_momentum: bool = True   # asynchronous, sgd: the server's momentum is momentum - (1 - c/lambda), at least 0, since asynchrony adds about 1 - c/lambda (docs/method.md, section 8); false: momentum as given
     softsync_wait: bool = False      # nsoftsync: a worker gets new weights only once its gradient is applied (softsync_n = 1: hardsync, staleness 0); false: at once (Zhang et al.)
     time_budget: float = 0.0         # asynchronous strategies: seconds of training after which no new work is handed out; 0 = no limit (epochs still caps the run)
@@ -371,11 +371,7 @@ def _check_choices(c: Config) -> None:
 
 
 def _check_async_only(c: Config) -> None:
-    """The parameter server's options, refused under a synchronous strategy (they were ignored),
-    and staleness_lr but with sgd (adam and adamw divide a gradient's scale away: it did nothing)."""
-    if c.staleness_lr and c.optimizer != "sgd":
-        _fail("staleness_lr", f"scales each gradient's step by 1/staleness, which {c.optimizer} divides away (it "
-                              f"normalises by the gradients' running scale); use optimizer = \"sgd\"")
+    """The parameter server's options, refused under a synchronous strategy (they were ignored)."""
     if c.strategy in ASYNC_STRATEGIES:
         return
     for name, unset in ASYNC_ONLY.items():
