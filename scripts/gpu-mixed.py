@@ -58,7 +58,10 @@ RUNNING: list = []       # the job under way: a SIGTERM (gpu-check.sh's time lim
 
 def _end(signum, frame):
     for proc in RUNNING:
-        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:       # (it ended meanwhile)
+            pass
     raise SystemExit(128 + signum)
 
 

@@ -217,6 +217,12 @@ def test_a_calibration_that_saw_every_rank_among_the_fastest_brings_the_first_tr
     assert coupling.decide(fit, together, None, hosts, rule, checked, B) == (None, expected)
 
 
+def test_the_first_trial_is_a_number_of_steps_not_the_quiet_flag_it_replaced():
+    replanner = dynamic.Replanner(0, 2, B, hosts=["node", "node"])
+    with pytest.raises(TypeError, match="not a bool"):
+        replanner.start_from(model(1.0, 4.0), True)       # (once `quiet`: it would try at step 1)
+
+
 def test_a_coupled_pair_whose_calibration_was_disturbed_is_tried_alone_within_unseen_first_steps():
     """The coupled host of test_set_check (rank 0 2x slower beside rank 1, rank 1 4x
     slower), its calibration disturbed: rank 0 read 4.2e-4 s a sample, as slow as rank 1,

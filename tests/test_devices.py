@@ -251,6 +251,8 @@ def test_the_calibration_step_takes_the_model_s_memory_order_and_the_caller_s_au
     assert memory_format(model) == torch.contiguous_format
     model = model.to(memory_format=torch.channels_last)
     assert memory_format(model) == torch.channels_last and autocast_dtype("cpu") is None
+    pointwise_first = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.Conv2d(4, 4, 3))
+    assert memory_format(pointwise_first.to(memory_format=torch.channels_last)) == torch.channels_last   # (1x1: both)
     seen = []
     step = model_step(model, torch.nn.functional.cross_entropy, torch.randn(8, 3, 8, 8), torch.randint(2, (8,)))
     handle = torch.nn.modules.module.register_module_forward_hook(

@@ -342,12 +342,12 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def memory_format(model: torch.nn.Module) -> torch.memory_format:
-    """channels_last where the model's first 4-d weight is in that order (`--channels-last`,
-    or a user's model.to(memory_format=...)), else contiguous: the order its inputs take."""
+    """channels_last where a 4-d weight of the model is in that order and not also plain
+    contiguous, as a 1x1 kernel's is either way (`--channels-last`, or a user's
+    model.to(memory_format=...)), else contiguous: the order its inputs take."""
     for p in model.parameters():
-        if p.dim() == 4:
-            cl = p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
-            return torch.channels_last if cl else torch.contiguous_format
+        if p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous():
+            return torch.channels_last
     return torch.contiguous_format
 
 

@@ -332,6 +332,7 @@ class SyncTrainer:
         sampler = HeteroSampler(run.train_set, balancer, seed=cfg.seed, drop_last=cfg.drop_last)
         loader = make_loader(run, sampler)
         self.precision = Precision(cfg.amp, run.device)      # (the calibration times the step training takes)
+        balancer.sample_autocast = self.precision.dtype      # (the probes': resumed or from a file, none calibrates)
         if run.state is None:
             startup.phase("calibration", backstop=True)
             if run.calibration is not None:

@@ -394,6 +394,8 @@ class Replanner:
         first_trial: the steps before the set check's first trial, as the calibration
         decided (coupling.first_trial); coupled: it saw coupling, and the start is the
         fastest ranks alone (coupling.Start: SetCheck.start_alone)."""
+        if isinstance(first_trial, bool):        # (the `quiet` flag it replaced: True would try at step 1)
+            raise TypeError("start_from: first_trial is a number of steps (coupling.first_trial), not a bool")
         self.planner = self._planner(model)
         self.planner.sets.first_trial(first_trial)
         if coupled is not None:
