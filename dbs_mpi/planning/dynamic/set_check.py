@@ -45,10 +45,13 @@ cost more than they bring. So every change of the set is checked by what it meas
               seeing that speed, would leave them out again after BAN). A start with
               the fastest ranks alone, where the calibration saw
               coupling (coupling.py), bans the larger set until its first steps alone
-              decide (StartBan). No trial starts within SETTLE steps of a change of the set: a
-              rank that comes back takes its share over a few plans, and a trial then
-              would compare the fastest ranks with a vector not yet balanced (it came 7
-              steps after a 50x slow rank's return, and held the return back 20 steps)
+              decide (StartBan). No trial starts within SETTLE steps of a new vector (a
+              change of the set, or a move within it): a rank that comes back takes its
+              share over a few plans, and a trial then would compare the fastest ranks
+              with a vector not yet balanced (it came 7 steps after a 50x slow rank's
+              return, and held the return back 20 steps; 6 steps after the move that
+              followed a 4x slow-down, it beat the unsettled pair, and the pair, banned
+              with the coupling this VM shows, stayed out after the slow-down ended)
 
 A trial costs at most RECENT + 2 steps at the slower set's time (EARLY + 2 where the two
 sets measure far apart: its first and the one that carries the way back too), once per
@@ -84,7 +87,7 @@ TRIAL_FIRST = 64      # steps before the first trial of the fastest ranks alone 
 TRIAL_MAX = 4096      # the longest wait between two trials
 QUIET_FIRST = 512     # the first trial where the start-up timed the fastest ranks alone and saw no coupling
 START_WAIT = 4 * RECENT   # a coupled start's ban of the larger set waits this long for its steps alone (StartBan)
-SETTLE = 3 * RECENT   # steps after a change of the set before a trial may start
+SETTLE = 3 * RECENT   # steps after a new vector before a trial may start
 UNSEEN_FIRST = SETTLE     # the first trial where the start-up saw every rank among the fastest (it timed none alone)
 FASTEST = 1.5         # ranks whose per-sample cost is within this factor of the fastest rank's are "the fastest"
 COUPLED = 1.25        # the fast ranks computed this much faster alone: coupling seen (trials go on)
@@ -135,7 +138,7 @@ class SetCheck:
         self.banned: dict = {}     # set -> the step until which it is banned
         self.strikes: dict = {}    # set -> times it measured slower
         self.next_trial, self.trial_wait = TRIAL_FIRST, TRIAL_FIRST
-        self.changed_at = -math.inf    # the planner step from which the last change of the set applied
+        self.changed_at = -math.inf    # the planner step from which the last new vector applied
         self.verdicts: list = []   # (step, set, "reverted" | "kept", before s, after s): for the records
         self.start: StartBan | None = None    # a coupled start's ban of the larger set, until its steps decide it
 
@@ -153,8 +156,7 @@ class SetCheck:
         """A new vector applies from planner step `step`: a new set is checked (UNCHECKED:
         not a change back after a check, a user's vector, or an in-step probe, which is
         meant to measure, slower or not)."""
-        if members(old) != members(new):
-            self.changed_at = int(step)
+        self.changed_at = int(step)
         if members(old) == members(new) or cause in UNCHECKED:
             self.pending = None if cause in UNCHECKED else self.pending
             return
