@@ -51,7 +51,7 @@ import numpy as np
 
 from ..options import UserError
 from .allocation import SpeedModel
-from .dynamic.set_check import COUPLED, FASTEST, QUIET_FIRST, TRIAL_FIRST, UNSEEN_FIRST, members
+from .dynamic.set_check import COUPLED, FASTEST, QUIET_FIRST, TRIAL_FIRST, UNSEEN_FIRST, members, shares_host
 from .participation import LEAVE_GAIN, allocate_for
 
 
@@ -145,8 +145,7 @@ def first_trial(fit: SpeedModel, hosts, participation: str, checked: bool, ratio
     if ratio is not None:
         return QUIET_FIRST if ratio < COUPLED else TRIAL_FIRST
     c = np.asarray(fit.per_sample, float)
-    if checked and participation == "auto" and hosts is not None and (c <= FASTEST * c.min()).all() \
-            and len(set(hosts)) < len(hosts):
+    if checked and participation == "auto" and shares_host(hosts, np.ones(len(c))) and (c <= FASTEST * c.min()).all():
         return UNSEEN_FIRST
     return TRIAL_FIRST
 

@@ -104,8 +104,10 @@ class Prober:
 
     def remember(self, args, kwargs, samples) -> None:
         """A training forward of `samples` samples: keep up to `large` of them (once enough),
-        and the autocast it runs under (the probe's thread does not inherit it)."""
-        self.autocast, self.forwarded = autocast_dtype(self.device), True
+        and, at the first, the autocast training runs under (the probe's thread does not
+        inherit it; read once, not on every step)."""
+        if not self.forwarded:
+            self.autocast, self.forwarded = autocast_dtype(self.device), True
         if samples is None or samples <= self.samples or self.samples >= self.large or self.thread is not None:
             return
         keep = min(samples, self.large)
