@@ -21,7 +21,7 @@ the result file), each case against its baseline in the same repeat:
 * steady: 2 ranks at 1:0.1, dbs (3 epochs): the slow rank's local batch over epochs 2-3,
   its median, range (largest less smallest) and largest jump between two steps (and
   between two steps it took part in), the re-plans of those epochs by cause (plan,
-  probe in the step, revert, trial: balancer.Change.CAUSES), and what an in-step probe
+  probe in the step, revert, trial, lift: balancer.Change.CAUSES), and what an in-step probe
   cost: rank 0's step while it ran over the 5 steps before;
 * crossover: 2 ranks at 1:x for x in 0.5, 0.2, 0.1, 0.05, 0.02, dbs with participation
   auto and all, each over 1 rank alone (the best subset is the smaller of all's and 1).
@@ -127,7 +127,9 @@ def case_steady(tmp: Path, subset: list) -> dict:
                "1:0.1 slow rank's batch: range": float(slow.max() - slow.min()),
                "1:0.1 slow rank's batch: largest jump": float(jumps.max()),
                "1:0.1 ... largest jump while it takes part": float(jumps[taking_part].max(initial=0))}
-    for code, cause in enumerate(Change.CAUSES[:4]):    # the re-plans of epochs 2-3 by cause
+    for code, cause in enumerate(Change.CAUSES):        # the re-plans of epochs 2-3 by cause (forced: none)
+        if cause == "forced":
+            continue
         figures[f"1:0.1 re-plans in epochs 2-3: {cause}"] = float((causes == code).sum())
     cost = probe_cost(d)
     if cost is not None:

@@ -46,6 +46,11 @@ NEAR = 3              # sets tried on either side of the continuous optimum's
 LEAVE_GAIN = 0.05     # a set without some ranks must be predicted this much faster than every rank
 
 
+def members(vector) -> tuple:
+    """The ranks that take part in `vector` (a hashable key of the set)."""
+    return tuple(int(r) for r in np.flatnonzero(np.asarray(vector) > 0))
+
+
 def check_participation(value: str) -> str:
     if value not in PARTICIPATION:
         raise AllocationError(f"participation: must be one of {', '.join(PARTICIPATION)}; got {value!r}")

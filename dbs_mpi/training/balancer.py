@@ -218,7 +218,7 @@ class Change:
     the estimate that caused it (this rank's planner's; NaN where a vector was forced)."""
     FIELDS = ("epoch", "step", "run_step", "decided", "batch_sizes", "per_sample", "overhead",
               "predicted_before", "predicted_after", "changed", "cause")
-    CAUSES = ("plan", "probe", "revert", "trial", "forced")   # cause: an index into these
+    CAUSES = ("plan", "probe", "revert", "trial", "forced", "lift")   # cause: an index into these
     epoch: int                  # 0-based
     step: int                   # the epoch's first step under the new vector (the epoch's length: the next epoch)
     run_step: int               # the same, counted over the run
@@ -229,7 +229,7 @@ class Change:
     predicted_before: float     # seconds per step the estimate predicted for the old vector
     predicted_after: float      # ... and for the new one
     changed: np.ndarray         # (R,) ranks whose speed changed (rather than drifted)
-    cause: int = 4              # why (CAUSES): a plan, a probe in the step, a revert or a trial (set_check.py), forced
+    cause: int = 4              # why (CAUSES): a plan, a probe in the step, a revert, a trial, forced, a lift
 
     @classmethod
     def of(cls, switch: dynamic.Switch, epoch: int, run_step: int, next_step: int) -> "Change":

@@ -189,7 +189,9 @@ SCHEMA_DATASETS = {
     "replan/cause": ("(V,) int", "code", "why: 0 a plan from the estimate, 1 a probe in the step (a rank held small "
                      "or sitting out given samples to measure it), 2 a revert (the set of ranks taking part measured "
                      "slower than the one before: back to the vector before), 3 a trial of the fastest ranks alone "
-                     "(ranks share a host), 4 forced (propose())"),
+                     "(ranks share a host), 4 forced (propose()), 5 a lift: a plan into a set whose coupling ban it ends "
+                     "(the set, priced with the coupling seen, predicted 10% faster; the estimate recorded is the "
+                     "per-rank one, unpriced)"),
     "checkpoint/seconds": ("(K,)", "s", "seconds rank 0 spent writing each checkpoint"),
     "checkpoint/position": ("(K, 2) int", "(epoch, step)", "where each checkpoint continues; asynchronous runs: "
                                                            "(epoch, samples of it already applied)"),

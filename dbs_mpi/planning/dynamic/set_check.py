@@ -66,7 +66,9 @@ from collections import deque
 
 import numpy as np
 
+from ..participation import members
 from .estimate import MAD_SIGMA, MEDIAN_SE, RECENT
+from .lift import Lifts
 
 
 MARGIN = 0.03         # a new set must be at least this much slower to be reverted ...
@@ -96,11 +98,6 @@ COUPLED = 1.25        # the fast ranks computed this much faster alone: coupling
 UNCHECKED = ("revert", "forced", "probe")   # changes of the set that are not checked
 
 
-def members(vector) -> tuple:
-    """The ranks that take part in `vector` (a hashable key of the set)."""
-    return tuple(int(r) for r in np.flatnonzero(np.asarray(vector) > 0))
-
-
 def apart(before, after) -> bool:
     """Whether EARLY or more step times of a new set (`after`) all lie EARLY_MARGIN beyond
     every one of the old set's RECENT (`before`), slower or faster: its check needs no more."""
@@ -127,6 +124,23 @@ def slower_beyond_noise(before, after) -> bool:
     return float(np.median(logs_a) - np.median(logs_b)) > max(math.log1p(MARGIN), CHECK_Z * math.sqrt(2) * se)
 
 
+def coupling_of(sets: "SetCheck", p: dict, rows: int = RECENT):
+    """(smaller set, larger set, k) of a set change `p` (SetCheck.pending): the ranks of the
+    smaller set computed k times faster per sample in it than beside the others (the
+    medians of RECENT steps of the old set, of the new set's last `rows`, those its check
+    read); None where neither set holds the other, or too few steps ran."""
+    old, new = members(p["old"]), tuple(p["new"])
+    if set(new) < set(old):                  # (a trial)
+        ranks, larger, alone, with_others = new, old, sets.per_rank(new, rows, p["at"]), p["per_rank"]
+    elif set(old) < set(new):                # ranks taken back
+        ranks, larger, alone, with_others = old, new, p["per_rank"], sets.per_rank(new, rows, p["at"])
+    else:
+        return None
+    if alone is None or with_others is None:
+        return None
+    return ranks, larger, float(np.median(with_others[list(ranks)] / np.maximum(alone[list(ranks)], 1e-12)))
+
+
 class SetCheck:
     """The measured step time of the sets the planner ran, the check after a set change,
     the bans, and the trials of the fastest ranks alone (see the module docstring)."""
@@ -139,8 +153,9 @@ class SetCheck:
         self.strikes: dict = {}    # set -> times it measured slower
         self.next_trial, self.trial_wait = TRIAL_FIRST, TRIAL_FIRST
         self.changed_at = -math.inf    # the planner step from which the last new vector applied
-        self.verdicts: list = []   # (step, set, "reverted" | "kept", before s, after s): for the records
+        self.verdicts: list = []   # (step, set, "reverted" | "kept" | "lifted", before s, after s): for the records
         self.start: StartBan | None = None    # a coupled start's ban of the larger set, until its steps decide it
+        self.lifts = Lifts()       # the coupling seen between sets, and the bans it lifted (lift.py)
 
     # --- measurement ---------------------------------------------------------------
     def observe(self, row, seconds, full: bool, step: int) -> None:
@@ -157,13 +172,15 @@ class SetCheck:
         not a change back after a check, a user's vector, or an in-step probe, which is
         meant to measure, slower or not)."""
         self.changed_at = int(step)
+        if cause == "lift":
+            self.lifts.take(self, members(new), int(step))
         if members(old) == members(new) or cause in UNCHECKED:
             self.pending = None if cause in UNCHECKED else self.pending
             return
         trial = cause == "trial"
         before = [t for s, t, _, _ in self.times if s == members(old)][-RECENT:]
         self.pending = {"old": np.asarray(old).copy(), "new": members(new), "before": before, "trial": trial,
-                        "at": int(step), "per_rank": self.per_rank(members(old))}
+                        "at": int(step), "per_rank": self.per_rank(members(old)), "lift": cause == "lift"}
 
     def start_alone(self, vector, larger, together, coupling) -> None:
         """The start-up began with the fastest ranks alone (`vector`), the calibration's plan
@@ -183,7 +200,8 @@ class SetCheck:
         self.next_trial = steps
 
     def banned_set(self, vector, step: int) -> bool:
-        return self.banned.get(members(vector), -1) > step
+        """Whether `vector`'s set is banned at planner step `step` (not where this plan offers to lift it)."""
+        return self.banned.get(members(vector), -1) > step and not self.lifts.offered(members(vector), step)
 
     # --- decisions -----------------------------------------------------------------
     def verdict(self, step: int):
@@ -194,7 +212,8 @@ class SetCheck:
         after = [t for s, t, _, at in self.times if s == p["new"] and at > p["at"]]   # its first step: new shapes
         early = len(after) < RECENT and apart(p["before"], after)
         if len(after) < RECENT and not early:
-            return None if step - p["at"] < 4 * RECENT else self._drop()
+            self.pending = None if step - p["at"] >= 4 * RECENT else p      # (too few steps: dropped)
+            return None
         self.pending = None
         after = after[-RECENT:]
         if len(p["before"]) < RECENT:
@@ -207,7 +226,8 @@ class SetCheck:
         if p["trial"]:
             self._after_trial(p, slower, step, len(after))
         elif slower:                      # a change that lost (a trial that lost is just undone)
-            self.ban(p["new"], step, TRIAL_BAN if self._coupled(p, len(after)) else BAN)
+            coupled = self._coupled(p, len(after))      # (a lifted set that lost: banned for good this time)
+            self.ban(p["new"], step, TRIAL_BAN if coupled else BAN, coupled and not p.get("lift"))
         self.verdicts.append((step, p["new"], "reverted" if slower else "kept", float(np.median(p["before"])),
                               float(np.median(after))))
         return p["old"] if slower else None
@@ -233,27 +253,17 @@ class SetCheck:
         coupled = self._coupled(p, rows)
         if not slower:
             if coupled:
-                self.ban(members(p["old"]), step, TRIAL_BAN)
+                self.ban(members(p["old"]), step, TRIAL_BAN, True)
             return
         self.trial_wait = min(2 * self.trial_wait, TRIAL_MAX)
         self.next_trial = p["at"] + self.trial_wait if coupled else math.inf
 
     def _coupled(self, p: dict, rows: int = RECENT) -> bool:
-        """Whether the ranks of the smaller of the two sets of a change computed at least
-        COUPLED times faster per sample in it than beside the others (the medians of
-        RECENT steps of the old set, of the new set's last `rows`, those its check read);
-        False where neither set holds the other."""
-        old, new = members(p["old"]), tuple(p["new"])
-        if set(new) < set(old):                  # (a trial)
-            ranks, alone, with_others = new, self.per_rank(new, rows, p["at"]), p["per_rank"]
-        elif set(old) < set(new):                # ranks taken back
-            ranks, alone, with_others = old, p["per_rank"], self.per_rank(new, rows, p["at"])
-        else:
-            return False
-        if alone is None or with_others is None:
-            return False
-        ranks = list(ranks)
-        return float(np.median(with_others[ranks] / np.maximum(alone[ranks], 1e-12))) >= COUPLED
+        """Whether the change `p` showed coupling (coupling_of; the factor goes to the lifts)."""
+        seen = coupling_of(self, p, rows)
+        if seen is not None:
+            self.lifts.saw(*seen)
+        return seen is not None and seen[2] >= COUPLED
 
     def per_rank(self, key, last: int = RECENT, since: float = -math.inf):
         """Every rank's median seconds per sample over the `last` full steps of set `key`
@@ -261,14 +271,12 @@ class SetCheck:
         rows = [secs for s, _, secs, at in self.times if s == key and at > since][-last:]
         return None if len(rows) < last else np.median(np.array(rows), axis=0)
 
-    def ban(self, key, step: int, first: int = BAN) -> None:
-        """Ban set `key` from `step` for `first` steps, doubled for every strike before (at most BAN_MAX)."""
+    def ban(self, key, step: int, first: int = BAN, liftable: bool = False) -> None:
+        """Ban set `key` from `step` for `first` steps, doubled for every strike before (at most BAN_MAX);
+        `liftable`: a coupling ban that lift.py may lift."""
         self.strikes[key] = self.strikes.get(key, 0) + 1
         self.banned[key] = step + min(first * 2 ** (self.strikes[key] - 1), BAN_MAX)
-
-    def _drop(self):
-        self.pending = None
-        return None
+        self.lifts.banned(key, self.banned[key], liftable)
 
     def state_dict(self) -> dict:
         p = self.pending
@@ -279,7 +287,7 @@ class SetCheck:
                 "times": [[list(s), t, secs.copy(), at] for s, t, secs, at in self.times],
                 "pending": None if p is None else {**p, "new": list(p["new"]), "before": list(p["before"])},
                 "verdicts": [[v[0], list(v[1]), v[2], v[3], v[4]] for v in self.verdicts],
-                "start": None if self.start is None else self.start.state_dict()}
+                "start": None if self.start is None else self.start.state_dict(), "lifts": self.lifts.state_dict()}
 
     @classmethod
     def from_state(cls, state: dict | None, hosts=None) -> "SetCheck":
@@ -295,6 +303,7 @@ class SetCheck:
             self.pending = None if p is None else {**p, "new": tuple(p["new"]), "old": np.asarray(p["old"])}
             self.verdicts = [(v[0], tuple(v[1]), v[2], v[3], v[4]) for v in state["verdicts"]]
             self.start = StartBan(*state["start"]) if state.get("start") else None    # (checkpoints before it: none)
+            self.lifts = Lifts.from_state(state.get("lifts"))       # (checkpoints before it: none)
         return self
 
 
@@ -333,7 +342,8 @@ class StartBan:
         beside = np.median(self.together[ranks] / m)
         alone = np.median(self.together[ranks] / self.coupling[ranks] / m)
         if beside >= COUPLED and 1 / COUPLED <= alone <= COUPLED:
-            sets.ban(self.larger, step, TRIAL_BAN)
+            sets.lifts.saw(self.alone, self.larger, beside)
+            sets.ban(self.larger, step, TRIAL_BAN, True)
             return True
         if sets.banned.get(self.larger) == START_WAIT:
             del sets.banned[self.larger]

@@ -86,7 +86,7 @@ class Proposal:
     predicted_before: float         # seconds: predicted step time (slowest rank) of the current vector
     predicted_after: float          # ... of the new one
     changed: np.ndarray             # (R,) bool: ranks whose speed changed (rather than drifted)
-    cause: str = "plan"             # plan | probe (in the step) | revert (a set measured slower) | trial (set_check.py)
+    cause: str = "plan"             # plan | probe (in the step) | revert | trial (set_check.py) | lift (lift.py)
 
 
 def set_proposal(sets: SetCheck, model: SpeedModel, step: int, current, global_batch: int, min_local: int,
@@ -145,11 +145,10 @@ class StepPlanner:
         self.step, self.since_plan, self.since_refit = self.step + 1, self.since_plan + 1, self.since_refit + 1
 
     def plan(self, current) -> Proposal | None:
-        """A better vector than `current` (the vector of the steps to come), or None. Every
-        `interval` steps the ranks' recent levels are checked (cheap); the whole window is
-        re-estimated when one moved, or at least every REFIT steps (drift). A rank held at a
-        small batch or sitting out is probed now and then (probe.py). A pending set check is
-        asked at every step, a move's hold and the interval notwithstanding (set_proposal)."""
+        """A better vector than `current` (the vector of the steps to come), or None. Every `interval` steps
+        the ranks' recent levels are checked (cheap); the whole window is re-estimated when one moved, or at
+        least every REFIT steps (drift). A rank held at a small batch or sitting out is probed now and then
+        (probe.py). A pending set check is asked at every step, a move's hold and the interval aside."""
         if self.step < self.hold_until or self.since_plan < self.interval:     # (only a pending set check)
             return None if self.sets.pending is None else self._checked(np.asarray(current, np.int64), False)
         self.since_plan = 0
@@ -183,7 +182,8 @@ class StepPlanner:
             return None
         self.hold_until = self.step + 1                    # until the announcement says when it applies
         return Proposal(candidate, model.per_sample.copy(), model.overhead.copy(), float(model.predict(current).max()),
-                        float(model.predict(candidate).max()), changed, "probe" if self.probed else "plan")
+                        float(model.predict(candidate).max()), changed,
+                        "probe" if self.probed else self.sets.lifts.cause(candidate, self.step))
 
     def _better(self, current: np.ndarray, model: SpeedModel, target: float, changed) -> np.ndarray | None:
         """The model's vector if its predicted step time is at most `target` (None if not, or if no
@@ -203,12 +203,14 @@ class StepPlanner:
         return candidate
 
     def _allocate(self, model: SpeedModel, current: np.ndarray, limit, changed) -> np.ndarray | None:
-        """The model's vector within `limit`, less the ranks cut_unmeasured() sends out where
-        the others can take their samples within it; a set banned lately is re-balanced
-        within the current one instead."""
+        """The model's vector within `limit`, less the ranks cut_unmeasured() sends out where the others
+        can take their samples within it; a set banned lately is re-balanced within the current one
+        instead, unless its ban is lifted (lift.py: the set, priced with the coupling seen, pays now)."""
         candidate = allocate_for(model, self.global_batch, self.min_local, limit, self.participation)
         if self.participation == "auto":
             candidate = cut_unmeasured(candidate, changed, self.estimator, model, self.min_local, limit)
+        candidate = self.sets.lifts.vector(self.sets, candidate, current, model, self.step, lambda price, within:
+                                           allocate_for(price, self.global_batch, self.min_local, limit, within=within))
         if not self.sets.banned_set(candidate, self.step):
             return candidate
         return None if self.sets.banned_set(current, self.step) else \
@@ -228,13 +230,12 @@ class StepPlanner:
         self.sets.resized()
 
     def scheduled(self, ahead: int, old=None, new=None, cause: str = "plan") -> None:
-        """A new vector applies `ahead` steps after the last step observed (0: from the next
-        one): plan again once RECENT steps have run with it, re-estimating often while the
-        window fills with them. Counted on the planner's own clock (steps observed), so a
-        planner built in the middle of a run (a resume on another number of ranks, a second
-        calibration) holds for as long as one built at the run's first step."""
+        """A new vector applies `ahead` steps after the last step observed (0: from the next one): plan
+        again once RECENT steps have run with it, re-estimating often while the window fills with them.
+        Counted on the planner's own clock (steps observed), so a planner built in the middle of a run
+        (a resume on another number of ranks, a second calibration) holds as long as one built at step 0."""
         first = self.step + int(ahead)
-        if cause not in ("plan", "probe"):        # a trial, a revert or a forced vector: no way back from a probe
+        if cause not in ("plan", "probe", "lift"):    # a trial, a revert or a forced vector: no way back from a probe
             self.probed, self.probe_from, self.move_from = False, None, None
         if old is not None:
             self.sets.switched(old, new, first, cause)
@@ -242,14 +243,13 @@ class StepPlanner:
         self.settle_until = first + self.estimator.window
 
     def state_dict(self) -> dict:
-        return {"estimator": self.estimator.state_dict(), "global_batch": self.global_batch,
-                "min_local": self.min_local, "max_local": self.max_local and int(self.max_local),
-                "interval": self.interval, "min_gain": self.min_gain, "step": self.step, "capped": self.capped,
-                "since_plan": self.since_plan, "since_refit": self.since_refit, "hold_until": self.hold_until,
-                "settle_until": self.settle_until, "probes": self.probes.state_dict(), "probed": self.probed,
-                "probe_from": None if self.probe_from is None else self.probe_from.copy(),
-                "move_from": None if self.move_from is None else self.move_from.copy(),
-                "participation": self.participation, "sets": self.sets.state_dict()}
+        return {"probe_from": None if self.probe_from is None else self.probe_from.copy(), "min_local": self.min_local,
+                "move_from": None if self.move_from is None else self.move_from.copy(), "sets": self.sets.state_dict(),
+                "max_local": self.max_local and int(self.max_local), "estimator": self.estimator.state_dict(),
+                "participation": self.participation, "probes": self.probes.state_dict(), "since_plan": self.since_plan,
+                "global_batch": self.global_batch, "settle_until": self.settle_until, "since_refit": self.since_refit,
+                "hold_until": self.hold_until, "interval": self.interval, "min_gain": self.min_gain, "step": self.step,
+                "capped": self.capped, "probed": self.probed}
 
     @classmethod
     def from_state(cls, state: dict) -> "StepPlanner":
