@@ -38,7 +38,7 @@ def test_a_run_resumed_on_another_number_of_ranks_follows_a_slow_down_and_its_en
     steps, vectors, decided = d["replan/run_step"], d["replan/batch_sizes"], d["replan/decided"]
     # Followed: a vector decided from step 60 on with rank 1's share below 70% of the last one
     # decided before (on CI's busy cores that one may already be uneven: [51, 13] was seen,
-    # and one decided at step 59 took rank 1's share down by a third, applying at step 60;
+    # and one decided before step 60 took rank 1's share down 30% or more, applying at step 60;
     # and busy cores compress the emulated 8x, so the first move may be short of it: [32,
     # 32] to [44, 20] at step 67, the next only at 91). A planner that compared the run's
     # step with its own count (as it once did) stopped planning: it never followed.
