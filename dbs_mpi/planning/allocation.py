@@ -234,6 +234,12 @@ class SpeedModel:
         per_sample = np.where(bad, tl / bl, (tl - overhead) / bl)
         return cls(per_sample=per_sample, overhead=overhead)
 
+    def scaled(self, scale) -> "SpeedModel":
+        """Every rank's step time `scale` times (a number, or one per rank): a rank's speed changed."""
+        scale = np.asarray(scale, float)
+        return SpeedModel(np.asarray(self.per_sample, float) * scale,
+                          np.asarray(self.overhead, float) * scale)
+
     @classmethod
     def measured(cls, samples, seconds) -> "SpeedModel":
         """The proportional model of one measurement: seconds / samples per sample, no fixed cost."""

@@ -102,7 +102,7 @@ def coupled_start(fit: SpeedModel, together, alone, global_batch: int, min_local
     if coupling_of(together, alone) < COUPLED:
         return None
     scale = np.where(timed, 1.0 / np.where(timed, coupling, 1.0), 1.0)
-    model = SpeedModel(np.asarray(fit.per_sample, float) * scale, np.asarray(fit.overhead, float) * scale)
+    model = fit.scaled(scale)
     every = allocate_for(fit, global_batch, min_local, max_local, "auto") if every is None else every
     fastest = allocate_for(model, global_batch, min_local, max_local, within=timed)
     if fastest is None or members(fastest) == members(every):

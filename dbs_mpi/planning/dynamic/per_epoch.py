@@ -77,7 +77,7 @@ class DBSController:
         ratio = np.where(np.isfinite(ratio) & (ratio > 0), ratio, 1.0)
         jump = np.abs(ratio - 1.0) >= self.follow
         scale = np.where(jump, ratio, 1.0 + self.smoothing * (ratio - 1.0))
-        self.model = SpeedModel(self.model.per_sample * scale, self.model.overhead * scale)
+        self.model = self.model.scaled(scale)
         current = np.asarray(current, dtype=np.int64)
         part = current > 0                       # the set it has: ranks that sit out stay out
         candidate = allocate_for(self.model, self.global_batch, self.min_local, self.max_local, within=part)

@@ -124,7 +124,7 @@ def slower_beyond_noise(before, after) -> bool:
     return float(np.median(logs_a) - np.median(logs_b)) > max(math.log1p(MARGIN), CHECK_Z * math.sqrt(2) * se)
 
 
-def coupling_of(sets: "SetCheck", p: dict, rows: int = RECENT):
+def measured_coupling(sets: "SetCheck", p: dict, rows: int = RECENT):
     """(smaller set, larger set, k) of a set change `p` (SetCheck.pending): the ranks of the
     smaller set computed k times faster per sample in it than beside the others (the
     medians of RECENT steps of the old set, of the new set's last `rows`, those its check
@@ -259,8 +259,8 @@ class SetCheck:
         self.next_trial = p["at"] + self.trial_wait if coupled else math.inf
 
     def _coupled(self, p: dict, rows: int = RECENT) -> bool:
-        """Whether the change `p` showed coupling (coupling_of; the factor goes to the lifts)."""
-        seen = coupling_of(self, p, rows)
+        """Whether the change `p` showed coupling (measured_coupling; the factor goes to the lifts)."""
+        seen = measured_coupling(self, p, rows)
         if seen is not None:
             self.lifts.saw(*seen)
         return seen is not None and seen[2] >= COUPLED

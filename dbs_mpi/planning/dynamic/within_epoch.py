@@ -243,13 +243,13 @@ class StepPlanner:
         self.settle_until = first + self.estimator.window
 
     def state_dict(self) -> dict:
-        return {"probe_from": None if self.probe_from is None else self.probe_from.copy(), "min_local": self.min_local,
-                "move_from": None if self.move_from is None else self.move_from.copy(), "sets": self.sets.state_dict(),
-                "max_local": self.max_local and int(self.max_local), "estimator": self.estimator.state_dict(),
-                "participation": self.participation, "probes": self.probes.state_dict(), "since_plan": self.since_plan,
-                "global_batch": self.global_batch, "settle_until": self.settle_until, "since_refit": self.since_refit,
-                "hold_until": self.hold_until, "interval": self.interval, "min_gain": self.min_gain, "step": self.step,
-                "capped": self.capped, "probed": self.probed}
+        return {"estimator": self.estimator.state_dict(), "global_batch": self.global_batch, "step": self.step,
+                "min_local": self.min_local, "max_local": self.max_local and int(self.max_local), "capped": self.capped,
+                "interval": self.interval, "min_gain": self.min_gain, "since_plan": self.since_plan,
+                "since_refit": self.since_refit, "hold_until": self.hold_until, "settle_until": self.settle_until,
+                "participation": self.participation, "probes": self.probes.state_dict(), "probed": self.probed,
+                "probe_from": None if self.probe_from is None else self.probe_from.copy(),
+                "move_from": None if self.move_from is None else self.move_from.copy(), "sets": self.sets.state_dict()}
 
     @classmethod
     def from_state(cls, state: dict) -> "StepPlanner":
