@@ -74,7 +74,7 @@ def test_a_probe_computes_as_training_does_under_autocast_and_in_channels_last_o
     p._probe(p.inputs, p.samples, 2)
     p.copy.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
     p._probe(p.inputs, p.samples, 2)
-    assert seen == [torch.bfloat16], seen                 # (size 2 is warm: one timed pass)
+    assert seen == [torch.bfloat16] * 2, seen             # (a warm-up pass, then the timed one)
     p.remember((torch.randn(16, 3, 8, 8),), {}, 16)         # a training forward without autocast
     p._probe(p.inputs, p.samples, 2)
     assert seen[-1] == torch.float32 and p.failed is None

@@ -19,8 +19,12 @@ time of the thread on a CPU rank: what the cores shared with other ranks lose; w
 time on a GPU), one at a time. Most probes are at `small` samples (the level, cheap);
 at most every LARGE_EVERY-th, and the one after a small probe twice as fast as the one
 before, at `large` (the slope, so that a rank taken back gets its whole share at once),
-cut to what the last small one says it takes (dynamic.own_probe_size). The
-first pass at a size is a warm-up and is not timed.
+cut to what the last small one says it takes (dynamic.own_probe_size). Every
+timed pass follows an untimed one at the same size, as a step follows the step before it:
+between probes the rank's core idles, and its first pass after a spell idle runs cold
+(64 samples of LeNet-5 on a rank whose steps wait 100 ms took 11-12 ms of CPU time, and
+7-8 ms after a pass; at 2 samples 2.3-2.8 ms against 1.6-1.9). Read cold, a rank that
+sits out looked 1.3-1.5x slower than it computes once taken back.
 
 Where it does not run (the planner then probes in the step, as before): a transport
 other than MPI on host memory or SyncBatchNorm (participants.py keeps every rank in the
@@ -97,7 +101,6 @@ class Prober:
         self.step_time, self.last_step = 0.0, 0.0    # the steps' mean interval on this rank; the last one's end
         self.last_small, self.since_large = None, LARGE_EVERY   # the last small probe's seconds; probes since a large
         self.sped_up = False                    # the last small probe ran twice as fast as the one before
-        self.warm: set[int] = set()             # sizes already run once
         self.failed: BaseException | None = None
         self.warned = False
         _LIVE.add(self)
@@ -185,17 +188,14 @@ class Prober:
         return self.inputs
 
     def _probe(self, inputs, samples: int, size: int) -> None:
-        """The thread: a warm-up pass at a new size, then the timed one."""
+        """The thread: a warm-up pass, then the timed one at the same size."""
         try:
             if self.copy is None:
                 self.copy = make_local(copy.deepcopy(self.model))
                 for p in self.copy.parameters():
                     p.grad = None
             args, kwargs = _slice(inputs[0], samples, size), _slice(inputs[1], samples, size)
-            used = 0.0
-            if size not in self.warm:
-                used += self._pass(args, kwargs)[1]
-                self.warm.add(size)
+            used = self._pass(args, kwargs)[1]
             start, cpu = time.perf_counter(), time.thread_time()
             self._pass(args, kwargs)
             wall, cpu = time.perf_counter() - start, time.thread_time() - cpu

@@ -295,7 +295,7 @@ class _SyncClock:
         """The probes ranks that sit out run on their own time (training/prober.py): a rank
         reports one at the first step after the last one ended, at the samples its prober
         would choose (OwnProbeSizes: its own compute at that batch, stretched as the
-        engine's); nobody waits for it."""
+        engine's), busy for twice its time (a warm-up pass runs first); nobody waits for it."""
         out = row == 0
         samples, seconds = np.zeros(len(row)), np.zeros(len(row))
         self.sizes.sat_out(out)
@@ -306,7 +306,7 @@ class _SyncClock:
         times = self.compute.pre(np.where(due, sizes, 0), factor, np.array([e.step_sleep for e in self.emus]))
         samples[due], seconds[due] = sizes[due], times[due]
         self.sizes.measured(due, sizes, times)
-        self.probe_end = np.where(due, self.trained + times, self.probe_end)
+        self.probe_end = np.where(due, self.trained + 2 * times, self.probe_end)
         return samples, seconds
 
     def _replan(self, table: np.ndarray, s: int, seconds: np.ndarray, job: Job) -> None:
