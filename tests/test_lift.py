@@ -8,7 +8,7 @@ import torch
 
 from dbs_mpi.planning import dynamic, participation
 from dbs_mpi.planning.allocation import SpeedModel
-from dbs_mpi.planning.dynamic import set_check
+from dbs_mpi.planning.dynamic import estimate, probe, set_check
 from dbs_mpi.training import checkpoint
 
 from test_set_check import own_time_probes, run
@@ -59,6 +59,69 @@ def test_a_rank_a_coupling_ban_left_out_is_back_within_5_steps_once_it_became_fa
     step_time = [max(t for t in seconds_of(s, row) if t) for s, row in enumerate(rows)]
     pair = 1e-3 + B / (1 / 2e-4 + 1 / 1e-4)
     assert np.median(step_time[back + 2 * set_check.RECENT:]) <= 1.1 * pair, switches
+
+
+def probes_with_large_ones(time_of):
+    """Rank 1's own-time probes as training/prober.py runs them while nothing sped up: 2
+    samples, and every LARGE_EVERY-th at 128."""
+    count = [0]
+
+    def probe_of(step):
+        count[0] += 1
+        size = 128 if count[0] % probe.LARGE_EVERY == 0 else 2
+        return size, time_of(1, size, step)
+    return probe_of
+
+
+@pytest.mark.parametrize("change", [150, 153, 157])
+def test_a_rank_whose_cost_a_sample_fell_is_back_once_a_large_probe_shows_it(change):
+    """Rank 1 costs 0.4 ms a sample beside a 4 ms fixed cost until `change`, then 0.1 ms:
+    its 2-sample probes move 12% (within the window's bound), and only its large probes,
+    every LARGE_EVERY-th, show the change. Before, the window followed once most large
+    probes in it were new, and the plan waited for its next re-estimate: rank 1 was back
+    41 steps later, or not in 120. Now the first large probe that ran RETURN times faster
+    than the model sets the line through it and the small one at once: back within
+    LARGE_EVERY + 5 steps, the coupling priced (a lift)."""
+    rng = np.random.default_rng(change)
+
+    def time_of(rank, b, step):
+        return (4e-3 + (4e-4 if step < change else 1e-4) * b) * rng.lognormal(0, 0.03) if b else 0.0
+
+    def seconds_of(step, row):
+        c0 = 1e-4 * (2 if row[1] > 0 else 1)
+        return [(1e-3 + c0 * row[0]) * rng.lognormal(0, 0.03) if row[0] else 0.0, time_of(1, row[1], step)]
+    rows, switches = run(replanner(), change + 60, seconds_of, [340, 172], probe_every=1,
+                         probe_of=probes_with_large_ones(time_of))
+    assert (rows[100:change, 1] == 0).all(), switches
+    back = next(step for step in range(change, len(rows)) if rows[step, 1] > 0)
+    assert back - change <= probe.LARGE_EVERY + 5, switches
+    assert [cause for step, _, cause in switches if step >= change][0] == "lift", switches
+
+
+def refits(scale: float, steps: int = 200) -> int:
+    """Re-estimates of a planner whose pair stays banned (rank 1 4x slower throughout,
+    its probes every step), the step times `scale` times the coupled pair's."""
+    seconds_of, time_of = coupled_pair(4, lambda step: 4.0)
+    planner = replanner()
+    update, count = planner.planner.estimator.update, [0]
+
+    def counted():
+        count[0] += 1 if planner.planner.step >= 100 else 0
+        return update()
+    planner.planner.estimator.update = counted
+    run(planner, steps, lambda step, row: [scale * t for t in seconds_of(step, row)], [340, 172], probe_every=1,
+        probe_of=lambda step: (2, scale * time_of(1, 2, step)))
+    assert planner.planner.sets.banned_set([256, 256], steps - 1), planner.planner.sets.banned
+    return count[0]
+
+
+def test_a_liftable_ban_is_watched_every_few_steps_at_a_bounded_cost():
+    """While a ban that may be lifted holds and the rank out reports probes, the model is
+    re-estimated every RECENT steps (the pair's steps take 50 ms), not every REFIT_STEADY
+    (a lift waited up to 32 steps for its plan); where the steps are 100x shorter, at most
+    every LIFT_EVERY seconds of steps (a re-estimate costs some 0.7 ms)."""
+    assert refits(1.0) >= 100 // (estimate.RECENT + 1)
+    assert refits(0.01) <= 100 // estimate.REFIT_STEADY + 1
 
 
 def test_a_coupling_ban_holds_while_the_speeds_behind_it_hold():

@@ -147,7 +147,7 @@ class StepPlanner:
     def plan(self, current) -> Proposal | None:
         """A better vector than `current` (the vector of the steps to come), or None. Every `interval` steps
         the ranks' recent levels are checked (cheap); the whole window is re-estimated when one moved, or at
-        least every REFIT steps (drift). A rank held at a small batch or sitting out is probed now and then
+        least every REFIT steps (drift; refit_due). A rank held at a small batch or sitting out is probed now and then
         (probe.py). A pending set check is asked at every step, a move's hold and the interval aside."""
         if self.step < self.hold_until or self.since_plan < self.interval:     # (only a pending set check)
             return None if self.sets.pending is None else self._checked(np.asarray(current, np.int64), False)
@@ -155,8 +155,7 @@ class StepPlanner:
         checked = self._checked(np.asarray(current, dtype=np.int64))
         if checked is not None or self.sets.pending is not None:      # a new set is measured first
             return checked
-        refit = REFIT if self.step < self.settle_until else REFIT_STEADY
-        if self.since_refit < refit and not self.estimator.moved() and not self.capped and not self.probed:
+        if not refit_due(self, current):
             return None
         self.since_refit = 0
         changed, model = self.estimator.update(), self.estimator.model    # (in this order: the model re-estimated)
@@ -267,6 +266,16 @@ class StepPlanner:
         self.probes = Probes.from_state(state.get("probes"), len(self.estimator.model.per_sample))
         self.sets = SetCheck.from_state(state.get("sets"))
         return self
+
+
+def refit_due(planner: StepPlanner, current) -> bool:
+    """Whether `planner` re-estimates its model at this plan: a rank's level moved, a move
+    was cut short or a probe ran, REFIT steps passed (REFIT_STEADY once settled), or a ban
+    may be lifted and the rank out reported a probe (lift.Lifts.due)."""
+    refit = REFIT if planner.step < planner.settle_until else REFIT_STEADY
+    return planner.since_refit >= refit or planner.estimator.moved() or planner.capped or planner.probed or \
+        planner.sets.lifts.due(planner.sets, current, planner.model, planner.step, planner.since_refit,
+                               planner.probes.own_time)
 
 
 def growth_limit(current: np.ndarray, estimator: StepTimeEstimator, global_batch: int, max_local, min_local: int = 1):
