@@ -703,3 +703,40 @@ def test_a_rank_heard_probing_itself_gets_no_in_step_probe_while_its_duty_spaces
             for step in range(10 + dynamic.PROBE_MAX, 10 + dynamic.PROBE_MAX + dynamic.PROBE_FIRST)]
     assert [v is not None for v in late] == [False] * (dynamic.PROBE_FIRST - 1) + [True], late
     assert late[-1].tolist() == [511, 1]
+
+
+def own_probes_read(probes, estimator, sizes, time_of):
+    """Rank 1's own-time probes at `sizes` (one a step; probe i timed by time_of(i, size))
+    through Probes.sped_up, each observed as the planner does; the steps at which it set the model."""
+    set_at = []
+    for i, size in enumerate(sizes):
+        batches, seconds, own = np.array([512, size]), np.array([0.05, time_of(i, size)]), np.array([False, True])
+        estimator.observe(batches, seconds, own)
+        if probes.sped_up(estimator, own, batches, seconds):
+            set_at.append(i)
+    return set_at
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_large_probe_twice_as_fast_sets_the_line_through_the_small_one_after_it(whole):
+    """Rank 1 out at 4 ms + 0.4 ms a sample; just before its large probe (128, the third),
+    its cost a sample falls to 0.1 ms, its fixed cost held (whole=False), or the whole
+    rank becomes 4x faster (whole=True). The line is set at once through the large probe
+    and the small one after it (the fourth), which both came after the change, never
+    through the small one before: where the whole rank sped up, that line held a stale
+    fixed cost and a slope 5x too low, which two fast small probes then scaled as it was."""
+    a, c = (1e-3, 1e-4) if whole else (4e-3, 1e-4)
+    estimator = StepTimeEstimator(model_of([1e-4, 4e-4], [1e-3, 4e-3]))
+    sizes = [2, 2, 128, 2, 2, 2]
+    set_at = own_probes_read(dynamic.Probes(2), estimator, sizes,
+                             lambda i, b: (4e-3 + 4e-4 * b) if i < 2 else a + c * b)
+    assert set_at[0] == 3, set_at
+    assert estimator.model.per_sample[1] == pytest.approx(c, rel=1e-6)
+    assert estimator.model.overhead[1] == pytest.approx(a, rel=1e-6)
+
+
+def test_a_large_probe_that_runs_as_its_model_sets_nothing():
+    """Probes that read as the model (within RETURN) leave it to the window's fit."""
+    estimator = StepTimeEstimator(model_of([1e-4, 4e-4], [1e-3, 4e-3]))
+    assert own_probes_read(dynamic.Probes(2), estimator, [2, 2, 128, 2, 2, 128, 2],
+                           lambda i, b: 0.7 * (4e-3 + 4e-4 * b)) == []

@@ -104,18 +104,22 @@ class Lifts:
 
     def due(self, sets, current, model: SpeedModel, step: int, since: int, own_time) -> bool:
         """Whether the model should be re-estimated now for a lift (the planner does so every
-        REFIT_STEADY steps otherwise): a rank that sits out reported a probe of its own time
-        (`own_time`: each rank's last, on the planner's clock) since the last re-estimate,
-        `since` steps ago, which was RECENT steps and LIFT_EVERY seconds of predicted steps
-        ago or more, and a ban in force may be lifted from the current set. (A re-estimate
-        costs some 0.7 ms: at most 1% of the steps.)"""
-        if not self.liftable or since < RECENT or not (np.asarray(own_time) >= step - since).any():
+        REFIT_STEADY steps otherwise): a ban in force may be lifted from the current set, a
+        rank that sits out reported a probe of its own time (`own_time`: each rank's last, on
+        the planner's clock) since the last re-estimate, `since` steps ago, and that was a
+        multiple of RECENT steps and at least LIFT_EVERY seconds of predicted steps ago. A
+        re-estimate costs some 0.7 ms, so at most 1% of the steps; the test is plain Python
+        up to its last line (numpy right after a backward costs tens of microseconds)."""
+        if since < RECENT or since % RECENT:
+            return False
+        live = [key for key, until in self.liftable.items() if until > step and sets.banned.get(key) == until]
+        if not live:
             return False
         now = members(current)
-        if since * float(model.predict(np.asarray(current)).max()) < LIFT_EVERY:
+        if not any((key, now) in self.seen or (now, key) in self.seen for key in live):
             return False
-        return any(sets.banned.get(key, -1) == until > step and ((key, now) in self.seen or (now, key) in self.seen)
-                   for key, until in self.liftable.items())
+        return bool((np.asarray(own_time) >= step - since).any()) and \
+            since * float(model.predict(np.asarray(current)).max()) >= LIFT_EVERY
 
     def cause(self, vector, step: int) -> str:
         """A plan's cause (replan/cause): "lift" where it goes into a set whose ban it offers to lift."""

@@ -25,8 +25,9 @@ sits out (participation.py: local batch 0) is not measured at all, so it is prob
 same way at min_local samples: if it became fast, the plan takes it back.
 Where the rank can probe itself on its own time instead (training/prober.py), its probes
 ride the steps (Probes.heard: no in-step probe for it), and two of them in a row RETURN
-times faster than its model scale the model at once (sped_up), as does a large one RETURN
-times faster after a small one that is not (its cost a sample fell: the line through them). Its prober spaces them
+times faster than its model scale the model at once (sped_up), as do a large one RETURN
+times faster and the small one after it that is not (its cost a sample fell: the line
+through them). Its prober spaces them
 by its duty (45-118 steps apart at 1:0.02 on synthetic data), so once heard, a rank
 counts as measuring itself for PROBE_MAX steps after its last probe; only then (its
 prober failed) does the in-step probe take over. With PROBE_FIRST there, a rank 50x
@@ -170,12 +171,14 @@ class Probes:
         line through them where their batches differ by SPREAD, else scaled by their ratio)
         and its window keeps only them (the window's rule needs three of five steps beyond
         the bound, and a slow rank's noisy steps before could fake a change of the wrong
-        size). Where only the larger of two such probes ran RETURN times faster, its cost a
-        sample fell and its fixed cost held (a neighbour's memory traffic ended, say): the
-        small probes, which are most of its window, barely move, and the window's fit
-        followed only once most large ones in it were new (31-41 steps on synthetic steps,
-        or never in 120), so the line through the two is its model at once. Returns whether
-        a rank's model was set."""
+        size). So it is where a large probe ran RETURN times faster and the small one after
+        it did not: its cost a sample fell and its fixed cost held (a neighbour's memory
+        traffic ended, say). Its small probes, most of its window, barely move, and the
+        window's fit followed only once most large ones in it were new (41 steps on
+        synthetic steps, or not in 120); the line through the two is its model at once.
+        (Not the small one before the large: where the whole rank sped up between the two,
+        that line would hold a stale fixed cost and a slope 5x too low.) Returns whether a
+        rank's model was set."""
         model, scaled = estimator.model, False
         for rank in np.flatnonzero(own_time):
             b, t = float(batches[rank]), float(seconds[rank])
@@ -185,8 +188,9 @@ class Probes:
                 continue
             (b0, t0, r0), (b1, t1, r1) = sorted(last)
             line = b1 >= SPREAD * b0 and t1 > t0
-            if max(r0, r1) <= 1.0 / RETURN or line and r1 <= 1.0 / RETURN:
-                rescale(estimator, int(rank), math.sqrt(r0 * r1) if max(r0, r1) <= 1.0 / RETURN else 1.0, keep=2)
+            fell = line and r1 <= 1.0 / RETURN and last[-1][0] == b0        # the large one, then a small one
+            if max(r0, r1) <= 1.0 / RETURN or fell:
+                rescale(estimator, int(rank), 1.0 if line else math.sqrt(r0 * r1), keep=2)
                 if line:                                  # the slope too: the line through the two
                     c = (t1 - t0) / (b1 - b0)
                     model.per_sample[rank], model.overhead[rank] = c, max(t0 - c * b0, 0.0)

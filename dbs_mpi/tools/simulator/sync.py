@@ -295,7 +295,8 @@ class _SyncClock:
         """The probes ranks that sit out run on their own time (training/prober.py): a rank
         reports one at the first step after the last one ended, at the samples its prober
         would choose (OwnProbeSizes: its own compute at that batch, stretched as the
-        engine's), busy for twice its time (a warm-up pass runs first); nobody waits for it."""
+        engine's), busy for twice its time (a warm-up pass runs first, as long on a real
+        device; the engine stretches only the timed pass to an emulated speed); nobody waits for it."""
         out = row == 0
         samples, seconds = np.zeros(len(row)), np.zeros(len(row))
         self.sizes.sat_out(out)
