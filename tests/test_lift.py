@@ -31,9 +31,9 @@ def coupled_pair(seed: int, rank1_factor):
     return seconds_of, time_of
 
 
-def replanner():
+def replanner(interval: int = 1):
     return dynamic.Replanner(0, 2, B, model=SpeedModel(np.array([2e-4, 4e-4]), np.array([1e-3, 4e-3])),
-                             hosts=["node", "node"])
+                             hosts=["node", "node"], interval=interval)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -80,7 +80,7 @@ def test_a_rank_whose_cost_a_sample_fell_is_back_once_a_large_probe_shows_it(cha
     every LARGE_EVERY-th, show the change. Before, the window followed once most large
     probes in it were new, and the plan waited for its next re-estimate: rank 1 was back
     41 steps later, or not in 120. Now the first large probe that ran RETURN times faster
-    than the model sets the line through it and the small one at once: back within
+    than the model sets the line through it and the small one after it at once: back within
     LARGE_EVERY + 5 steps, the coupling priced (a lift)."""
     rng = np.random.default_rng(change)
 
@@ -98,11 +98,12 @@ def test_a_rank_whose_cost_a_sample_fell_is_back_once_a_large_probe_shows_it(cha
     assert [cause for step, _, cause in switches if step >= change][0] == "lift", switches
 
 
-def refits(scale: float, steps: int = 200) -> int:
-    """Re-estimates of a planner whose pair stays banned (rank 1 4x slower throughout,
-    its probes every step), the step times `scale` times the coupled pair's."""
+def refits(scale: float, steps: int = 200, interval: int = 1) -> int:
+    """Re-estimates from step 100 of a planner whose pair stays banned (rank 1 4x slower
+    throughout, its probes every step), the step times `scale` times the coupled pair's,
+    planning every `interval` steps."""
     seconds_of, time_of = coupled_pair(4, lambda step: 4.0)
-    planner = replanner()
+    planner = replanner(interval)
     update, count = planner.planner.estimator.update, [0]
 
     def counted():
@@ -122,6 +123,15 @@ def test_a_liftable_ban_is_watched_every_few_steps_at_a_bounded_cost():
     every LIFT_EVERY seconds of steps (a re-estimate costs some 0.7 ms)."""
     assert refits(1.0) >= 100 // (estimate.RECENT + 1)
     assert refits(0.01) <= 100 // estimate.REFIT_STEADY + 1
+
+
+@pytest.mark.parametrize("interval", [4, 8])
+def test_a_liftable_ban_is_watched_as_often_where_the_planner_plans_every_few_steps(interval):
+    """With dbs_interval 4 or 8 the planner's steps since a re-estimate are multiples of
+    the interval: the watch still comes at the first plan RECENT steps or more after the
+    last re-estimate (every 8 steps for both), not only at multiples of both (20 steps for
+    4; for 8, not before REFIT_STEADY)."""
+    assert refits(1.0, interval=interval) >= 100 // (2 * max(interval, estimate.RECENT)) - 1
 
 
 def test_a_coupling_ban_holds_while_the_speeds_behind_it_hold():

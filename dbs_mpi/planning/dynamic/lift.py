@@ -102,15 +102,17 @@ class Lifts:
         self.offer = (key, step, before, after)
         return vector
 
-    def due(self, sets, current, model: SpeedModel, step: int, since: int, own_time) -> bool:
+    def due(self, sets, current, model: SpeedModel, step: int, since: int, own_time, interval: int = 1) -> bool:
         """Whether the model should be re-estimated now for a lift (the planner does so every
         REFIT_STEADY steps otherwise): a ban in force may be lifted from the current set, a
         rank that sits out reported a probe of its own time (`own_time`: each rank's last, on
-        the planner's clock) since the last re-estimate, `since` steps ago, and that was a
-        multiple of RECENT steps and at least LIFT_EVERY seconds of predicted steps ago. A
-        re-estimate costs some 0.7 ms, so at most 1% of the steps; the test is plain Python
-        up to its last line (numpy right after a backward costs tens of microseconds)."""
-        if since < RECENT or since % RECENT:
+        the planner's clock) since the last re-estimate, `since` steps ago, and that was
+        RECENT steps or more, at one of every RECENT (the planner plans every `interval`
+        steps: at one of its plans within each RECENT), and at least LIFT_EVERY seconds of
+        predicted steps ago. A re-estimate costs some 0.7 ms, so at most 1% of the steps;
+        the test is plain Python up to its last lines (numpy right after a backward costs
+        tens of microseconds)."""
+        if since < RECENT or since % RECENT >= interval:
             return False
         live = [key for key, until in self.liftable.items() if until > step and sets.banned.get(key) == until]
         if not live:

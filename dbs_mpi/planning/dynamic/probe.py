@@ -28,7 +28,7 @@ ride the steps (Probes.heard: no in-step probe for it), and two of them in a row
 times faster than its model scale the model at once (sped_up), as do a large one RETURN
 times faster and the small one after it that is not (its cost a sample fell: the line
 through them). Its prober spaces them
-by its duty (45-118 steps apart at 1:0.02 on synthetic data), so once heard, a rank
+(at 1:0.02 on synthetic data 45-118 steps apart on busy cores, 11-19 on idle ones), so once heard, a rank
 counts as measuring itself for PROBE_MAX steps after its last probe; only then (its
 prober failed) does the in-step probe take over. With PROBE_FIRST there, a rank 50x
 slower got an in-step probe, 9-15x the others' step for PROBE_STEPS steps, in every gap.
@@ -157,9 +157,13 @@ class Probes:
         self.ratios: dict = {}    # rank -> its last two own-time probes' ratios to its model
 
     def ran(self, batches, step: int) -> None:
-        """A step ran with `batches`: a rank whose batch was small (or 0) is in its spell."""
+        """A step ran with `batches`: a rank whose batch was small (or 0) is in its spell; a
+        rank that took part forgets its last own-time probe (its next spell out pairs none
+        of the last one's with its own)."""
         batches = np.asarray(batches)
         self.held_at = np.where(batches < PROBE_BELOW * batches.sum() / len(batches), step, self.held_at)
+        for rank in [rank for rank in self.ratios if batches[rank] > 0]:
+            del self.ratios[rank]
 
     def heard(self, ranks, step: int) -> None:
         """`ranks` (bool per rank) reported a probe run on their own time at `step`."""
@@ -172,7 +176,7 @@ class Probes:
         and its window keeps only them (the window's rule needs three of five steps beyond
         the bound, and a slow rank's noisy steps before could fake a change of the wrong
         size). So it is where a large probe ran RETURN times faster and the small one after
-        it did not: its cost a sample fell and its fixed cost held (a neighbour's memory
+        it did not (nor RETURN times slower): its cost a sample fell and its fixed cost held (a neighbour's memory
         traffic ended, say). Its small probes, most of its window, barely move, and the
         window's fit followed only once most large ones in it were new (41 steps on
         synthetic steps, or not in 120); the line through the two is its model at once.
@@ -188,7 +192,7 @@ class Probes:
                 continue
             (b0, t0, r0), (b1, t1, r1) = sorted(last)
             line = b1 >= SPREAD * b0 and t1 > t0
-            fell = line and r1 <= 1.0 / RETURN and last[-1][0] == b0        # the large one, then a small one
+            fell = line and r1 <= 1.0 / RETURN and r0 < RETURN and last[-1][0] == b0   # large, then small
             if max(r0, r1) <= 1.0 / RETURN or fell:
                 rescale(estimator, int(rank), 1.0 if line else math.sqrt(r0 * r1), keep=2)
                 if line:                                  # the slope too: the line through the two

@@ -275,7 +275,7 @@ def refit_due(planner: StepPlanner, current) -> bool:
     refit = REFIT if planner.step < planner.settle_until else REFIT_STEADY
     return planner.since_refit >= refit or planner.estimator.moved() or planner.capped or planner.probed or \
         planner.sets.lifts.due(planner.sets, current, planner.model, planner.step, planner.since_refit,
-                               planner.probes.own_time)
+                               planner.probes.own_time, planner.interval)
 
 
 def growth_limit(current: np.ndarray, estimator: StepTimeEstimator, global_batch: int, max_local, min_local: int = 1):
