@@ -74,6 +74,11 @@ class Lifts:
         else:
             self.liftable.pop(key, None)
 
+    def in_force(self, sets, key, step: int) -> bool:
+        """Whether set `key` is under a ban (`sets`: set_check.SetCheck) at planner step `step` that may be lifted."""
+        until = self.liftable.get(key)
+        return until is not None and until > step and sets.banned.get(key) == until
+
     def offered(self, key, step: int) -> bool:
         """Whether the plan at planner step `step` offers to lift the ban of set `key`."""
         return self.offer is not None and tuple(self.offer[0]) == tuple(key) and self.offer[1] == step
@@ -87,8 +92,7 @@ class Lifts:
         key, now = members(candidate), members(current)
         small, large = (key, now) if len(key) < len(now) else (now, key)
         factor, offered = self.seen.get((small, large)), self.offered(key, step)
-        if factor is None or key == now or not offered and (
-                not sets.banned_set(candidate, step) or self.liftable.get(key) != sets.banned.get(key)):
+        if factor is None or key == now or not offered and not self.in_force(sets, key, step):
             return candidate
         price = priced(model, small, factor if key == large else 1.0 / factor)
         vector = allocate(price, np.asarray(candidate) > 0)
@@ -114,7 +118,7 @@ class Lifts:
         tens of microseconds)."""
         if since < RECENT or since % RECENT >= interval:
             return False
-        live = [key for key, until in self.liftable.items() if until > step and sets.banned.get(key) == until]
+        live = [key for key in self.liftable if self.in_force(sets, key, step)]
         if not live:
             return False
         now = members(current)
