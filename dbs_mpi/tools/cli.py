@@ -79,9 +79,10 @@ def load_train_config(argv, rank: int):
     if not resume:
         return config_mod.load(config_file, args), None, None
     from ..training import checkpoint
+    from ..training.results import checkpoint_path
     given = config_mod.load_toml(config_file) if config_file else {}
     given.update({k: v for k, v in args.items() if v is not None})
-    ckpt_path = given.get("checkpoint") or str(checkpoint.default_path(resume))
+    ckpt_path = given.get("checkpoint") or str(checkpoint_path(resume))
     if rank != 0:
         return None, None, resume
     _check_resumed_file(resume, args.get("out"))                  # (the command line's: a config file's is the run's)
@@ -139,7 +140,7 @@ def check_before_torch(argv, world_size: int, rank: int = 0) -> None:
     number of ranks, an existing --out or checkpoint, and on rank 0, which writes them,
     their directories): bad input answered in a fraction of a second. A resumed run's
     configuration is the checkpoint's, checked once it is read."""
-    from ..training.results import check_new_checkpoint, check_new_file, check_writable
+    from ..training.results import check_new_checkpoint, check_new_file, check_writable, checkpoint_path
     args = vars(_train_parser().parse_args(argv))
     if args.pop("resume"):
         return
@@ -150,7 +151,7 @@ def check_before_torch(argv, world_size: int, rank: int = 0) -> None:
     if cfg.out and rank == 0:                # (rank 0 writes both: another node's disk may be another disk)
         check_writable(cfg.out, "out")
     if cfg.checkpoint or cfg.out:
-        check_new_checkpoint(cfg.checkpoint or f"{cfg.out}.ckpt", cfg.out, writable=rank == 0)
+        check_new_checkpoint(cfg.checkpoint or checkpoint_path(cfg.out), cfg.out, writable=rank == 0)
 
 
 def cmd_train(comm, argv) -> int:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..options import UserError
+from ..training.results import checkpoint_path
 from . import config as config_mod
 
 DEFAULT_GRID = "jobs/experiments.toml"
@@ -284,7 +285,7 @@ def run_grid(runs: list[Run], out, scale: str, mpiexec: str | None = None, data_
     with contextlib.nullcontext() if dry_run else _lock(out):
         for i, run in enumerate(runs):
             path = out / f"{run.name}.h5"
-            ckpt = Path(str(path) + ".ckpt")
+            ckpt = checkpoint_path(path)
             status = file_status(path)
             prefix = f"[{i + 1}/{len(runs)}] {run.name}"
             if status == "complete":

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..options import UserError
-from ..training.results import STATUS_COMPLETE, read_run
+from ..training.results import STATUS_COMPLETE, checkpoint_path, read_run
 from .config import field_value, load_toml
 
 
@@ -55,7 +55,7 @@ def _attrs(path: Path) -> dict:
 
 
 def _checkpoint(path: Path) -> bool:
-    return Path(str(path) + ".ckpt").is_file()
+    return checkpoint_path(path).is_file()
 
 
 def _continue(path: Path, attrs: dict, why: str) -> Plan:

@@ -37,7 +37,7 @@ from ..training.checkpoint import EXIT_STOPPED, StopRequest, Stopped
 from ..training.evaluation import evaluate
 from ..training.named_optimizers import make_optimizer
 from ..training.optimizer import DistributedOptimizer
-from ..training.results import Recorder, default_path, read_run
+from ..training.results import Recorder, checkpoint_path, default_path, read_run
 from ..training.sample_dropout import convert_dropout
 from . import plugins
 from .config import ASYNC_STRATEGIES, Config, check_world
@@ -266,7 +266,7 @@ def train(comm, cfg: Config, out: str | None = None, log=None, checkpoint_state:
     oversubscribed = placement.oversubscribed(places)
     run.sleep_wait = placement.sleep_while_waiting(cfg.wait_policy, places)
     run.log, run.state = log, checkpoint_state
-    run.checkpoint_path = cfg.checkpoint or str(checkpoint.default_path(out))
+    run.checkpoint_path = cfg.checkpoint or str(checkpoint_path(out))
     run.summary = RunSummary(path=out if rank == 0 else None, model=run.model, oversubscribed=oversubscribed)
     # Stop requests are honoured from here on: before the result file exists on rank 0,
     # every rank has its handlers (the file is created inside a collective).

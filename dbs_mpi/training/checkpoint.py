@@ -57,10 +57,6 @@ class Stopped(Exception):
         return self.signum == signal.SIGTERM
 
 
-def default_path(out) -> Path:
-    return Path(str(out) + ".ckpt")
-
-
 def to_safe(obj, where: str = "state"):
     """obj with numpy arrays as tensors and numpy scalars as Python numbers; TypeError
     (naming where it was) for anything that torch.load(weights_only=True) would refuse."""

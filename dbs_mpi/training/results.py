@@ -280,6 +280,12 @@ def check_new_file(path) -> None:
         raise UserError(f"out: {path} exists already; choose another --out or remove it")
 
 
+def checkpoint_path(out) -> Path:
+    """The checkpoint file of the run whose result file is `out`, where --checkpoint names
+    none: <out>.ckpt, beside it."""
+    return Path(str(out) + ".ckpt")
+
+
 def check_new_checkpoint(path, out, writable: bool = True) -> None:
     """A new run's checkpoint file (`--checkpoint`, or <out>.ckpt): not its result file
     `out`, not a file that exists (nothing already written is overwritten, an earlier
