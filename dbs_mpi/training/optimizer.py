@@ -138,6 +138,7 @@ class StepPlan:
     loads: int
     row: np.ndarray             # the step's local batches, every rank's
     local: int                  # this rank's
+    total: int                  # the step's global batch
     weight: float               # this rank's share of the step's gradient (step_weight)
     route: object               # where its buckets are summed (participants.py; None: out of the sum)
 
@@ -146,33 +147,37 @@ class StepPlan:
         """The balancer's step now (raises, saying what to do, when no epoch is open); its
         route from the participants (collective where the group changes)."""
         row = balancer.step_batch_sizes()
-        return cls(balancer.open_epoch, balancer.step, balancer.loads, row, int(row[balancer.rank]),
-                   step_weight(row, balancer.rank, aggregation), participants.plan(row))
+        sizes = row.tolist()
+        return cls(balancer.open_epoch, balancer.step, balancer.loads, row, sizes[balancer.rank], sum(sizes),
+                   step_weight(sizes, balancer.rank, aggregation), participants.plan(row))
 
 
 def step_weight(row, rank: int, aggregation: str = "weighted") -> float:
-    """This rank's share of a step's global gradient, from the step's local batches."""
-    local = int(row[rank])
+    """This rank's share of a step's global gradient, from the step's local batches. In
+    plain Python: a numpy reduction in every step cost 25-30 us of a step's host time,
+    its code cold after the step's kernels (scripts/step-profile.py)."""
+    sizes = row.tolist() if isinstance(row, np.ndarray) else list(row)
+    local = int(sizes[rank])
     if local == 0:
         return 0.0
     if aggregation == "mean":
-        return 1.0 / int(np.count_nonzero(row))
-    return local / float(np.sum(row))
+        return 1.0 / sum(1 for b in sizes if b)
+    return local / float(sum(sizes))
 
 
 def _number(loss) -> float:
     return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
 
 
-def _loss_share(loss, local: int, row, device=None):
-    """This rank's part of the global mean loss, loss_i b_i / B: a number, or, with the
-    device of a clock that reads late and a tensor loss, a 0-dim tensor there (nothing
-    waits for the loss)."""
+def _loss_share(loss, local: int, total: int, device=None):
+    """This rank's part of the global mean loss, loss_i b_i / B (B: `total`): a number,
+    or, with the device of a clock that reads late and a tensor loss, a 0-dim tensor there
+    (nothing waits for the loss)."""
     if device is not None and isinstance(loss, torch.Tensor):
         if not local:
             return torch.zeros((), dtype=torch.float32, device=device)
-        return loss.detach().float().reshape(()) * (local / float(np.sum(row)))
-    return _number(loss) * local / float(np.sum(row)) if loss is not None and local else 0.0
+        return loss.detach().float().reshape(()) * (local / float(total))
+    return _number(loss) * local / float(total) if loss is not None and local else 0.0
 
 
 def batch_length(args, kwargs) -> int | None:
@@ -546,7 +551,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         began, cpu, in_sync = self._clock.compute(plan.local > 0)     # less SyncBatchNorm's waits (StepClock)
         self.balancer.stretch(start - began - in_sync, cpu, plan.row)    # nothing where the clock reads late
         pre_end = time.perf_counter()
-        share = _loss_share(loss, plan.local, plan.row, self.device if self._clock.late is not None else None)
+        share = _loss_share(loss, plan.local, plan.total, self.device if self._clock.late is not None else None)
         probe = self._prober and self._prober.take()     # a rank that sits out: its probe on its own time
         telemetry = self.balancer.telemetry(pre_end - began - in_sync, probe)   # dbs: every rank's step time
         rides = self.exchange.agreed == "host"      # a StopRequest's flag rides the same collective
