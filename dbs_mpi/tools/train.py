@@ -409,7 +409,8 @@ class SyncTrainer:
             lr = optimizer.param_groups[0]["lr"] * optimizer.balancer.lr_factor     # (the step's, as applied)
             precision.step(optimizer, loss)
             self.last_lr = lr
-            schedule.step_to(self.scheduler, optimizer.balancer.schedule_position(self.steps_per_epoch))
+            if self.scheduler is not None:    # (its position costs the step two numpy sums: none without one)
+                schedule.step_to(self.scheduler, optimizer.balancer.schedule_position(self.steps_per_epoch))
             signal = stop.agreed()
             if signal:
                 return signal
