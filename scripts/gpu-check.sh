@@ -6,7 +6,8 @@
 # puts first what the open GPU work needs most, for a lease of about 10 minutes:
 #
 #   facts     the GPU, torch, CUDA, MPI
-#   overhead  one GPU rank against a plain loop, the data on the device (5 repeats)
+#   overhead  one GPU rank against a plain loop, the data on the device (5 repeats), and where
+#             its step's host time goes, part by part (scripts/step-profile.py)
 #   mixed     a GPU rank beside CPU ranks against the GPU alone (scripts/gpu-mixed.py)
 #   tests     the CUDA tests at 1 rank, then at 1 and 2 MPI ranks
 #   recipe    ResNet-20's samples/s at each step of the recipe (scripts/gpu-recipe.py)
@@ -117,8 +118,10 @@ overhead() {    # overhead WHERE REPEATS LIMIT LIMIT: one GPU rank against a pla
         --local-batch 256 --steps 50 --repeats "$repeats" --data-on-device "$where" --out-dir "$bench/data-$where"
 }
 
-check_overhead() {    # the data on the device, 5 repeats (the issue's median)
+check_overhead() {    # the data on the device, 5 repeats (the issue's median); where the step's host time goes
     overhead on 5 120 150
+    step step-profile-lenet5 90 "$py" scripts/step-profile.py --device cuda --model lenet5 --local-batch 512 \
+        --steps 100 --data-on-device on --torch-profiler
 }
 
 check_mixed() {    # 1 GPU + 7 CPU ranks (LeNet-5, ResNet-20), 1 GPU + 1 CPU rank, and the GPU slowed until mixing pays
