@@ -137,6 +137,7 @@ class StepPlan:
     step: int
     loads: int
     row: np.ndarray             # the step's local batches, every rank's
+    sizes: list                 # the same as Python ints (the step's checks: plain Python, see step_weight)
     local: int                  # this rank's
     total: int                  # the step's global batch
     weight: float               # this rank's share of the step's gradient (step_weight)
@@ -148,8 +149,8 @@ class StepPlan:
         route from the participants (collective where the group changes)."""
         row = balancer.step_batch_sizes()
         sizes = row.tolist()
-        return cls(balancer.open_epoch, balancer.step, balancer.loads, row, sizes[balancer.rank], sum(sizes),
-                   step_weight(sizes, balancer.rank, aggregation), participants.plan(row))
+        return cls(balancer.open_epoch, balancer.step, balancer.loads, row, sizes, sizes[balancer.rank], sum(sizes),
+                   step_weight(sizes, balancer.rank, aggregation), participants.plan(sizes))
 
 
 def step_weight(row, rank: int, aggregation: str = "weighted") -> float:
@@ -267,7 +268,7 @@ class StepChecks:
 
     def batchnorm(self, row, rank: int) -> None:
         """Warn once, on rank 0 (once a job), if plain BatchNorm layers see uneven local batches."""
-        if self.warned_batchnorm or not self.plain_batchnorm or np.min(row) == np.max(row):
+        if self.warned_batchnorm or not self.plain_batchnorm or min(row) == max(row):
             return
         self.warned_batchnorm = True
         names = self.plain_batchnorm
@@ -544,7 +545,7 @@ class DistributedOptimizer(_WrappedOptimizer):
             plan = self._steps.current()
             self.checks.same_step(plan, self.balancer)
             self.checks.samples_match(self.balancer.rank, plan.local, plan.row, self.balancer)
-            self.checks.batchnorm(plan.row, self.balancer.rank)
+            self.checks.batchnorm(plan.sizes, self.balancer.rank)
         except Exception:
             self._new_step(self._clock.last_end)    # a refused step leaves nothing behind for the next one
             raise
@@ -580,7 +581,7 @@ class DistributedOptimizer(_WrappedOptimizer):
         start = time.perf_counter()
         if self._part.updates(grad_scaler) and not skip_update(self, grad_scaler, self.exchange):
             scaled_step(self.optimizer, self.balancer.lr_factor)     # global_batch="auto": lr x gain
-        self._part.updated(self.balancer, self._buffers, self._steps.plan.row)   # buffers; stale ranks; the epoch's end
+        self._part.updated(self.balancer, self._buffers, self._steps.plan.sizes)   # buffers; stale ranks; the epoch's end
         self.exchange.flat.zero_()          # the gradients are applied: the next step starts from zero
         self._clock.record(self.balancer, start, self._times, self._loss, self._telemetry)
         global_loss = self._loss

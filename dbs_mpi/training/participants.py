@@ -63,9 +63,9 @@ class Participants:
     def group_of(self, row) -> tuple:
         """Rank 0 and the ranks with samples; an epoch's partial last step (fewer samples
         than the global batch) keeps the group it comes after, with these added."""
-        if not self.enabled or (self.group == self.everyone and np.all(row)):    # (the common step: at once)
+        if not self.enabled or (self.group == self.everyone and all(row)):    # (the common step: at once)
             return self.everyone
-        keep = self.group if int(np.sum(row)) < self.balancer.global_batch else ()
+        keep = self.group if int(sum(row)) < self.balancer.global_batch else ()
         return tuple(r for r in self.everyone if r == 0 or row[r] > 0 or r in keep)
 
     def plan(self, row) -> Route | None:
@@ -112,8 +112,8 @@ class Participants:
         see one model); one that takes part in the next step catches up when that step is
         planned (the optimizer plans it right after this one)."""
         if buffers:
-            computed = np.flatnonzero(row)
-            broadcast_flat(buffers, self.comm, int(computed[0]) if len(computed) else 0, self.timeout)
+            first = next((rank for rank, local in enumerate(row) if local), 0)
+            broadcast_flat(buffers, self.comm, int(first), self.timeout)
         if self.group == self.everyone:
             return
         self.stale.update(r for r in self.everyone if r not in self.group)
