@@ -289,6 +289,7 @@ LAZY = {
     "tools.data": "`dbs-mpi data` and the simulator (the datasets' sizes) need no torch; loading a dataset does",
     "tools.simulator.calibration": "a simulation needs no torch; `simulate calibrate` runs the engine (tools.train)",
     "parameter_server.__init__": "the simulator reads the Cursor and the group rule; the server's modules load torch",
+    "tools.experiments": "listing a grid loads no numpy or h5py; running one reads result files and checkpoints",
 }
 
 

@@ -253,7 +253,7 @@ class Local:
 
     def set_tail(self, value: float, extra=None) -> None:
         """Nothing to sum: a number and the extra slots are held as they are, not written
-        into the buffer and read back (some 20 us of the step's host time); a loss on the
+        into the buffer and read back (some 10 us of the step's host time); a loss on the
         device is written there, where it is read (exchange._tail_sums)."""
         if isinstance(value, torch.Tensor):
             self.held = None

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..options import UserError
-from ..training.results import checkpoint_path
 from . import config as config_mod
 
 DEFAULT_GRID = "jobs/experiments.toml"
@@ -279,6 +278,7 @@ def run_grid(runs: list[Run], out, scale: str, mpiexec: str | None = None, data_
              dry_run: bool = False, log=print) -> dict:
     """Launch every run not complete yet, in order. Returns {name: outcome}, outcome one of
     complete, skipped, failed, timeout (dry_run: would-run, would-resume, skipped)."""
+    from ..training.results import checkpoint_path      # (here: listing a grid imports no numpy)
     out = Path(out)
     mpiexec = mpiexec or default_mpiexec()
     outcomes = {}
