@@ -2,15 +2,15 @@
 against what a plain PyTorch loop also does (docs/performance.md, "Where a step's host
 time goes").
 
-    python scripts/step-profile.py [--model lenet5] [--local-batch 64] [--steps 200] [--device cpu]
-                                   [--data-on-device auto] [--amp none] [--torch-profiler]
+    python scripts/step-profile.py [--model lenet5] [--synthetic-shape 1,28,28] [--local-batch 64]
+                                   [--steps 200] [--device cpu] [--data-on-device auto] [--torch-profiler]
 
-One rank, no mpirun needed; `strategy ssgd` on synthetic data (or `--dataset`). Runs of
-`dbs-mpi train` in this process, 2 epochs each (the first a warm-up), and of the plain
-loop that `dbs-mpi bench overhead` compares against (the same model, batches, optimizer
-and device). Printed, each of the second epoch:
+One rank, no mpirun needed; `strategy ssgd` on synthetic data, float32. Runs of `dbs-mpi
+train` in this process, 2 epochs each (the first a warm-up), and of the plain loop that
+`dbs-mpi bench overhead` compares against (the same model, batches, optimizer, device and
+seed). Printed, each of the second epoch:
 
-1. the step as it is (`epoch/duration` over the steps) against the plain loop's step,
+1. the step as it is (the epoch's duration over its steps) against the plain loop's step,
    `--repeats` of each in alternating order, medians;
 2. the exclusive host time a step of each part of the step (the time in it less that in
    the timed parts it calls), timers put around each. "torch" parts a plain loop does too
@@ -198,14 +198,13 @@ def timed_parts(timers: Timers):
 
 
 def config(a):
+    """One rank's `ssgd` run on synthetic data, `steps` batches an epoch, in float32 and the
+    default memory format: what the plain loop does (it has no mixed precision)."""
     from dbs_mpi.tools.config import load
-    samples = a.steps * a.local_batch
-    data = dict(synthetic_shape=a.synthetic_shape, synthetic_samples=samples) if a.dataset == "synthetic" else \
-        dict(subset=samples, data_dir=a.data_dir)
-    return load(None, dict(model=a.model, dataset=a.dataset, global_batch=a.local_batch, strategy="ssgd", epochs=2,
-                           test_subset=200, progress=False, threads=a.threads, device=a.device,
-                           data_on_device=a.data_on_device, amp=a.amp, channels_last=a.channels_last,
-                           checkpoint_every=0, **data))
+    return load(None, dict(model=a.model, dataset="synthetic", synthetic_shape=a.synthetic_shape,
+                           synthetic_samples=a.steps * a.local_batch, global_batch=a.local_batch, strategy="ssgd",
+                           epochs=2, test_subset=200, progress=False, threads=a.threads, device=a.device,
+                           data_on_device=a.data_on_device, checkpoint_every=0))
 
 
 def train_step(comm, cfg, path: Path, steps: int) -> float:
@@ -230,7 +229,7 @@ def side_by_side(comm, cfg, folder: Path, steps: int, repeats: int) -> str:
     for repeat in range(repeats):
         for which in ("dbs-mpi", "plain") if repeat % 2 == 0 else ("plain", "dbs-mpi"):
             times[which].append(train_step(comm, cfg, folder / f"as-it-is-{repeat}.h5", steps) if which == "dbs-mpi"
-                                else plain_step(comm, cfg.replace(seed=repeat), steps))
+                                else plain_step(comm, cfg, steps))
     step, plain = (statistics.median(times[which]) for which in ("dbs-mpi", "plain"))
     ratios = ", ".join(f"{a / b:.3f}" for a, b in zip(times["dbs-mpi"], times["plain"]))
     return (f"the step, median of {repeats}: dbs-mpi {1e3 * step:.3f} ms, the plain loop {1e3 * plain:.3f} ms: "
@@ -278,15 +277,11 @@ def operators(comm, cfg, path: Path, steps: int) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="lenet5")
-    p.add_argument("--dataset", default="synthetic")
     p.add_argument("--synthetic-shape", default="1,28,28")
-    p.add_argument("--data-dir", default="")
     p.add_argument("--local-batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=200, help="steps an epoch")
     p.add_argument("--device", default="cpu")
     p.add_argument("--data-on-device", default="auto")
-    p.add_argument("--amp", default="none")
-    p.add_argument("--channels-last", action="store_true")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="runs of the step as it is and of the plain loop")
     p.add_argument("--torch-profiler", action="store_true", help="also torch.profiler's operator table")
