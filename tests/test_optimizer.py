@@ -94,6 +94,47 @@ def test_step_keeps_grad_mode_hooks_and_closure():
     assert calls == ["pre", "post"] * 2
 
 
+
+def _fused_or_not(cls, params, **kwargs):
+    """torch's class with fused=True where this torch builds it for these parameters, else plain."""
+    params = list(params)
+    try:
+        return cls(params, fused=True, **kwargs), True
+    except (TypeError, RuntimeError):
+        return cls(params, **kwargs), False
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name, theirs", [("sgd", torch.optim.SGD), ("adam", torch.optim.Adam),
+                                          ("adamw", torch.optim.AdamW)])
+def test_the_command_lines_optimizers_are_fused_where_torch_has_it(name, theirs, device):
+    """make_optimizer takes torch's one-kernel update where this torch has it for the device
+    (the CPU from torch 2.4, CUDA), and updates as torch's fused class does, to the bit."""
+    from types import SimpleNamespace
+    cfg = SimpleNamespace(lr=0.05, momentum=0.9, weight_decay=1e-3)
+    kwargs = dict(lr=0.05, weight_decay=1e-3, **({"momentum": 0.9} if name == "sgd" else {}))
+    a, b = _model(device=device), _model(device=device)
+    opt_a = optim.make_optimizer(name, a.parameters(), cfg)    # (a generator, as train passes it)
+    opt_b, is_fused = _fused_or_not(theirs, b.parameters(), **kwargs)
+    assert bool(opt_a.param_groups[0].get("fused")) == is_fused
+    _train(a, opt_a, 5)
+    _train(b, opt_b, 5)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_without_a_fused_kernel_the_optimizer_is_torchs_default():
+    class NoFused(torch.optim.SGD):           # as an older torch's SGD: no fused argument
+        def __init__(self, params, lr, fused=None):
+            if fused is not None:
+                raise TypeError("SGD.__init__() got an unexpected keyword argument 'fused'")
+            super().__init__(params, lr=lr)
+    model = _model()
+    opt = optim.fused(NoFused, model.parameters(), lr=0.1)    # the generator survives the first try
+    assert isinstance(opt, NoFused) and not opt.param_groups[0].get("fused")
+    assert len(opt.param_groups[0]["params"]) == len(list(model.parameters()))
+
+
 PROBE = """
 import sys, torch
 from dbs_mpi.training.named_optimizers import make_optimizer

@@ -61,7 +61,7 @@ class Config:
     data_dir: str = ""               # folder holding <dataset>/ files; "" = $DBS_MPI_DATA_DIR, else ./data
     model: str = "lenet5"            # lenet5 | mlp | resnet20 | cifar-cnn | MODULE:CALLABLE or file.py:CALLABLE (a factory taking sample_shape and/or num_classes, returning an nn.Module)
     loss: str = ""                   # "" = cross-entropy | MODULE:CALLABLE: loss(output, target) -> mean over the batch (a class is instantiated)
-    optimizer: str = "sgd"           # sgd (lr, momentum, weight_decay) | adam | adamw (lr, weight_decay)
+    optimizer: str = "sgd"           # sgd (lr, momentum, weight_decay) | adam | adamw (lr, weight_decay); torch's fused update where it has one for the device
     num_classes: int = 0             # plug-in datasets: number of classes; 0 = the dataset's num_classes or len(classes)
     loader: str = "auto"             # auto: built-in datasets (and a plug-in's TensorDataset put on the device, data_on_device) are indexed in memory (fast path), other plug-ins go through torch's DataLoader | dataloader: always DataLoader
     data_on_device: str = "auto"     # the in-memory training and test sets in each GPU rank's memory, batches indexed and augmented there: auto (where the copies of every rank on the GPU fit in a quarter of its free memory) | on (up to half; refused where it does not fit or is not in memory) | off (gathered on the host and copied every step); with loader = dataloader: off

@@ -10,6 +10,7 @@ from ...mpi.collectives import barrier
 from ...planning import allocation, sharding
 from ...training import device_data
 from ...training.batches import host_to
+from ...training.named_optimizers import make_optimizer
 from ..models import build_model
 
 
@@ -25,7 +26,7 @@ def _plain_epoch(comm, cfg, train_set, wrap=None, warmup: int = 5) -> float:
     model = build_model(cfg.model, train_set.sample_shape, train_set.num_classes).to(device)
     if wrap is not None:
         model = wrap(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(cfg.optimizer, model.parameters(), cfg)     # (train's: fused where torch has it)
     vector = allocation.equal(cfg.global_batch, comm.Get_size())
     shard = sharding.epoch_shard(len(train_set), 0, cfg.seed, cfg.global_batch, vector, comm.Get_rank())
 
