@@ -95,43 +95,65 @@ def test_step_keeps_grad_mode_hooks_and_closure():
 
 
 
-def _fused_or_not(cls, params, **kwargs):
-    """torch's class with fused=True where this torch builds it for these parameters, else plain."""
-    params = list(params)
-    try:
-        return cls(params, fused=True, **kwargs), True
-    except (TypeError, RuntimeError):
-        return cls(params, **kwargs), False
+FUSED = optim._torch_version() >= optim.FUSED_FROM     # (this torch has fused SGD, Adam, AdamW on CPU and CUDA)
+
+
+def _cfg():
+    from types import SimpleNamespace
+    return SimpleNamespace(lr=0.05, momentum=0.9, weight_decay=1e-3)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name, theirs", [("sgd", torch.optim.SGD), ("adam", torch.optim.Adam),
                                           ("adamw", torch.optim.AdamW)])
 def test_the_command_lines_optimizers_are_fused_where_torch_has_it(name, theirs, device):
-    """make_optimizer takes torch's one-kernel update where this torch has it for the device
-    (the CPU from torch 2.4, CUDA), and updates as torch's fused class does, to the bit."""
-    from types import SimpleNamespace
-    cfg = SimpleNamespace(lr=0.05, momentum=0.9, weight_decay=1e-3)
+    """make_optimizer takes torch's one-kernel update from torch 2.4 on (CPU and CUDA), and
+    updates as torch's fused class does, to the bit."""
     kwargs = dict(lr=0.05, weight_decay=1e-3, **({"momentum": 0.9} if name == "sgd" else {}))
     a, b = _model(device=device), _model(device=device)
-    opt_a = optim.make_optimizer(name, a.parameters(), cfg)    # (a generator, as train passes it)
-    opt_b, is_fused = _fused_or_not(theirs, b.parameters(), **kwargs)
-    assert bool(opt_a.param_groups[0].get("fused")) == is_fused
+    opt_a = optim.make_optimizer(name, a.parameters(), _cfg())    # (a generator, as train passes it)
+    opt_b = theirs(b.parameters(), **kwargs, **({"fused": True} if FUSED else {}))
+    assert bool(opt_a.param_groups[0].get("fused")) == FUSED
     _train(a, opt_a, 5)
     _train(b, opt_b, 5)
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
 
 
-def test_without_a_fused_kernel_the_optimizer_is_torchs_default():
-    class NoFused(torch.optim.SGD):           # as an older torch's SGD: no fused argument
-        def __init__(self, params, lr, fused=None):
+@pytest.mark.parametrize("name, theirs", [("sgd", torch.optim.SGD), ("adamw", torch.optim.AdamW)])
+def test_a_loaded_state_keeps_the_update_of_the_rank_that_loads_it(name, theirs):
+    """A state saved by a per-tensor update (an older run, a rank without the fused kernel)
+    loads into a fused one and on; and a fused state into a rank without the kernel."""
+    kwargs = dict(lr=0.05, weight_decay=1e-3, **({"momentum": 0.9} if name == "sgd" else {}))
+    a, b = _model(), _model()
+    plain = theirs(a.parameters(), **kwargs)
+    _train(a, plain, 3)
+    b.load_state_dict(a.state_dict())
+    ours = optim.make_optimizer(name, b.parameters(), _cfg())
+    ours.load_state_dict(plain.state_dict())
+    assert bool(ours.param_groups[0].get("fused")) == FUSED
+    _train(b, ours, 2)                                        # (a fused Adam needs its step counts placed for it)
+    c = _model()
+    c.load_state_dict(b.state_dict())
+    without = optim.fused(_without_fused(theirs), c.parameters(), **kwargs)
+    without.load_state_dict(ours.state_dict())
+    assert not without.param_groups[0].get("fused")
+    _train(c, without, 2)
+
+
+def _without_fused(cls):
+    class NoFused(cls):                  # as an older torch's class: no fused argument
+        def __init__(self, params, fused=None, **kwargs):
             if fused is not None:
-                raise TypeError("SGD.__init__() got an unexpected keyword argument 'fused'")
-            super().__init__(params, lr=lr)
-    model = _model()
-    opt = optim.fused(NoFused, model.parameters(), lr=0.1)    # the generator survives the first try
-    assert isinstance(opt, NoFused) and not opt.param_groups[0].get("fused")
+                raise TypeError(f"{cls.__name__}.__init__() got an unexpected keyword argument 'fused'")
+            super().__init__(params, **kwargs)
+    return NoFused
+
+
+def test_without_a_fused_kernel_the_optimizer_is_torchs_default():
+    model, no_fused = _model(), _without_fused(torch.optim.SGD)
+    opt = optim.fused(no_fused, model.parameters(), lr=0.1)    # the generator survives the first try
+    assert isinstance(opt, no_fused) and not opt.param_groups[0].get("fused")
     assert len(opt.param_groups[0]["params"]) == len(list(model.parameters()))
 
 

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from ..training.named_optimizers import SGD, make_optimizer
+from ..training.named_optimizers import SGD, fused, make_optimizer
 from .groups import group_size, in_rounds
 from .protocol import bind_gradients
 
@@ -43,7 +43,7 @@ def warm_up_optimizer() -> None:
     on a throwaway parameter."""
     dummy = torch.zeros(1, requires_grad=True)
     dummy.grad = torch.zeros(1)
-    SGD([dummy], lr=0.1, momentum=0.9).step()
+    fused(SGD, [dummy], lr=0.1, momentum=0.9).step()      # (the update the server runs)
 
 
 class UpdateRule:

@@ -74,14 +74,41 @@ def make_optimizer(name: str, params, cfg) -> torch.optim.Optimizer:
 
 
 def fused(cls: type, params, **options) -> torch.optim.Optimizer:
-    """cls(params, fused=True, **options): torch's one-kernel update, where this torch has
-    it for these parameters' device (CUDA; the CPU from torch 2.4); else cls as torch
-    defaults it (per tensor on a CPU, foreach on a GPU). On one CPU rank the update took a
-    third of the time: LeNet-5's SGD step 33.5 us against 100, ResNet-20's 236 against
-    620, AdamW's 420 against 1,643. A checkpoint's optimizer state carries the choice (a
-    run resumed goes on as it began)."""
-    params = list(params)
-    try:
-        return cls(params, fused=True, **options)
-    except (TypeError, RuntimeError):     # (no fused kernel in this torch, or for this device or dtype)
-        return cls(params, **options)
+    """cls(params, fused=True, **options): torch's one-kernel update, where this torch (2.4
+    and later: CUDA and the CPU) has it for the class; else cls as torch defaults it (per
+    tensor on a CPU, foreach on a GPU). On one CPU rank the update took a third of the
+    time (scripts/optimizer-update.py): LeNet-5's SGD step 33.5 us against 100, ResNet-20's
+    236 against 620, its AdamW's 420 against 1,643. Which update runs is this rank's, not a
+    loaded state's (_OwnUpdate): a rank without the fused kernel can load a fused rank's
+    state (a resume on other hardware, a rank catching up)."""
+    params, optimizer = list(params), None
+    if _torch_version() >= FUSED_FROM:
+        try:
+            optimizer = cls(params, fused=True, **options)
+        except (TypeError, RuntimeError):     # (no fused kernel for this class in this torch)
+            optimizer = None
+    optimizer = optimizer or cls(params, **options)
+    if hasattr(optimizer, "register_load_state_dict_pre_hook"):
+        optimizer.register_load_state_dict_pre_hook(_OwnUpdate())
+    return optimizer
+
+
+FUSED_FROM = (2, 4)       # the first torch with fused SGD, Adam and AdamW on the CPU as on CUDA
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+class _OwnUpdate:
+    """A load_state_dict pre-hook: the loaded groups keep this optimizer's implementation
+    (fused, foreach), so that the state is placed for it (a fused update keeps its step
+    counts on the device) and its steps run the kernels this rank has."""
+
+    KEYS = ("fused", "foreach")
+
+    def __call__(self, optimizer, state_dict):
+        own = [{key: group[key] for key in self.KEYS if key in group} for group in optimizer.param_groups]
+        groups = [{**saved, **own[i]} if i < len(own) else saved for i, saved in enumerate(state_dict["param_groups"])]
+        return {**state_dict, "param_groups": groups}
