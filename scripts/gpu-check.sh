@@ -7,7 +7,8 @@
 #
 #   facts     the GPU, torch, CUDA, MPI
 #   overhead  one GPU rank against a plain loop, the data on the device (5 repeats), and where
-#             its step's host time goes, part by part (scripts/step-profile.py)
+#             its step's host time goes, part by part (scripts/step-profile.py), and the
+#             optimizer's update per tensor, foreach and fused (scripts/optimizer-update.py)
 #   mixed     a GPU rank beside CPU ranks against the GPU alone (scripts/gpu-mixed.py)
 #   tests     the CUDA tests at 1 rank, then at 1 and 2 MPI ranks
 #   recipe    ResNet-20's samples/s at each step of the recipe (scripts/gpu-recipe.py)
@@ -122,6 +123,7 @@ check_overhead() {    # the data on the device, 5 repeats (the issue's median); 
     overhead on 5 120 150
     step step-profile-lenet5 90 "$py" scripts/step-profile.py --device cuda --model lenet5 --local-batch 512 \
         --steps 100 --data-on-device on --torch-profiler
+    step optimizer-update 60 "$py" scripts/optimizer-update.py --device cuda --models lenet5,resnet20
 }
 
 check_mixed() {    # 1 GPU + 7 CPU ranks (LeNet-5, ResNet-20), 1 GPU + 1 CPU rank, and the GPU slowed until mixing pays

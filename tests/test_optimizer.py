@@ -210,3 +210,13 @@ def test_a_training_run_never_imports_torch_dynamo(tmp_path, strategy):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("dynamo False frozen True collecting True") == (2 if strategy == "asgd" else 1), \
         proc.stdout
+
+
+def test_the_update_script_times_each_implementation_torch_has():
+    """scripts/optimizer-update.py (docs/performance.md's figures of the update alone)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "optimizer-update.py"), "--models", "mlp",
+                           "--updates", "3"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("mlp")]
+    assert len(rows) == 2 and all("per tensor" in row and "foreach" in row for row in rows), proc.stdout
+    assert all(("fused: " not in row) == FUSED for row in rows), proc.stdout     # timed where torch has it
