@@ -181,6 +181,23 @@ def test_ranks_with_another_model_are_told_which(comm):
         dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, balancer)
 
 
+
+@pytest.mark.mpi
+def test_a_fused_optimizer_over_channels_last_weights_is_refused(comm):
+    """torch's fused update pairs weights and gradients by memory position; the exchange's
+    gradients are in the default order: a channels-last weight (3 input channels: with one,
+    both orders are the same memory) would be updated wrongly."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 3))
+    model = model.to(memory_format=torch.channels_last)
+    balancer = dbs_mpi.Balancer(comm, 24, "ssgd", timeout=TIMEOUT)
+    try:
+        fused = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    except (TypeError, RuntimeError) as error:      # (a torch without a fused SGD on the CPU)
+        pytest.skip(f"this torch builds no fused SGD here: {error}")
+    with pytest.raises(ValueError, match="fused optimizer .* channels-last .* build it with fused=False"):
+        dbs_mpi.DistributedOptimizer(fused, model, balancer)
+    dbs_mpi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, foreach=True), model, balancer).close()
+
 def rank_0_alone(comm):
     """A loop's parts where rank 0 alone takes part (the others left the gradient's sum)."""
     data = Pairs(96, seed=7)

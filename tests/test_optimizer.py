@@ -150,6 +150,28 @@ def _without_fused(cls):
     return NoFused
 
 
+
+def test_a_weight_in_channels_last_order_takes_the_per_tensor_update():
+    """torch's fused update pairs a weight's and its gradient's elements by memory position:
+    a channels-last weight beside a gradient in the default order (as the exchange's flat
+    buffer holds it) was updated wrongly. make_optimizer does not fuse such a model."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 6, 5).to(memory_format=torch.channels_last)
+    ref = torch.nn.Conv2d(3, 6, 5)
+    ref.load_state_dict(conv.state_dict())
+    grads = [torch.randn(p.shape) for p in conv.parameters()]            # the default order
+    opt = optim.make_optimizer("sgd", conv.parameters(), _cfg())
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3, foreach=False)
+    assert not opt.param_groups[0].get("fused")
+    for _ in range(2):
+        for model in (conv, ref):
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g.clone()
+        opt.step()
+        opt_ref.step()
+    for p, q in zip(conv.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
 def test_without_a_fused_kernel_the_optimizer_is_torchs_default():
     model, no_fused = _model(), _without_fused(torch.optim.SGD)
     opt = optim.fused(no_fused, model.parameters(), lr=0.1)    # the generator survives the first try

@@ -78,11 +78,12 @@ def fused(cls: type, params, **options) -> torch.optim.Optimizer:
     and later: CUDA and the CPU) has it for the class; else cls as torch defaults it (per
     tensor on a CPU, foreach on a GPU). On one CPU rank the update took a third of the
     time (scripts/optimizer-update.py): LeNet-5's SGD step 33.5 us against 100, ResNet-20's
-    236 against 620, its AdamW's 420 against 1,643. Which update runs is this rank's, not a
+    236 against 620, its AdamW's 420 against 1,643. Not where a parameter is in another
+    memory order (channels-last: _contiguous). Which update runs is this rank's, not a
     loaded state's (_OwnUpdate): a rank without the fused kernel can load a fused rank's
     state (a resume on other hardware, a rank catching up)."""
     params, optimizer = list(params), None
-    if _torch_version() >= FUSED_FROM:
+    if _torch_version() >= FUSED_FROM and all(_contiguous(p) for p in params):
         try:
             optimizer = cls(params, fused=True, **options)
         except (TypeError, RuntimeError):     # (no fused kernel for this class in this torch)
@@ -94,6 +95,17 @@ def fused(cls: type, params, **options) -> torch.optim.Optimizer:
 
 
 FUSED_FROM = (2, 4)       # the first torch with fused SGD, Adam and AdamW on the CPU as on CUDA
+
+
+def _contiguous(param) -> bool:
+    """A parameter (or every one of a group's) in the default memory order. torch's fused
+    update pairs a parameter's elements with its gradient's by memory position: a
+    channels-last weight beside a gradient in the default order (a view of the exchange's
+    flat buffer) was updated wrongly (SGD, torch 2.13 on the CPU: errors of 1.7 after two
+    steps, where the per-tensor and foreach updates were exact)."""
+    if isinstance(param, dict):
+        return all(_contiguous(p) for p in param["params"])
+    return param.is_contiguous()
 
 
 def _torch_version() -> tuple[int, int]:

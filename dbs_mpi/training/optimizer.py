@@ -311,12 +311,14 @@ class _WrappedOptimizer(torch.optim.Optimizer):
 
 
 def _trainable(model, optimizer) -> list:
-    """The model's trainable parameters; the optimizer may hold no other."""
+    """The model's trainable parameters; the optimizer may hold no other (and a fused one
+    none in another memory order: _check_fused_order)."""
     params = [p for p in model.parameters() if p.requires_grad]
     mine = {id(p) for p in params}
     if any(id(p) not in mine for group in optimizer.param_groups for p in group["params"]):
         raise ValueError("DistributedOptimizer: the optimizer holds a parameter that is not one of the model's "
                          "trainable parameters")
+    _check_fused_order(optimizer)
     return params
 
 
@@ -442,6 +444,20 @@ def broadcast_state(comm, model, state: dict, params, root: int, timeout: float)
                 tensors.append(state[p][key])
     drift = broadcast_tensors(tensors, comm, root, timeout)
     return float(allgather_array(comm, [drift], timeout).max())
+
+
+def _check_fused_order(optimizer) -> None:
+    """Refuse a fused torch optimizer over weights in another memory order than the
+    default (channels-last): its kernel pairs a weight's elements with its gradient's by
+    memory position, and the exchange's gradients are views of one flat buffer in the
+    default order, so it would update them wrongly (SGD on the CPU, torch 2.13: errors of
+    1.7 after two steps)."""
+    for group in optimizer.param_groups:
+        if group.get("fused") and not all(p.is_contiguous() for p in group["params"]):
+            raise ValueError("DistributedOptimizer: a fused optimizer (fused=True) would update weights in "
+                             "channels-last (or another non-default) memory order wrongly: its kernel pairs them "
+                             "with their gradients by memory position, and the gradients are in the default order; "
+                             "build it with fused=False (foreach=True is exact) or keep the model's default order")
 
 
 class DistributedOptimizer(_WrappedOptimizer):
