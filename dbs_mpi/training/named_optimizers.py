@@ -77,8 +77,8 @@ def fused(cls: type, params, **options) -> torch.optim.Optimizer:
     """cls(params, fused=True, **options): torch's one-kernel update, where this torch (2.4
     and later: CUDA and the CPU) has it for the class; else cls as torch defaults it (per
     tensor on a CPU, foreach on a GPU). On one CPU rank the update took a third of the
-    time (scripts/optimizer-update.py): LeNet-5's SGD step 33.5 us against 100, ResNet-20's
-    236 against 620, its AdamW's 420 against 1,643. Not where a parameter is in another
+    time (scripts/optimizer-update.py): LeNet-5's SGD step 33.7 us against 94.5, ResNet-20's
+    220 against 591, its AdamW's 427 against 1,604. Not where a parameter is in another
     memory order (channels-last: _contiguous). Which update runs is this rank's, not a
     loaded state's (_OwnUpdate): a rank without the fused kernel can load a fused rank's
     state (a resume on other hardware, a rank catching up)."""
