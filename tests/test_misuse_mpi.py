@@ -187,6 +187,7 @@ def test_a_fused_optimizer_over_channels_last_weights_is_refused(comm):
     """torch's fused update pairs weights and gradients by memory position; the exchange's
     gradients are in the default order: a channels-last weight (3 input channels: with one,
     both orders are the same memory) would be updated wrongly."""
+    torch.manual_seed(0)                           # (the same weights on every rank)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 3))
     model = model.to(memory_format=torch.channels_last)
     balancer = dbs_mpi.Balancer(comm, 24, "ssgd", timeout=TIMEOUT)
