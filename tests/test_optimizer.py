@@ -95,7 +95,7 @@ def test_step_keeps_grad_mode_hooks_and_closure():
 
 
 
-FUSED = optim._torch_version() >= optim.FUSED_FROM     # (this torch has fused SGD, Adam, AdamW on CPU and CUDA)
+FUSED = optim.HAS_FUSED     # (this torch has fused SGD, Adam, AdamW on CPU and CUDA)
 
 
 def _cfg():

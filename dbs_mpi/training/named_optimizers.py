@@ -79,11 +79,11 @@ def fused(cls: type, params, **options) -> torch.optim.Optimizer:
     tensor on a CPU, foreach on a GPU). On one CPU rank the update took a third of the
     time (scripts/optimizer-update.py): LeNet-5's SGD step 33.7 us against 94.5, ResNet-20's
     220 against 591, its AdamW's 427 against 1,604. Not where a parameter is in another
-    memory order (channels-last: _contiguous). Which update runs is this rank's, not a
+    memory order (channels-last: in_default_order). Which update runs is this rank's, not a
     loaded state's (_OwnUpdate): a rank without the fused kernel can load a fused rank's
     state (a resume on other hardware, a rank catching up)."""
     params, optimizer = list(params), None
-    if _torch_version() >= FUSED_FROM and all(_contiguous(p) for p in params):
+    if HAS_FUSED and in_default_order(params):
         try:
             optimizer = cls(params, fused=True, **options)
         except (TypeError, RuntimeError):     # (no fused kernel for this class in this torch)
@@ -95,22 +95,18 @@ def fused(cls: type, params, **options) -> torch.optim.Optimizer:
 
 
 FUSED_FROM = (2, 4)       # the first torch with fused SGD, Adam and AdamW on the CPU as on CUDA
+HAS_FUSED = torch.__version__ >= FUSED_FROM      # (torch's TorchVersion compares with a tuple)
 
 
-def _contiguous(param) -> bool:
-    """A parameter (or every one of a group's) in the default memory order. torch's fused
-    update pairs a parameter's elements with its gradient's by memory position: a
-    channels-last weight beside a gradient in the default order (a view of the exchange's
-    flat buffer) was updated wrongly (SGD, torch 2.13 on the CPU: errors of 1.7 after two
-    steps, where the per-tensor and foreach updates were exact)."""
-    if isinstance(param, dict):
-        return all(_contiguous(p) for p in param["params"])
-    return param.is_contiguous()
-
-
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+def in_default_order(params) -> bool:
+    """Every parameter (tensors, or param groups of them) in the default memory order: only
+    then may a fused update run beside this package's gradients. torch's fused kernel pairs
+    a parameter's elements with its gradient's by memory position, and the gradients are
+    views of the exchange's flat buffer, in the default order: a channels-last weight was
+    updated wrongly (SGD, torch 2.13 on the CPU: errors of 1.7 after two steps, where the
+    per-tensor and foreach updates were exact). DistributedOptimizer refuses a fused
+    optimizer where this is false (optimizer._check_fused_order)."""
+    return all(in_default_order(p["params"]) if isinstance(p, dict) else p.is_contiguous() for p in params)
 
 
 class _OwnUpdate:

@@ -66,6 +66,7 @@ from .step_clock import StepClock
 from .exchange import GradientExchange
 from .global_batch import scaled_step
 from .loss_scaling import skip_update
+from .named_optimizers import in_default_order
 from .participants import Participants
 from .prober import Prober
 
@@ -448,12 +449,9 @@ def broadcast_state(comm, model, state: dict, params, root: int, timeout: float)
 
 def _check_fused_order(optimizer) -> None:
     """Refuse a fused torch optimizer over weights in another memory order than the
-    default (channels-last): its kernel pairs a weight's elements with its gradient's by
-    memory position, and the exchange's gradients are views of one flat buffer in the
-    default order, so it would update them wrongly (SGD on the CPU, torch 2.13: errors of
-    1.7 after two steps)."""
+    default (channels-last), which it would update wrongly (named_optimizers.in_default_order)."""
     for group in optimizer.param_groups:
-        if group.get("fused") and not all(p.is_contiguous() for p in group["params"]):
+        if group.get("fused") and not in_default_order(group["params"]):
             raise ValueError("DistributedOptimizer: a fused optimizer (fused=True) would update weights in "
                              "channels-last (or another non-default) memory order wrongly: its kernel pairs them "
                              "with their gradients by memory position, and the gradients are in the default order; "
